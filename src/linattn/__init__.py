@@ -1,0 +1,26 @@
+"""linattn: attention in time and memory linear in sequence length.
+
+Tensors follow ``torch.nn.functional.scaled_dot_product_attention``: ``q (B, H, Nq, D)``,
+``k (B, H, Nk, D)``, ``v (B, H, Nk, Dv)`` -> ``(B, H, Nq, Dv)``; ``key_padding_mask`` is bool
+``(B, Nk)`` with True = a real key that may be attended.
+"""
+
+from .functional import (
+    FEATURE_MAPS,
+    LinearAttentionState,
+    causal_linear_product,
+    efficient_attention,
+    linear_attention,
+    softmax_attention,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FEATURE_MAPS",
+    "LinearAttentionState",
+    "causal_linear_product",
+    "efficient_attention",
+    "linear_attention",
+    "softmax_attention",
+]

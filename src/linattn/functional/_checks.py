@@ -1,0 +1,107 @@
+"""Argument validation shared by every mechanism of the functional tier.
+
+Dimension legend (used across ``linattn.functional``):
+    B  batch            H  heads
+    Nq query positions  Nk key positions      N  positions when Nq == Nk
+    D  query/key width  Dv value width        F  feature-map width
+
+Every check raises with a message that names the argument and the shapes involved. Nothing here
+pads, crops or broadcasts: a caller who passes the wrong shape hears about it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_qkv", "check_key_padding_mask", "compute_dtype", "sanitize_padded"]
+
+
+def _shape(t: Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
+    """Validate SDPA-layout inputs ``q (B,H,Nq,D)``, ``k (B,H,Nk,D)``, ``v (B,H,Nk,Dv)``.
+
+    Raises:
+        TypeError: an input is not a tensor, is not floating point, or the dtypes differ.
+        ValueError: wrong rank, mismatched B, H, D or Nk, different devices, or ``causal`` with
+            Nq != Nk.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{fn}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{fn}: {name} must have 4 dimensions (B, H, N, D) like scaled_dot_product_attention, "
+                f"got shape {_shape(t)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"{fn}: q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"{fn}: q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}"
+        )
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            f"{fn}: batch size B differs: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        )
+    if not (q.shape[1] == k.shape[1] == v.shape[1]):
+        raise ValueError(
+            f"{fn}: number of heads H differs: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"{fn}: q and k must have the same last dimension D, got q {_shape(q)} and k {_shape(k)}"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"{fn}: k and v must have the same number of keys Nk (dim 2), got k {_shape(k)} and v {_shape(v)}"
+        )
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"{fn}: causal=True needs as many queries as keys (query i sees keys j <= i), got "
+            f"q {_shape(q)} and k {_shape(k)}"
+        )
+
+
+def check_key_padding_mask(fn: str, mask: Tensor | None, k: Tensor) -> None:
+    """Validate ``key_padding_mask``: bool ``(B, Nk)``, True = a real key, False = padding."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{fn}: key_padding_mask must be a bool tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{fn}: key_padding_mask must have dtype torch.bool (True = real key, False = padding), "
+            f"got {mask.dtype}"
+        )
+    expected = (k.shape[0], k.shape[2])
+    if tuple(mask.shape) != expected:
+        raise ValueError(
+            f"{fn}: key_padding_mask must have shape (B, Nk) = {expected} for k {_shape(k)}, "
+            f"got {_shape(mask)}"
+        )
+    if mask.device != k.device:
+        raise ValueError(f"{fn}: key_padding_mask is on {mask.device} but k is on {k.device}")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and normalisers are accumulated in: float32 for half inputs, else the input's."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def sanitize_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """Replace padded key rows of ``x (B,H,Nk,*)`` by zeros.
+
+    ``torch.where`` (not multiplication) so that NaN or inf in padding cannot survive as 0*NaN, and
+    the gradient reaching the padded rows is exactly zero.
+    """
+    if key_padding_mask is None:
+        return x
+    return torch.where(key_padding_mask[:, None, :, None], x, x.new_zeros(()))

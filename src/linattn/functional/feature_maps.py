@@ -1,0 +1,84 @@
+"""Feature maps phi for kernel ("linear") attention: sim(q, k) = phi(q) . phi(k).
+
+Each map takes ``x (..., D)`` and returns ``phi(x) (..., F)`` with non-negative entries, which is what
+makes the normaliser phi(q) . sum_j phi(k_j) a sum of non-negative terms (see ``linear.py``).
+
+- ``"elu"``: elu(x) + 1, Katharopoulos et al. 2020 (arXiv 2006.16236), F = D.
+- ``"relu"``: max(x, 0), F = D. A query and key with disjoint supports have similarity 0.
+- ``"cos"``: [1, x / ||x||], F = D + 1, so sim(q, k) = 1 + cos(q, k) in [0, 2].
+- ``"softmax"``: softmax over the feature dimension, F = D.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["FEATURE_MAPS", "FeatureMap", "resolve_feature_map"]
+
+FeatureMap = Callable[[Tensor], Tensor]
+
+
+class _EluPlusOne(torch.autograd.Function):
+    # y = elu(x) + 1 is x + 1 for x > 0 and exp(x) <= 1 otherwise, so dy/dx = min(y, 1): the
+    # backward needs only y, and forward and backward each make one tensor instead of two.
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        y = F.elu(x).add_(1.0)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        return y.clamp(max=1.0).mul_(g)
+
+
+def elu_feature_map(x: Tensor) -> Tensor:
+    """elu(x) + 1 > 0 (Katharopoulos et al., arXiv 2006.16236, eq. 7)."""
+    return _EluPlusOne.apply(x)
+
+
+def relu_feature_map(x: Tensor) -> Tensor:
+    """max(x, 0)."""
+    return F.relu(x)
+
+
+def cos_feature_map(x: Tensor) -> Tensor:
+    """[1, x/||x||]: phi(q).phi(k) = 1 + cos(q, k). A zero vector maps to [1, 0, ..., 0]."""
+    unit = F.normalize(x, dim=-1)  # x / max(||x||, eps): no 0/0 for x = 0
+    return torch.cat([torch.ones_like(x[..., :1]), unit], dim=-1)
+
+
+def softmax_feature_map(x: Tensor) -> Tensor:
+    """softmax over the feature dimension."""
+    return torch.softmax(x, dim=-1)
+
+
+FEATURE_MAPS: dict[str, FeatureMap] = {
+    "elu": elu_feature_map,
+    "relu": relu_feature_map,
+    "cos": cos_feature_map,
+    "softmax": softmax_feature_map,
+}
+
+
+def resolve_feature_map(fn: str, feature_map: Union[str, FeatureMap]) -> FeatureMap:
+    """Turn a feature-map name or callable into a callable, or raise listing the known names."""
+    if isinstance(feature_map, str):
+        try:
+            return FEATURE_MAPS[feature_map]
+        except KeyError:
+            raise ValueError(
+                f"{fn}: unknown feature_map {feature_map!r}; known: {sorted(FEATURE_MAPS)} "
+                "or any callable mapping (..., D) to (..., F)"
+            ) from None
+    if callable(feature_map):
+        return feature_map
+    raise TypeError(
+        f"{fn}: feature_map must be a name {sorted(FEATURE_MAPS)} or a callable, "
+        f"got {type(feature_map).__name__}"
+    )
