@@ -84,7 +84,22 @@ def _unchunk(x: Tensor, B: int, H: int, N: int) -> Tensor:
 # (baddbmm_, tril_, chunk loops writing into existing buffers) wherever autograd allows it.
 
 
+def _chunk_states(kc: Tensor, wc: Tensor, s0: Tensor | None, BH: int) -> tuple[Tensor, Tensor]:
+    """States before each chunk, ``s_excl[c] = s0 + sum_{c' < c} kc[c']^T wc[c']``, as
+    ``(B*H*Nc, F, E)``, and the final state ``(B*H, F, E)``."""
+    Fd, E = kc.shape[-1], wc.shape[-1]
+    s_excl = torch.bmm(kc.transpose(1, 2), wc).view(BH, -1, Fd, E)  # each chunk's contribution
+    s_final = s_excl[:, -1].clone()
+    _exclusive_prefix_sum_(s_excl, s0)
+    s_final += s_excl[:, -1]
+    return s_excl.view(-1, Fd, E), s_final
+
+
 class _CausalLinearProduct(torch.autograd.Function):
+    # Memory plan (it is what keeps the causal peak below fast-transformers' C++ kernel): only the
+    # inputs are saved. The C x C scores and the per-chunk states are rebuilt in backward, one at a
+    # time, each freed before the next large buffer is made. Two extra bmm buy ~2*N*C floats.
+
     @staticmethod
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
         B, H, N, Fd = a.shape
@@ -93,23 +108,18 @@ class _CausalLinearProduct(torch.autograd.Function):
         nc = -(-N // C)
         n_pad = nc * C - N
         ac, kc, wc = (_chunked(x, n_pad, C) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
-        # State before each chunk: s_excl[c] = s0 + sum_{c' < c} kc[c']^T wc[c'].
-        s_excl = torch.bmm(kc.transpose(1, 2), wc).view(B * H, nc, Fd, E)  # chunk contributions
-        s_final = s_excl[:, -1].clone()
-        _exclusive_prefix_sum_(s_excl, s0)
-        s_final += s_excl[:, -1]
-        s_excl = s_excl.view(-1, Fd, E)  # (B*H*Nc, F, E)
+        s_excl, s_final = _chunk_states(kc, wc, s0, B * H)
         scores = torch.bmm(ac, kc.transpose(1, 2)).tril_()  # (B*H*Nc, C, C): j <= i in a chunk
         o = torch.bmm(ac, s_excl).baddbmm_(scores, wc)  # inter-chunk + intra-chunk, (.., C, E)
-        ctx.save_for_backward(ac, kc, wc, s_excl, scores)
-        ctx.meta = (B, H, N, s0 is not None)
+        ctx.save_for_backward(ac, kc, wc, s0)
+        ctx.meta = (B, H, N)
         return _unchunk(o, B, H, N), s_final.view(B, H, Fd, E)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
-        ac, kc, wc, s_excl, scores = ctx.saved_tensors
-        B, H, N, has_s0 = ctx.meta
+        ac, kc, wc, s0 = ctx.saved_tensors
+        B, H, N = ctx.meta
         C, Fd = ac.shape[1], ac.shape[2]
         E = wc.shape[-1]
         nc = ac.shape[0] // (B * H)
@@ -117,26 +127,31 @@ class _CausalLinearProduct(torch.autograd.Function):
         if do is None:
             do = ac.new_zeros(B, H, N, E)
         doc = _chunked(do, nc * C - N, C)  # (B*H*Nc, C, E)
-        # g[c] = d loss / d (kc[c]^T wc[c]): that contribution sits in the state of every later
-        # chunk and in the final state. Start from ds[c] = d loss / d s_excl[c].
-        g = torch.bmm(ac.transpose(1, 2), doc).view(B * H, nc, Fd, E)
-        ds0 = _reverse_exclusive_prefix_sum_(g, ds_final)
-        g = g.view(-1, Fd, E)
-        da = dk = dw = None
+        da = dk = dw = ds0 = None
+        if need_k or need_w or need_s0:
+            # g[c] = d loss / d (kc[c]^T wc[c]): that contribution sits in the state of every
+            # later chunk and in the final state. Start from d loss / d s_excl[c] = ac^T doc.
+            g = torch.bmm(ac.transpose(1, 2), doc).view(B * H, nc, Fd, E)
+            ds0 = _reverse_exclusive_prefix_sum_(g, ds_final).view(B, H, Fd, E)
+            g = g.view(-1, Fd, E)
         if need_a or need_k:
             dscores = torch.bmm(doc, wc.transpose(1, 2)).tril_()  # (B*H*Nc, C, C)
-        if need_a:
-            da = torch.bmm(doc, s_excl.transpose(1, 2)).baddbmm_(dscores, kc)
-            da = _unchunk(da, B, H, N)
         if need_k:
-            dk = torch.bmm(wc, g.transpose(1, 2)).baddbmm_(dscores.transpose(1, 2), ac)
-            dk = _unchunk(dk, B, H, N)
+            dk = _unchunk(torch.bmm(wc, g.transpose(1, 2)).baddbmm_(dscores.transpose(1, 2), ac), B, H, N)
         if need_w:
-            dw = torch.bmm(kc, g).baddbmm_(scores.transpose(1, 2), doc)
-            dw = _unchunk(dw, B, H, N)
-        if not (has_s0 and need_s0):
-            ds0 = None
-        return da, dk, dw, ds0 if ds0 is None else ds0.view(B, H, Fd, E), None
+            dw = torch.bmm(kc, g)
+        if need_k or need_w or need_s0:
+            del g
+        if need_w:
+            scores = torch.bmm(ac, kc.transpose(1, 2)).tril_()
+            dw = _unchunk(dw.baddbmm_(scores.transpose(1, 2), doc), B, H, N)
+            del scores
+        if need_a:
+            da = torch.bmm(dscores, kc)
+            del dscores
+            s_excl, _ = _chunk_states(kc, wc, s0, B * H)
+            da = _unchunk(da.baddbmm_(doc, s_excl.transpose(1, 2)), B, H, N)
+        return da, dk, dw, ds0 if (s0 is not None and need_s0) else None, None
 
 
 def _exclusive_prefix_sum_(x: Tensor, start: Tensor | None) -> None:

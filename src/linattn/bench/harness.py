@@ -1,0 +1,216 @@
+"""Timing and memory harness shared by `linattn demo` and `linattn bench`.
+
+Inputs follow the SDPA layout ``(B, H, N, D)`` except for peers that want another layout, which get
+their inputs created in that layout directly so that no transpose is timed.
+
+Time: median wall time of repeated calls after warm-up, gradients reset to None before each call
+(so gradient accumulation is never timed). Memory: peak resident set size above the baseline after
+the inputs exist, measured in a fresh subprocess per configuration (Linux: the kernel's high-water
+mark VmHWM, reset through /proc/self/clear_refs just before the call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+import linattn
+
+__all__ = ["Case", "Impl", "IMPLS", "available_impls", "machine_info", "peak_memory", "time_calls"]
+
+# Settings that stop glibc from returning every large freed buffer to the OS (each call would
+# otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
+TUNED_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "33554432",
+    "MALLOC_TRIM_THRESHOLD_": "17179869184",
+    "MALLOC_TOP_PAD_": "1073741824",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration."""
+
+    impl: str
+    causal: bool
+    n: int
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    backward: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """An attention implementation under test: ``fn(q, k, v, causal) -> out``."""
+
+    name: str
+    fn: Callable
+    layout: str = "bhnd"  # "bnhd" for fast-transformers
+    causal: bool = True
+    bidirectional: bool = True
+    peer: bool = False
+    note: str = ""
+    available: Callable[[], bool] = field(default=lambda: True)
+
+    def supports(self, causal: bool) -> bool:
+        return self.causal if causal else self.bidirectional
+
+
+def _fast_transformers_fn(q, k, v, causal):
+    from fast_transformers.attention import CausalLinearAttention, LinearAttention
+    from fast_transformers.masking import LengthMask, TriangularCausalMask
+
+    B, N, H, D = q.shape
+    lengths = LengthMask(torch.full((B,), N, dtype=torch.long), max_len=N)
+    if causal:
+        return CausalLinearAttention(D)(q, k, v, TriangularCausalMask(N), lengths, lengths)
+    # LinearAttention only reads `attn_mask.all_ones`; FullMask(N) would allocate an N x N bool
+    # matrix that is no part of its algorithm, so hand it the one attribute it reads.
+    return LinearAttention(D)(q, k, v, SimpleNamespace(all_ones=True), lengths, lengths)
+
+
+def _has(module: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            __import__(module)
+        except Exception:
+            return False
+        return True
+
+    return check
+
+
+IMPLS: dict[str, Impl] = {
+    "softmax": Impl("softmax", lambda q, k, v, c: linattn.softmax_attention(q, k, v, causal=c),
+                    note="linattn.softmax_attention (PyTorch SDPA)"),
+    "linear": Impl("linear", lambda q, k, v, c: linattn.linear_attention(q, k, v, causal=c),
+                   note="linattn.linear_attention, elu+1"),
+    "efficient": Impl("efficient", lambda q, k, v, c: linattn.efficient_attention(q, k, v),
+                      causal=False, note="linattn.efficient_attention"),
+    "fast_transformers": Impl("fast_transformers", _fast_transformers_fn, layout="bnhd", peer=True,
+                              note="fast-transformers 0.4.0 (Causal)LinearAttention, elu+1, C++ CPU kernel",
+                              available=_has("fast_transformers")),
+}
+
+
+def available_impls() -> list[str]:
+    return [name for name, impl in IMPLS.items() if impl.available()]
+
+
+def make_inputs(case: Case, *, seed: int = 0, requires_grad: bool | None = None):
+    impl = IMPLS[case.impl]
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    shape = (case.batch, case.heads, case.n, case.head_dim)
+    if impl.layout == "bnhd":
+        shape = (case.batch, case.n, case.heads, case.head_dim)
+    rg = case.backward if requires_grad is None else requires_grad
+    return [torch.randn(shape, generator=g).to(dtype).requires_grad_(rg) for _ in range(3)]
+
+
+def call(case: Case, inputs) -> None:
+    """One forward (and backward when ``case.backward``) of the case's implementation."""
+    impl = IMPLS[case.impl]
+    for t in inputs:
+        t.grad = None
+    if case.backward:
+        out = impl.fn(*inputs, case.causal)
+        out.backward(torch.ones_like(out))
+    else:
+        with torch.no_grad():
+            impl.fn(*inputs, case.causal)
+
+
+def time_calls(fns: dict[str, Callable[[], None]], *, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time several contenders interleaved (A B A B ...), so machine noise hits them alike."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _vm_kib(field_name: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def _memory_child(case_json: str) -> None:
+    case = Case(**json.loads(case_json))
+    inputs = make_inputs(case)
+    call(case, make_inputs(case))  # warm-up: lazy initialisation is not the call's memory
+    for t in inputs:
+        t.grad = None
+    base = _vm_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset the high-water mark VmHWM to the current RSS
+    call(case, inputs)
+    peak = _vm_kib("VmHWM")
+    print(json.dumps({"peak_bytes": (peak - base) * 1024}))
+
+
+def peak_memory(case: Case, *, env: dict[str, str] | None = None, timeout: float = 600) -> int:
+    """Peak RSS above the baseline for one call of ``case``, in bytes, from a fresh subprocess."""
+    cmd = [sys.executable, "-m", "linattn.bench.harness", "memory", json.dumps(case.to_dict())]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement of {case} failed:\n{proc.stderr[-2000:]}")
+    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "linattn": linattn.__version__,
+        "malloc_env": {k: os.environ[k] for k in TUNED_MALLOC_ENV if k in os.environ},
+    }
+    try:
+        import fast_transformers  # noqa: F401
+        from importlib.metadata import version
+
+        info["fast_transformers"] = version("pytorch-fast-transformers")
+    except Exception:
+        pass
+    return info
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "memory":
+        torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+        _memory_child(sys.argv[2])
+    else:
+        raise SystemExit("usage: python -m linattn.bench.harness memory CASE_JSON")

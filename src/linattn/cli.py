@@ -1,0 +1,47 @@
+"""Command line: `linattn demo` and `linattn bench core`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parse_ns(text: str) -> tuple[int, ...]:
+    try:
+        ns = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ns must be comma-separated integers, got {text!r}") from None
+    if any(n < 1 for n in ns):
+        raise argparse.ArgumentTypeError(f"--ns must be positive, got {text!r}")
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="linattn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="time every mechanism against softmax and check each fast form")
+    demo.add_argument("--ns", type=_parse_ns, default=None, help="sequence lengths, e.g. 256,1024")
+    demo.add_argument("--out", default="report", help="output folder for demo.json (default: report)")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="suite", required=True)
+    core = bench_sub.add_parser("core", help="the core speed/memory claims against fast-transformers")
+    core.add_argument("--out", default="docs/benchmarks", help="folder for core.json and core.md")
+    core.add_argument("--n", type=int, default=16384, help="sequence length (default 16384)")
+    core.add_argument("--repeats", type=int, default=7)
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .bench.demo import DEFAULT_NS, run_demo
+
+        run_demo(args.ns or DEFAULT_NS, out_dir=args.out)
+    elif args.command == "bench" and args.suite == "core":
+        from .bench.core import run_core
+
+        run_core(out_dir=args.out, n=args.n, repeats=args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def make_qkv(B, H, nq, nk, D, Dv, *, dtype=torch.float64, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, nq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, H, nk, D, generator=g, dtype=dtype)
+    v = torch.randn(B, H, nk, Dv, generator=g, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def make_mask(B, nk, *, seed=0, all_padded_row=True):
+    """Random bool (B, Nk) mask, True = real key; with B > 1 the last batch row is all padding."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    mask = torch.rand(B, nk, generator=g) > 0.3
+    if all_padded_row and B > 1:
+        mask[-1] = False
+    return mask
+
+
+def grads(out, inputs, seed=0):
+    """Gradients of <out, R> for a fixed random cotangent R (stronger than out.sum())."""
+    g = torch.Generator().manual_seed(seed + 7)
+    cot = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, cot, allow_unused=False)
+
+
+def assert_close(a, b, *, atol=1e-10, rtol=1e-9, msg=""):
+    assert a.shape == b.shape, f"{msg}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{msg}: {m}")
+
+
+@pytest.fixture
+def qkv_factory():
+    return make_qkv

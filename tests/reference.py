@@ -1,0 +1,103 @@
+"""Independent O(N^2) references written from the formulas, for the tests only.
+
+They share no code with linattn: the feature maps, masks and normalisation are spelled out again
+here so that a bug in the library cannot hide in both the fast form and what it is compared with.
+Run them in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def phi(name: str, x: Tensor) -> Tensor:
+    if name == "elu":
+        return torch.where(x > 0, x + 1.0, torch.exp(torch.clamp(x, max=0.0)))
+    if name == "relu":
+        return torch.clamp(x, min=0.0)
+    if name == "cos":
+        norm = torch.sqrt((x * x).sum(-1, keepdim=True)).clamp_min(1e-12)
+        return torch.cat([torch.ones_like(x[..., :1]), x / norm], dim=-1)
+    if name == "softmax":
+        e = torch.exp(x - x.max(-1, keepdim=True).values)
+        return e / e.sum(-1, keepdim=True)
+    raise KeyError(name)
+
+
+def allowed_matrix(nq: int, nk: int, B: int, causal: bool, mask: Tensor | None) -> Tensor:
+    """(B, 1, Nq, Nk) bool: may query i attend key j."""
+    allowed = torch.ones(B, 1, nq, nk, dtype=torch.bool)
+    if causal:
+        i = torch.arange(nq)[:, None]
+        j = torch.arange(nk)[None, :]
+        allowed = allowed & (j <= i)
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    return allowed
+
+
+def _zero_padded(x: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is None:
+        return x
+    return torch.where(mask[:, None, :, None], x, torch.zeros_like(x))
+
+
+def weighted_average(sim: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+    """out_i = sum_j sim_ij v_j / sum_j sim_ij over allowed j; 0 where the sum of weights is 0."""
+    sim = torch.where(allowed, sim, torch.zeros_like(sim))
+    num = sim @ v
+    den = sim.sum(-1, keepdim=True)
+    safe = torch.where(den != 0, den, torch.ones_like(den))
+    return torch.where(den != 0, num / safe, torch.zeros_like(num))
+
+
+def kernel_attention(q, k, v, feature_map, causal=False, mask=None, S0=None, z0=None):
+    """Returns out and the final (S, z) state."""
+    B, _, nq, _ = q.shape
+    nk = k.shape[2]
+    fq = phi(feature_map, q)
+    fk = phi(feature_map, _zero_padded(k, mask))
+    v = _zero_padded(v, mask)
+    allowed = allowed_matrix(nq, nk, B, causal, mask)
+    sim = torch.where(allowed, fq @ fk.transpose(-1, -2), torch.zeros(()))
+    num = sim @ v
+    den = sim.sum(-1, keepdim=True)
+    if mask is not None:  # the state holds real keys only
+        fk = torch.where(mask[:, None, :, None], fk, torch.zeros_like(fk))
+    S = fk.transpose(-1, -2) @ v
+    z = fk.sum(-2)
+    if S0 is not None:
+        num = num + fq @ S0
+        den = den + fq @ z0[..., None]
+        S, z = S + S0, z + z0
+    safe = torch.where(den != 0, den, torch.ones_like(den))
+    out = torch.where(den != 0, num / safe, torch.zeros_like(num))
+    return out, S, z
+
+
+def softmax_attention(q, k, v, causal=False, mask=None, scale=None):
+    B, _, nq, d = q.shape
+    nk = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k, v = _zero_padded(k, mask), _zero_padded(v, mask)
+    allowed = allowed_matrix(nq, nk, B, causal, mask)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    shift = torch.where(allowed, logits, torch.full_like(logits, -1e300)).max(-1, keepdim=True).values
+    sim = torch.exp(torch.where(allowed, logits - shift, torch.full_like(logits, -1e300)))
+    return weighted_average(sim, v, allowed)
+
+
+def efficient_attention(q, k, v, mask=None):
+    B, _, nq, _ = q.shape
+    nk = k.shape[2]
+    k, v = _zero_padded(k, mask), _zero_padded(v, mask)
+    rq = phi("softmax", q)  # softmax over the features of each query
+    real = torch.ones_like(k, dtype=torch.bool) if mask is None else mask[:, None, :, None].expand_as(k)
+    kk = torch.where(real, k, torch.full_like(k, -1e300))
+    ek = torch.where(real, torch.exp(kk - kk.max(-2, keepdim=True).values), torch.zeros_like(k))
+    col = ek.sum(-2, keepdim=True)
+    rk = ek / torch.where(col > 0, col, torch.ones_like(col))  # softmax over positions per column
+    return (rq @ rk.transpose(-1, -2)) @ v

@@ -1,0 +1,306 @@
+"""linear_attention: every form against the independent float64 reference, and forms against each other."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import linattn
+from linattn.functional import linear_attention_reference
+from linattn.functional.linear import causal_linear_product
+
+import reference as ref
+from conftest import assert_close, grads, make_mask, make_qkv
+
+MAPS = ["elu", "relu", "cos", "softmax"]
+NS = [1, 2, 63, 64, 65, 1000]
+DS = [16, 60, 64]
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N", NS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_reference(feature_map, causal, N, masked):
+    D = DS[NS.index(N) % len(DS)]
+    Dv = D // 2 + 3  # Dv != D
+    B, H = (2, 2) if N < 1000 else (2, 1)
+    q, k, v = make_qkv(B, H, N, N, D, Dv, seed=N)
+    mask = make_mask(B, N, seed=N) if masked else None
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal, key_padding_mask=mask)
+    expected, _, _ = ref.kernel_attention(q, k, v, feature_map, causal=causal, mask=mask)
+    assert out.dtype == torch.float64 and out.shape == (B, H, N, Dv)
+    assert_close(out, expected, msg="output")
+    for name, g, ge in zip("qkv", grads(out, (q, k, v)), grads(expected, (q, k, v))):
+        assert_close(g, ge, msg=f"grad {name}")
+    # the library's own reference form agrees too (it is what `linattn demo` trusts)
+    lib_ref = linear_attention_reference(q, k, v, feature_map=feature_map, causal=causal, key_padding_mask=mask)
+    assert_close(lib_ref, expected, msg="library reference")
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("nq,nk", [(1, 70), (65, 3), (100, 257)])
+def test_cross_attention_matches_reference(feature_map, nq, nk):
+    q, k, v = make_qkv(2, 3, nq, nk, 60, 17, seed=nq)
+    mask = make_mask(2, nk, seed=nk)
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, key_padding_mask=mask)
+    expected, _, _ = ref.kernel_attention(q, k, v, feature_map, mask=mask)
+    assert_close(out, expected)
+    for g, ge in zip(grads(out, (q, k, v)), grads(expected, (q, k, v))):
+        assert_close(g, ge)
+
+
+def test_callable_feature_map():
+    q, k, v = make_qkv(1, 2, 33, 33, 8, 5)
+
+    def phi(x):  # F = 2D, non-negative
+        return torch.cat([torch.relu(x), torch.relu(-x)], dim=-1) + 0.1
+
+    for causal in (False, True):
+        out = linattn.linear_attention(q, k, v, feature_map=phi, causal=causal)
+        sim = phi(q) @ phi(k).transpose(-1, -2)
+        if causal:
+            sim = sim.tril()
+        expected = (sim @ v) / sim.sum(-1, keepdim=True)
+        assert_close(out, expected)
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("N", [1, 63, 64, 65, 200])
+def test_causal_state_matches_reference(feature_map, N):
+    q, k, v = make_qkv(2, 2, N, N, 16, 9, seed=3)
+    mask = make_mask(2, N, seed=N, all_padded_row=False)
+    out, state = linattn.linear_attention(
+        q, k, v, feature_map=feature_map, causal=True, key_padding_mask=mask, return_state=True
+    )
+    assert isinstance(state, linattn.LinearAttentionState)
+    expected, S, z = ref.kernel_attention(q, k, v, feature_map, causal=True, mask=mask)
+    assert_close(out, expected)
+    assert_close(state.S, S, msg="S")
+    assert_close(state.z, z, msg="z")
+
+
+def _cat_grads(*pieces):
+    return [torch.cat(p, dim=2) for p in zip(*pieces)]
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("N,split", [(65, 1), (65, 64), (130, 63), (1000, 513), (64, 0), (64, 64)])
+def test_split_and_resume_equals_whole(feature_map, N, split):
+    q, k, v = make_qkv(2, 3, N, N, 60, 7, seed=split)
+    mask = make_mask(2, N, seed=split, all_padded_row=False)
+    whole, whole_state = linattn.linear_attention(
+        q, k, v, feature_map=feature_map, causal=True, key_padding_mask=mask, return_state=True
+    )
+    a, s1 = linattn.linear_attention(
+        q[:, :, :split], k[:, :, :split], v[:, :, :split], feature_map=feature_map, causal=True,
+        key_padding_mask=mask[:, :split], return_state=True,
+    )
+    b, s2 = linattn.linear_attention(
+        q[:, :, split:], k[:, :, split:], v[:, :, split:], feature_map=feature_map, causal=True,
+        key_padding_mask=mask[:, split:], initial_state=s1, return_state=True,
+    )
+    resumed = torch.cat([a, b], dim=2)
+    assert_close(resumed, whole)
+    assert_close(s2.S, whole_state.S)
+    assert_close(s2.z, whole_state.z)
+    # gradients flow through the carried state into the first segment
+    loss_w = (whole * torch.cos(whole)).sum() + whole_state.S.sum() + whole_state.z.square().sum()
+    loss_r = (resumed * torch.cos(resumed)).sum() + s2.S.sum() + s2.z.square().sum()
+    for gw, gr in zip(torch.autograd.grad(loss_w, (q, k, v)), torch.autograd.grad(loss_r, (q, k, v))):
+        assert_close(gr, gw)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "cos"])
+def test_step_by_step_equals_parallel(feature_map):
+    N = 70
+    q, k, v = make_qkv(2, 2, N, N, 16, 12, seed=5)
+    mask = make_mask(2, N, seed=5, all_padded_row=False)
+    mask[0, :3] = False  # left padding: the first queries of batch 0 have no key at all
+    par = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True, key_padding_mask=mask)
+    state, outs = None, []
+    for i in range(N):
+        o, state = linattn.linear_attention(
+            q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], feature_map=feature_map,
+            causal=True, key_padding_mask=mask[:, i : i + 1], initial_state=state, return_state=True,
+        )
+        outs.append(o)
+    rec = torch.cat(outs, dim=2)
+    assert_close(rec, par)
+    assert torch.equal(par[0, :, :3], torch.zeros_like(par[0, :, :3]))
+    for gp, gr in zip(grads(par, (q, k, v)), grads(rec, (q, k, v))):
+        assert torch.isfinite(gp).all()
+        assert_close(gr, gp)
+
+
+def test_initial_state_is_differentiable():
+    q, k, v = make_qkv(1, 2, 40, 40, 8, 6)
+    g = torch.Generator().manual_seed(1)
+    S0 = torch.rand(1, 2, 8, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    z0 = (torch.rand(1, 2, 8, generator=g, dtype=torch.float64) + 1).requires_grad_()
+    state = linattn.LinearAttentionState(S0, z0)
+    out, st = linattn.linear_attention(q, k, v, causal=True, initial_state=state, return_state=True)
+    expected, S, z = ref.kernel_attention(q, k, v, "elu", causal=True, S0=S0, z0=z0)
+    assert_close(out, expected)
+    loss = (out.sin().sum() + st.S.square().sum() + st.z.sum(), expected.sin().sum() + S.square().sum() + z.sum())
+    for a, b in zip(torch.autograd.grad(loss[0], (q, S0, z0)), torch.autograd.grad(loss[1], (q, S0, z0))):
+        assert_close(a, b)
+    assert torch.autograd.gradcheck(
+        lambda s, zz: linattn.linear_attention(
+            q.detach()[:, :, :5], k.detach()[:, :, :5], v.detach()[:, :, :5], causal=True,
+            initial_state=linattn.LinearAttentionState(s, zz),
+        ),
+        (S0, z0),
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 150),
+    split=st.integers(0, 150),
+    chunk=st.integers(1, 70),
+    d=st.integers(1, 9),
+    dv=st.integers(1, 9),
+)
+def test_causal_product_any_chunk_any_split(n, split, chunk, d, dv):
+    """The chunked product equals the explicit sum for any chunk length and split point."""
+    split = min(split, n)
+    g = torch.Generator().manual_seed(n * 1000 + chunk)
+    a = torch.rand(1, 2, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    kf = torch.rand(1, 2, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1, 2, n, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    o1, s1 = causal_linear_product(a[:, :, :split], kf[:, :, :split], w[:, :, :split], chunk_size=chunk)
+    o2, s2 = causal_linear_product(a[:, :, split:], kf[:, :, split:], w[:, :, split:], s1, chunk_size=chunk)
+    o = torch.cat([o1, o2], dim=2)
+    expected = ((a @ kf.transpose(-1, -2)).tril()) @ w
+    assert_close(o, expected)
+    assert_close(s2, kf.transpose(-1, -2) @ w)
+    loss, loss_e = (o.cos().sum() + s2.sum()), (expected.cos().sum() + (kf.transpose(-1, -2) @ w).sum())
+    for x, y in zip(torch.autograd.grad(loss, (a, kf, w)), torch.autograd.grad(loss_e, (a, kf, w))):
+        assert_close(x, y)
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("s", [0, 1, 31, 64, 65, 99])
+def test_causality(feature_map, s):
+    N = 100
+    q, k, v = make_qkv(1, 2, N, N, 16, 8, requires_grad=False)
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    g = torch.Generator().manual_seed(s)
+    q2[:, :, s:] = torch.randn(q2[:, :, s:].shape, generator=g, dtype=q.dtype) * 100
+    k2[:, :, s:] *= 1e3
+    v2[:, :, s:] = -v2[:, :, s:] * 1e6
+    out2 = linattn.linear_attention(q2, k2, v2, feature_map=feature_map, causal=True)
+    assert torch.equal(out[:, :, :s], out2[:, :, :s])
+    if s < N:
+        assert not torch.allclose(out[:, :, s:], out2[:, :, s:])
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("content", ["random", "huge", "nan"])
+def test_padding_content_never_leaks(feature_map, causal, content):
+    B, H, N, extra, D, Dv = 2, 2, 67, 13, 16, 10
+    q, k, v = make_qkv(B, H, N, N, D, Dv, seed=11)
+    mask = make_mask(B, N, seed=11, all_padded_row=False)
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=causal, key_padding_mask=mask)
+    g_ref = grads(out, (q, k, v))
+
+    fill = {"random": lambda t: torch.randn_like(t), "huge": lambda t: torch.full_like(t, 1e30),
+            "nan": lambda t: torch.full_like(t, float("nan"))}[content]
+    q2, k2, v2 = (t.detach() for t in (q, k, v))
+    # appended padded keys; in causal mode the appended positions are also (finite) queries
+    q2 = torch.cat([q2, torch.randn(B, H, extra, D, dtype=q.dtype)], 2).requires_grad_()
+    k2 = torch.cat([k2, fill(torch.empty(B, H, extra, D, dtype=q.dtype))], 2).requires_grad_()
+    v2 = torch.cat([v2, fill(torch.empty(B, H, extra, Dv, dtype=q.dtype))], 2).requires_grad_()
+    mask2 = torch.cat([mask, torch.zeros(B, extra, dtype=torch.bool)], 1)
+    if not causal:
+        q2 = q.detach().clone().requires_grad_()
+    out2 = linattn.linear_attention(q2, k2, v2, feature_map=feature_map, causal=causal, key_padding_mask=mask2)
+    assert_close(out2[:, :, :N], out)
+    g2 = grads(out2[:, :, :N], (q2, k2, v2))
+    for name, a, b in zip("qkv", g2, g_ref):
+        assert torch.isfinite(a).all(), name
+        assert_close(a[:, :, :N], b, msg=name)
+    assert torch.equal(g2[1][:, :, N:], torch.zeros_like(g2[1][:, :, N:]))
+    assert torch.equal(g2[2][:, :, N:], torch.zeros_like(g2[2][:, :, N:]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_all_padding_gives_zeros_and_finite_grads(causal):
+    q, k, v = make_qkv(2, 2, 20, 20, 8, 8)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1] = False
+    k2 = k.detach().clone()
+    k2[1] = float("nan")
+    k2.requires_grad_()
+    out = linattn.linear_attention(q, k2, v, causal=causal, key_padding_mask=mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for g in grads(out, (q, k2, v)):
+        assert torch.isfinite(g).all()
+
+
+def test_relu_disjoint_supports_no_zero_over_zero():
+    q = torch.tensor([[[[1.0, -1.0]]]], dtype=torch.float64, requires_grad=True)
+    k = torch.tensor([[[[-1.0, 1.0], [-2.0, 0.5]]]], dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 2, 3, dtype=torch.float64, requires_grad=True)
+    out = linattn.linear_attention(q, k, v, feature_map="relu")
+    assert torch.equal(out, torch.zeros_like(out))
+    for g in torch.autograd.grad(out.sum(), (q, k, v)):
+        assert torch.isfinite(g).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_sequence(causal):
+    q, k, v = make_qkv(2, 3, 0, 0, 8, 5)
+    if causal:
+        out, state = linattn.linear_attention(q, k, v, causal=True, return_state=True)
+        assert state.S.shape == (2, 3, 8, 5) and torch.equal(state.S, torch.zeros_like(state.S))
+    else:
+        out = linattn.linear_attention(q, k, v)
+    assert out.shape == (2, 3, 0, 5)
+    # queries but no keys (cross-attention): zeros
+    q, k, v = make_qkv(2, 3, 4, 0, 8, 5)
+    out = linattn.linear_attention(q, k, v)
+    assert out.shape == (2, 3, 4, 5) and torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_inputs_keep_float32_state(dtype, causal):
+    q, k, v = make_qkv(1, 2, 300, 300, 32, 32, dtype=torch.float32, requires_grad=False)
+    qh, kh, vh = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    if causal:
+        out, state = linattn.linear_attention(qh, kh, vh, causal=True, return_state=True)
+        assert state.S.dtype == torch.float32 and state.z.dtype == torch.float32
+    else:
+        out = linattn.linear_attention(qh, kh, vh)
+    assert out.dtype == dtype
+    expected = linattn.linear_attention(*(t.to(dtype).double() for t in (q, k, v)), causal=causal)
+    assert (out.double() - expected).abs().max() < 2e-2
+    out.float().sum().backward()
+    assert qh.grad.dtype == dtype and torch.isfinite(qh.grad.float()).all()
+
+
+def test_long_causal_float32_close_to_float64():
+    N = 65536
+    q, k, v = make_qkv(1, 2, N, N, 64, 64, dtype=torch.float32, requires_grad=False)
+    out = linattn.linear_attention(q, k, v, causal=True)
+    ref64 = linattn.linear_attention(q.double(), k.double(), v.double(), causal=True)
+    assert torch.isfinite(out).all()
+    rel = ((out.double() - ref64).norm() / ref64.norm()).item()
+    assert rel < 1e-4, rel
+    # the float64 chunked form is itself pinned to the O(N^2) reference on a window of this input
+    s = slice(N - 1100, N)
+    window_state = linattn.linear_attention(
+        q[:, :, : s.start].double(), k[:, :, : s.start].double(), v[:, :, : s.start].double(),
+        causal=True, return_state=True,
+    )[1]
+    tail, _, _ = ref.kernel_attention(
+        q[:, :, s].double(), k[:, :, s].double(), v[:, :, s].double(), "elu", causal=True,
+        S0=window_state.S, z0=window_state.z,
+    )
+    assert_close(ref64[:, :, s], tail)
+    bf = linattn.linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
+    assert bf.dtype == torch.bfloat16 and torch.isfinite(bf).all()
