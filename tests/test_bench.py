@@ -1,0 +1,52 @@
+"""The demo and benchmark code run end to end on a tiny grid (benchmarks are not tests: this only
+checks that the harness works and writes what it promises)."""
+
+import json
+
+import torch
+
+import linattn
+from linattn.bench.demo import fast_vs_reference_errors, run_demo
+from linattn.bench.harness import Case, call, make_inputs, time_calls
+from linattn.cli import main
+
+
+def test_demo_tiny(tmp_path):
+    result = run_demo((16, 40), out_dir=tmp_path, quiet=True)
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert saved["command"] == "linattn demo"
+    assert [r["n"] for r in saved["rows"]] == [16, 40]
+    for row in saved["rows"]:
+        assert set(row["seconds"]) == {"softmax", "linear", "efficient", "softmax causal", "linear causal"}
+        assert all(t > 0 for t in row["seconds"].values())
+    errors = result["max_error_vs_reference"]["errors"]
+    assert len(errors) == 6 and all(e < 1e-4 for e in errors.values()), errors
+
+
+def test_errors_detect_a_wrong_fast_form(monkeypatch):
+    """The error column would show a broken fast form (it is not a constant)."""
+    real = linattn.linear_attention
+
+    def broken(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        return (out[0] * 1.01, out[1]) if isinstance(out, tuple) else out * 1.01
+
+    monkeypatch.setattr(linattn, "linear_attention", broken)
+    errors = fast_vs_reference_errors(n=50)
+    assert errors["linear"] > 1e-3 and errors["softmax (SDPA)"] < 1e-4
+
+
+def test_cli_demo(tmp_path, capsys):
+    assert main(["demo", "--ns", "8", "--out", str(tmp_path)]) == 0
+    assert "linear causal" in capsys.readouterr().out
+    assert (tmp_path / "demo.json").exists()
+
+
+def test_harness_times_and_resets_grads():
+    case = Case("linear", True, 33, heads=2, head_dim=8)
+    x = make_inputs(case)
+    times = time_calls({"a": lambda: call(case, x)}, repeats=2, warmup=1)
+    assert len(times["a"]) == 2
+    g1 = x[0].grad.clone()
+    call(case, x)
+    torch.testing.assert_close(x[0].grad, g1)  # reset, not accumulated
