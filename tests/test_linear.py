@@ -304,3 +304,23 @@ def test_long_causal_float32_close_to_float64():
     assert_close(ref64[:, :, s], tail)
     bf = linattn.linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True)
     assert bf.dtype == torch.bfloat16 and torch.isfinite(bf).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autocast_keeps_float32_sums(causal):
+    q, k, v = make_qkv(1, 2, 500, 500, 32, 32, dtype=torch.float32, requires_grad=False)
+    plain = linattn.linear_attention(q, k, v, causal=causal)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = linattn.linear_attention(q, k, v, causal=causal)
+    # bfloat16 accumulation over 500 keys would be off by ~1e-2
+    assert (auto.float() - plain).abs().max() < 1e-5
+
+
+def test_causal_product_argument_errors():
+    a = torch.rand(1, 2, 5, 3)
+    with pytest.raises(ValueError, match=r"a and kf must both be \(B, H, N, F\).*\(1, 2, 5, 4\)"):
+        causal_linear_product(a, torch.rand(1, 2, 5, 4), a)
+    with pytest.raises(ValueError, match=r"w must be \(B, H, N, E\).*\(1, 2, 6, 3\)"):
+        causal_linear_product(a, a, torch.rand(1, 2, 6, 3))
+    with pytest.raises(ValueError, match=r"s0 must be \(B, H, F, E\) = \(1, 2, 3, 3\)"):
+        causal_linear_product(a, a, a, torch.rand(1, 2, 3, 4))

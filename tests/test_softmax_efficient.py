@@ -131,3 +131,11 @@ def test_efficient_and_softmax_half(dtype):
         out = f(q.to(dtype), k.to(dtype), v.to(dtype))
         assert out.dtype == dtype
         assert (out.float() - f(q, k, v)).abs().max() < 3e-2
+
+
+def test_efficient_autocast_keeps_float32_sums():
+    q, k, v = make_qkv(1, 2, 500, 500, 32, 32, dtype=torch.float32, requires_grad=False)
+    plain = linattn.efficient_attention(q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = linattn.efficient_attention(q, k, v)
+    assert auto.dtype == torch.float32 and (auto - plain).abs().max() < 1e-6

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["check_qkv", "check_key_padding_mask", "compute_dtype", "sanitize_padded"]
+__all__ = ["check_qkv", "check_key_padding_mask", "compute_dtype", "no_autocast", "sanitize_padded"]
 
 
 def _shape(t: Tensor) -> str:
@@ -94,6 +94,15 @@ def check_key_padding_mask(fn: str, mask: Tensor | None, k: Tensor) -> None:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums and normalisers are accumulated in: float32 for half inputs, else the input's."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def no_autocast(t: Tensor) -> torch.autocast:
+    """A context that turns autocast off on ``t``'s device.
+
+    Under autocast the sums over the sequence (states, normalisers) would run in half precision;
+    linattn picks its compute dtype itself (:func:`compute_dtype`) and returns the input dtype.
+    """
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def sanitize_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, sanitize_padded
+from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
 
 __all__ = ["efficient_attention", "efficient_attention_reference"]
 
@@ -44,11 +44,14 @@ def _softmax_over_keys(logits: Tensor) -> Tensor:
     return e / torch.where(total > 0, total, torch.ones_like(total))
 
 
-def _prepare(fn, q, k, v, causal, key_padding_mask):
+def _validate(fn, q, k, v, causal, key_padding_mask) -> None:
     if causal:
         raise ValueError(_NO_CAUSAL)
     check_qkv(fn, q, k, v, causal=False)
     check_key_padding_mask(fn, key_padding_mask, k)
+
+
+def _prepare(q, k, v, key_padding_mask):
     dt = compute_dtype(q.dtype)
     k = sanitize_padded(k, key_padding_mask).to(dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
@@ -79,9 +82,11 @@ def efficient_attention(
         ``(B, H, Nq, Dv)`` in the input dtype (computed in float32 for half inputs). With no real
         key the output is zeros.
     """
-    rho_q, rho_k, v = _prepare("efficient_attention", q, k, v, causal, key_padding_mask)
-    context = rho_k.transpose(-1, -2) @ v  # (B, H, D, Dv)
-    return (rho_q @ context).to(q.dtype)
+    _validate("efficient_attention", q, k, v, causal, key_padding_mask)
+    with no_autocast(q):
+        rho_q, rho_k, v = _prepare(q, k, v, key_padding_mask)
+        context = rho_k.transpose(-1, -2) @ v  # (B, H, D, Dv): a sum over the sequence
+        return (rho_q @ context).to(q.dtype)
 
 
 def efficient_attention_reference(
@@ -94,11 +99,7 @@ def efficient_attention_reference(
 ) -> Tensor:
     """The same formula with the product taken the quadratic way, ``(rho_q rho_k^T) v`` through an
     explicit (Nq, Nk) weight matrix, and the key softmax written out. Tests trust this one."""
-    fn = "efficient_attention_reference"
-    if causal:
-        raise ValueError(_NO_CAUSAL)
-    check_qkv(fn, q, k, v, causal=False)
-    check_key_padding_mask(fn, key_padding_mask, k)
+    _validate("efficient_attention_reference", q, k, v, causal, key_padding_mask)
     dt = compute_dtype(q.dtype)
     k = sanitize_padded(k, key_padding_mask).to(dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, sanitize_padded
+from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
 from .feature_maps import FeatureMap, resolve_feature_map
 
 __all__ = [
@@ -102,6 +102,20 @@ class _CausalLinearProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
+        # Autocast would run these bmm in half precision and accumulate the state there; the
+        # caller already chose the compute dtype (float32 for half inputs).
+        with torch.autocast(a.device.type, enabled=False):
+            return _CausalLinearProduct._forward(ctx, a, kf, w, s0, chunk_size)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
+        with torch.autocast(ctx.device_type, enabled=False):
+            return _CausalLinearProduct._backward(ctx, do, ds_final)
+
+    @staticmethod
+    def _forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
+        ctx.device_type = a.device.type
         B, H, N, Fd = a.shape
         E = w.shape[-1]
         C = min(chunk_size, N)
@@ -116,8 +130,7 @@ class _CausalLinearProduct(torch.autograd.Function):
         return _unchunk(o, B, H, N), s_final.view(B, H, Fd, E)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
+    def _backward(ctx, do: Tensor | None, ds_final: Tensor | None):
         ac, kc, wc, s0 = ctx.saved_tensors
         B, H, N = ctx.meta
         C, Fd = ac.shape[1], ac.shape[2]
@@ -213,8 +226,21 @@ def causal_linear_product(
         ``o (B, H, N, E)`` and the final state ``(B, H, F, E)``. Both are differentiable with
         respect to a, kf, w and s0 (once; no double backward).
     """
-    if chunk_size < 1:
-        raise ValueError(f"causal_linear_product: chunk_size must be >= 1, got {chunk_size}")
+    fn = "causal_linear_product"
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
+    if a.dim() != 4 or a.shape != kf.shape:
+        raise ValueError(f"{fn}: a and kf must both be (B, H, N, F), got a {tuple(a.shape)} and kf {tuple(kf.shape)}")
+    if w.dim() != 4 or w.shape[:3] != a.shape[:3]:
+        raise ValueError(f"{fn}: w must be (B, H, N, E) with the B, H, N of a {tuple(a.shape)}, got {tuple(w.shape)}")
+    if not (a.dtype == kf.dtype == w.dtype):
+        raise TypeError(f"{fn}: a, kf and w must share one dtype, got {a.dtype}, {kf.dtype}, {w.dtype}")
+    B, H, _, Fd = a.shape
+    if s0 is not None and (tuple(s0.shape) != (B, H, Fd, w.shape[-1]) or s0.dtype != a.dtype):
+        raise ValueError(
+            f"{fn}: s0 must be (B, H, F, E) = {(B, H, Fd, w.shape[-1])} of dtype {a.dtype}, "
+            f"got {tuple(s0.shape)} {s0.dtype}"
+        )
     if a.shape[2] == 0:
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E) zeros, attached to the graph
         s_final = s if s0 is None else s0 + s
@@ -291,7 +317,7 @@ class _Normalise(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, o: Tensor, dv: int):
-        den = o[..., dv:]
+        den = o[..., dv:]  # (..., 1)
         inv = torch.where(den != 0, den, torch.ones_like(den)).reciprocal_()  # (..., 1)
         out = o[..., :dv] * inv
         ctx.save_for_backward(out, inv)
@@ -358,6 +384,11 @@ def linear_attention(
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
     _check_state_args(fn, causal, initial_state, return_state)
+    with no_autocast(q):
+        return _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state)
+
+
+def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state):
     dt = compute_dtype(q.dtype)
     dv = v.shape[-1]
     qf, kf = _features(fn, feature_map, q, k, key_padding_mask, dt)
