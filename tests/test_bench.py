@@ -14,7 +14,8 @@ from linattn.cli import main
 def test_demo_tiny(tmp_path):
     result = run_demo((16, 40), out_dir=tmp_path, quiet=True)
     saved = json.loads((tmp_path / "demo.json").read_text())
-    assert saved["command"] == "linattn demo"
+    assert saved["command"] == f"linattn demo --ns 16,40 --out {tmp_path}"
+    assert "linear causal" in (tmp_path / "demo.md").read_text()
     assert [r["n"] for r in saved["rows"]] == [16, 40]
     for row in saved["rows"]:
         assert set(row["seconds"]) == {"softmax", "linear", "efficient", "softmax causal", "linear causal"}

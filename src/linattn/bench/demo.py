@@ -111,7 +111,8 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
     say("  checking each fast form against its reference form ...")
     errors = fast_vs_reference_errors()
     result = {
-        "command": "linattn demo",
+        "command": "linattn demo" + ("" if tuple(ns) == DEFAULT_NS else " --ns " + ",".join(map(str, ns)))
+                   + ("" if str(out_dir) == "report" else f" --out {out_dir}"),
         "machine": machine_info(),
         "config": {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "pass": "forward+backward",
                    "timing": "median of interleaved repeats after one warm-up"},
@@ -123,11 +124,17 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
     }
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "demo.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, out_dir / "demo.json")
+    m = result["machine"]
+    md = (f"# linattn demo\n\nWritten by `{result['command']}` on {m['processor']}, {m['cpu_count']} CPUs, "
+          f"torch {m['torch']}, {m['threads']} threads; do not edit by hand.\n"
+          "Forward+backward, B = 1, H = 8, D = 64, float32; median of interleaved repeats.\n\n"
+          + format_table(result) + "\n")
+    for name, text in (("demo.json", json.dumps(result, indent=2)), ("demo.md", md)):
+        tmp = out_dir / (name + ".tmp")  # written whole, then renamed: never a half-written file
+        tmp.write_text(text)
+        os.replace(tmp, out_dir / name)
     say(format_table(result))
-    say(f"\nwritten: {out_dir / 'demo.json'}  ({result['elapsed_seconds']:.0f} s)")
+    say(f"\nwritten: {out_dir / 'demo.json'} and demo.md  ({result['elapsed_seconds']:.0f} s)")
     return result
 
 
