@@ -40,7 +40,7 @@ from .harness import (
 ALLOCATORS = {"default": {}, "tuned": TUNED_MALLOC_ENV}
 
 
-def step_time(position: int, *, steps: int = 300, heads: int = 8, d: int = 64) -> float:
+def step_time(position: int, *, steps: int = 300, warmup: int = 100, heads: int = 8, d: int = 64) -> float:
     """Median seconds of one generation step (Nq = 1, no grad) with a state after ``position`` tokens."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -48,10 +48,10 @@ def step_time(position: int, *, steps: int = 300, heads: int = 8, d: int = 64) -
         _, state = linattn.linear_attention(*prefix, causal=True, return_state=True)
         toks = [torch.randn(1, heads, 1, d, generator=g) for _ in range(3)]
         times = []
-        for i in range(steps + 20):
+        for i in range(steps + warmup):
             t0 = time.perf_counter()
             linattn.linear_attention(*toks, causal=True, initial_state=state, return_state=True)
-            if i >= 20:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
     return median(times)
 
