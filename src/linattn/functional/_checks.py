@@ -96,13 +96,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def no_autocast(t: Tensor) -> torch.autocast:
-    """A context that turns autocast off on ``t``'s device.
+def no_autocast(device_type: str) -> torch.autocast:
+    """A context that turns autocast off on a device type (``"cpu"``, ``"cuda"``, ...).
 
     Under autocast the sums over the sequence (states, normalisers) would run in half precision;
     linattn picks its compute dtype itself (:func:`compute_dtype`) and returns the input dtype.
     """
-    return torch.autocast(t.device.type, enabled=False)
+    return torch.autocast(device_type, enabled=False)
 
 
 def sanitize_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:

@@ -83,7 +83,7 @@ def efficient_attention(
         key the output is zeros.
     """
     _validate("efficient_attention", q, k, v, causal, key_padding_mask)
-    with no_autocast(q):
+    with no_autocast(q.device.type):
         rho_q, rho_k, v = _prepare(q, k, v, key_padding_mask)
         context = rho_k.transpose(-1, -2) @ v  # (B, H, D, Dv): a sum over the sequence
         return (rho_q @ context).to(q.dtype)

@@ -61,16 +61,14 @@ class LinearAttentionState(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 
-def _pad_chunks(x: Tensor, n_pad: int) -> Tensor:
-    return F.pad(x, (0, 0, 0, n_pad)) if n_pad else x
-
-
 def _chunked(x: Tensor, n_pad: int, C: int) -> Tensor:
     """``(B, H, N, X)`` -> ``(B*H*Nc, C, X)``, zero rows appended to fill the last chunk.
 
     Zero rows contribute nothing to any sum; outputs for them are cropped by the caller.
     """
-    return _pad_chunks(x, n_pad).reshape(-1, C, x.shape[-1])
+    if n_pad:
+        x = F.pad(x, (0, 0, 0, n_pad))
+    return x.reshape(-1, C, x.shape[-1])
 
 
 def _unchunk(x: Tensor, B: int, H: int, N: int) -> Tensor:
@@ -104,13 +102,13 @@ class _CausalLinearProduct(torch.autograd.Function):
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
         # Autocast would run these bmm in half precision and accumulate the state there; the
         # caller already chose the compute dtype (float32 for half inputs).
-        with torch.autocast(a.device.type, enabled=False):
+        with no_autocast(a.device.type):
             return _CausalLinearProduct._forward(ctx, a, kf, w, s0, chunk_size)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
-        with torch.autocast(ctx.device_type, enabled=False):
+        with no_autocast(ctx.device_type):
             return _CausalLinearProduct._backward(ctx, do, ds_final)
 
     @staticmethod
@@ -137,11 +135,12 @@ class _CausalLinearProduct(torch.autograd.Function):
         E = wc.shape[-1]
         nc = ac.shape[0] // (B * H)
         need_a, need_k, need_w, need_s0 = ctx.needs_input_grad[:4]
+        need_g = need_k or need_w or need_s0  # the state gradients g feed dk, dw and ds0
         if do is None:
             do = ac.new_zeros(B, H, N, E)
         doc = _chunked(do, nc * C - N, C)  # (B*H*Nc, C, E)
         da = dk = dw = ds0 = None
-        if need_k or need_w or need_s0:
+        if need_g:
             # g[c] = d loss / d (kc[c]^T wc[c]): that contribution sits in the state of every
             # later chunk and in the final state. Start from d loss / d s_excl[c] = ac^T doc.
             g = torch.bmm(ac.transpose(1, 2), doc).view(B * H, nc, Fd, E)
@@ -153,7 +152,7 @@ class _CausalLinearProduct(torch.autograd.Function):
             dk = _unchunk(torch.bmm(wc, g.transpose(1, 2)).baddbmm_(dscores.transpose(1, 2), ac), B, H, N)
         if need_w:
             dw = torch.bmm(kc, g)
-        if need_k or need_w or need_s0:
+        if need_g:
             del g
         if need_w:
             scores = torch.bmm(ac, kc.transpose(1, 2)).tril_()
@@ -384,7 +383,7 @@ def linear_attention(
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
     _check_state_args(fn, causal, initial_state, return_state)
-    with no_autocast(q):
+    with no_autocast(q.device.type):
         return _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state)
 
 
