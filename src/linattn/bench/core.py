@@ -35,9 +35,17 @@ from .harness import (
     median,
     peak_memory,
     time_calls,
+    write_atomically,
 )
 
 ALLOCATORS = {"default": {}, "tuned": TUNED_MALLOC_ENV}
+MEMORY_CASES = [  # (label, impl, causal)
+    ("causal/linattn", "linear", True),
+    ("bidirectional/linattn", "linear", False),
+    ("causal/softmax_sdpa", "softmax", True),
+    ("causal/fast_transformers", "fast_transformers", True),
+    ("bidirectional/fast_transformers", "fast_transformers", False),
+]
 
 
 def step_time(position: int, *, steps: int = 300, warmup: int = 100, heads: int = 8, d: int = 64) -> float:
@@ -81,7 +89,7 @@ def _child(n: int, repeats: int) -> dict:
 def run_core(*, out_dir: str | Path = "docs/benchmarks", n: int = 16384, repeats: int = 7) -> dict:
     have_ft = IMPLS["fast_transformers"].available()
     print(f"linattn bench core: N={n}, B=1 H=8 D=64 float32; fast-transformers "
-          f"{'found' if have_ft else 'NOT installed (see docs/benchmarks.md to install it)'}", flush=True)
+          f"{'found' if have_ft else 'NOT installed (see docs/benchmarks/README.md to install it)'}", flush=True)
     result: dict = {
         "command": f"linattn bench core --n {n} --repeats {repeats} --out {out_dir}",
         "machine": machine_info(),
@@ -99,24 +107,14 @@ def run_core(*, out_dir: str | Path = "docs/benchmarks", n: int = 16384, repeats
             raise RuntimeError(f"benchmark child failed:\n{proc.stderr[-3000:]}")
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         mem = {}
-        if env:  # with a tuned malloc freed pages stay resident, so RSS says nothing of the call
-            res["peak_memory_bytes"] = mem
-            result["allocators"][alloc] = {"env": env, **res}
-            continue
-        print(f"  [{alloc} malloc] peak memory ...", flush=True)
-        for label, impl, causal in [("causal/linattn", "linear", True), ("bidirectional/linattn", "linear", False),
-                                    ("causal/softmax_sdpa", "softmax", True)] + (
-                [("causal/fast_transformers", "fast_transformers", True),
-                 ("bidirectional/fast_transformers", "fast_transformers", False)] if have_ft else []):
-            mem[label] = peak_memory(Case(impl, causal, n), env=env)
-        res["peak_memory_bytes"] = mem
-        result["allocators"][alloc] = {"env": env, **res}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("core.json", json.dumps(result, indent=2)), ("core.md", format_core(result))):
-        tmp = out_dir / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+        # with a tuned malloc freed pages stay resident, so RSS says nothing of the call
+        if not env:
+            print(f"  [{alloc} malloc] peak memory ...", flush=True)
+            for label, impl, causal in MEMORY_CASES:
+                if impl != "fast_transformers" or have_ft:
+                    mem[label] = peak_memory(Case(impl, causal, n), env=env)
+        result["allocators"][alloc] = {"env": env, **res, "peak_memory_bytes": mem}
+    write_atomically(out_dir, {"core.json": json.dumps(result, indent=2), "core.md": format_core(result)})
     print(format_core(result))
     return result
 

@@ -21,7 +21,7 @@ from linattn.functional import (
     softmax_attention_reference,
 )
 
-from .harness import Case, call, machine_info, make_inputs, median, time_calls
+from .harness import Case, call, machine_info, make_inputs, median, time_calls, write_atomically
 
 DEFAULT_NS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 COLUMNS = [  # (impl, causal, label)
@@ -122,17 +122,12 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
                                    "errors": errors},
         "elapsed_seconds": time.perf_counter() - t_start,
     }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     m = result["machine"]
     md = (f"# linattn demo\n\nWritten by `{result['command']}` on {m['processor']}, {m['cpu_count']} CPUs, "
           f"torch {m['torch']}, {m['threads']} threads; do not edit by hand.\n"
           "Forward+backward, B = 1, H = 8, D = 64, float32; median of interleaved repeats.\n\n"
           + format_table(result) + "\n")
-    for name, text in (("demo.json", json.dumps(result, indent=2)), ("demo.md", md)):
-        tmp = out_dir / (name + ".tmp")  # written whole, then renamed: never a half-written file
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
+    out_dir = write_atomically(out_dir, {"demo.json": json.dumps(result, indent=2), "demo.md": md})
     say(format_table(result))
     say(f"\nwritten: {out_dir / 'demo.json'} and demo.md  ({result['elapsed_seconds']:.0f} s)")
     return result

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
@@ -26,7 +27,7 @@ import torch
 
 import linattn
 
-__all__ = ["Case", "Impl", "IMPLS", "available_impls", "machine_info", "peak_memory", "time_calls"]
+__all__ = ["Case", "Impl", "IMPLS", "machine_info", "peak_memory", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -63,7 +64,6 @@ class Impl:
     layout: str = "bhnd"  # "bnhd" for fast-transformers
     causal: bool = True
     bidirectional: bool = True
-    peer: bool = False
     note: str = ""
     available: Callable[[], bool] = field(default=lambda: True)
 
@@ -102,14 +102,22 @@ IMPLS: dict[str, Impl] = {
                    note="linattn.linear_attention, elu+1"),
     "efficient": Impl("efficient", lambda q, k, v, c: linattn.efficient_attention(q, k, v),
                       causal=False, note="linattn.efficient_attention"),
-    "fast_transformers": Impl("fast_transformers", _fast_transformers_fn, layout="bnhd", peer=True,
+    "fast_transformers": Impl("fast_transformers", _fast_transformers_fn, layout="bnhd",
                               note="fast-transformers 0.4.0 (Causal)LinearAttention, elu+1, C++ CPU kernel",
                               available=_has("fast_transformers")),
 }
 
 
-def available_impls() -> list[str]:
-    return [name for name, impl in IMPLS.items() if impl.available()]
+def write_atomically(out_dir: str | Path, files: dict[str, str]) -> Path:
+    """Write each ``name -> text`` into ``out_dir``: whole to a temporary file, then renamed, so a
+    reader never sees a half-written result."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        tmp = out_dir / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, out_dir / name)
+    return out_dir
 
 
 def make_inputs(case: Case, *, seed: int = 0, requires_grad: bool | None = None):
