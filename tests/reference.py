@@ -101,3 +101,44 @@ def efficient_attention(q, k, v, mask=None):
     col = ek.sum(-2, keepdim=True)
     rk = ek / torch.where(col > 0, col, torch.ones_like(col))  # softmax over positions per column
     return (rq @ rk.transpose(-1, -2)) @ v
+
+
+def favor_phi(kind: str, x: Tensor, W: Tensor, scale: float) -> Tensor:
+    """Performer features from the formulas (arXiv 2009.14794), kind in positive / trig / relu."""
+    m = W.shape[0]
+    if kind == "relu":
+        return torch.clamp(x @ W.T, min=0.0) / math.sqrt(m)
+    xs = x * math.sqrt(scale)
+    u = xs @ W.T
+    sq = (xs * xs).sum(-1, keepdim=True)
+    if kind == "positive":
+        return torch.exp(u - sq / 2) / math.sqrt(m)
+    return torch.exp(sq / 2) * torch.cat([torch.sin(u), torch.cos(u)], -1) / math.sqrt(m)
+
+
+def favor_attention(q, k, v, W, kind, causal=False, mask=None, scale=None, trig_floor=None):
+    """Explicit phi(Q) phi(K)^T V, normalised; returns out and the final (S, z) = sums over real keys.
+
+    trig: the normaliser is clamped at trig_floor * exp(||q'||^2/2) * max_visible exp(||k'||^2/2),
+    the last factor held constant under differentiation.
+    """
+    B, _, nq, d = q.shape
+    nk = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k, v = _zero_padded(k, mask), _zero_padded(v, mask)
+    fq, fk = favor_phi(kind, q, W, scale), favor_phi(kind, k, W, scale)
+    allowed = allowed_matrix(nq, nk, B, causal, mask)
+    sim = torch.where(allowed, fq @ fk.transpose(-1, -2), torch.zeros(()))
+    num, den = sim @ v, sim.sum(-1, keepdim=True)
+    if kind == "trig":
+        wk = torch.exp((k * k).sum(-1) * scale / 2)[:, :, None, :]
+        heaviest = torch.where(allowed, wk, torch.zeros(())).max(-1, keepdim=True).values
+        wq = torch.exp((q * q).sum(-1, keepdim=True) * scale / 2)
+        den = torch.maximum(den, trig_floor * heaviest.detach() * wq)  # the heaviest weight is a constant
+        out = torch.where(heaviest > 0, num / torch.where(heaviest > 0, den, torch.ones(())), torch.zeros(()))
+    else:
+        safe = torch.where(den != 0, den, torch.ones_like(den))
+        out = torch.where(den != 0, num / safe, torch.zeros_like(num))
+    if mask is not None:
+        fk = torch.where(mask[:, None, :, None], fk, torch.zeros_like(fk))
+    return out, fk.transpose(-1, -2) @ v, fk.sum(-2)

@@ -10,6 +10,9 @@ from .functional import (
     LinearAttentionState,
     causal_linear_product,
     efficient_attention,
+    favor_attention,
+    favor_features,
+    favor_projection,
     linear_attention,
     softmax_attention,
 )
@@ -21,6 +24,9 @@ __all__ = [
     "LinearAttentionState",
     "causal_linear_product",
     "efficient_attention",
+    "favor_attention",
+    "favor_features",
+    "favor_projection",
     "linear_attention",
     "softmax_attention",
 ]

@@ -48,12 +48,18 @@ class LinearAttentionState(NamedTuple):
         S: ``(B, H, F, Dv)`` sum of phi(k_j) v_j^T.
         z: ``(B, H, F)`` sum of phi(k_j).
 
-    Both are float32 when the inputs are float16/bfloat16 (the sums must not lose precision),
+        log_scale: ``(B, H)`` or None. When set, the sums are ``S * exp(log_scale)`` and
+            ``z * exp(log_scale)``: kernels with exponential features (FAVOR+, ``favor.py``) keep
+            their state divided by a running maximum so that it never overflows. None (the
+            ``linear_attention`` case) means a scale of 1.
+
+    All are float32 when the inputs are float16/bfloat16 (the sums must not lose precision),
     otherwise the input dtype.
     """
 
     S: Tensor
     z: Tensor
+    log_scale: Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,13 +288,24 @@ def _features(
     return qf, kf
 
 
-def _check_state(fn: str, state, B: int, H: int, Fd: int, Dv: int, device) -> None:
+def _check_state(
+    fn: str, state, B: int, H: int, Fd: int, Dv: int, device, *, scaled: bool = False
+) -> None:
+    """Validate a resumed state; ``scaled``: the mechanism keeps a log_scale (else it must be None)."""
     if not isinstance(state, LinearAttentionState):
         raise TypeError(
             f"{fn}: initial_state must be a LinearAttentionState (as returned with return_state=True), "
             f"got {type(state).__name__}"
         )
-    for name, t, shape in (("S", state.S, (B, H, Fd, Dv)), ("z", state.z, (B, H, Fd))):
+    checks = [("S", state.S, (B, H, Fd, Dv)), ("z", state.z, (B, H, Fd))]
+    if state.log_scale is not None:
+        if not scaled:
+            raise ValueError(
+                f"{fn}: initial_state.log_scale is set (a state of favor_attention?); this mechanism's "
+                "states have log_scale None"
+            )
+        checks.append(("log_scale", state.log_scale, (B, H)))
+    for name, t, shape in checks:
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise TypeError(f"{fn}: initial_state.{name} must be a floating-point tensor")
         if tuple(t.shape) != shape:

@@ -1,0 +1,381 @@
+"""Performer FAVOR+: random-feature softmax attention and generalised (ReLU) attention.
+
+Choromanski et al. 2020, "Rethinking Attention with Performers" (arXiv 2009.14794). With a random
+projection ``W (m, D)`` whose rows are Gaussian, and ``x' = x * scale^(1/2)``,
+
+    positive:  phi(x) = exp(W x' - ||x'||^2 / 2) / sqrt(m)                      (F = m)
+    trig:      phi(x) = exp(||x'||^2 / 2) [sin(W x'), cos(W x')] / sqrt(m)     (F = 2m)
+    relu:      phi(x) = relu(W x) / sqrt(m)                                     (F = m)
+
+The first two are unbiased estimators of the softmax kernel, E[phi(q) . phi(k)] = exp(scale q.k),
+so attention with them tends to ``softmax_attention(q, k, v, scale=scale)`` as m grows; positive
+features have no sign problem and a small error where the kernel is small (the paper's Lemma 2).
+Orthogonal rows (``favor_projection``) lower the variance further. ``relu`` is the paper's
+generalised attention with kernel relu(W q) . relu(W k); it is homogeneous, so ``scale`` has no
+effect on its output.
+
+Attention is then kernel attention with these features (``linear.py``): O(N m Dv), and causal
+attention is an RNN with state (S, z) of width F.
+
+Stabiliser. exp(W x' - ||x'||^2/2) overflows or underflows in float32 for moderate inputs. Every
+factor that is common to all keys a query sees cancels between the numerator and the normaliser,
+so:
+- each query's features are divided by their own maximum (a per-query factor);
+- each key's features are divided by ``e^{m_j}``, where ``m_j`` is the running maximum, over the
+  real keys up to j, of the keys' log-magnitudes ``c_j = max_r (W k'_j)_r - ||k'_j||^2/2``
+  (trig: ``||k'_j||^2/2``). Causal and recurrent forms carry the state at that running scale
+  (``_log_scaled.py``), so the stabiliser of position i depends on no later position and every
+  exponent is <= 0. performer-pytorch takes one maximum over the whole sequence instead, which lets
+  a future key push earlier features into underflow. The bidirectional form uses the maximum over
+  all real keys (there is no future to leak).
+The stabiliser receives no gradient: it cancels exactly in the normalised output.
+
+Dimension legend as in ``_checks.py``; m = ``num_features``, F = feature width (m or 2m), E = Dv + 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
+from ._log_scaled import causal_product_log_scaled
+from .linear import (
+    LinearAttentionState,
+    _check_state,
+    _check_state_args,
+    causal_linear_product,
+)
+from .softmax import _check_scale
+
+__all__ = [
+    "FAVOR_FEATURES",
+    "FAVOR_KERNELS",
+    "TRIG_NORMALISER_FLOOR",
+    "favor_attention",
+    "favor_attention_reference",
+    "favor_features",
+    "favor_projection",
+]
+
+FAVOR_KERNELS = ("softmax", "relu")
+FAVOR_FEATURES = ("positive", "trig")
+
+# Trig features estimate the kernel by sums of cosines, so a normaliser estimate can be ~0 or
+# negative although the true one is positive. After stabilisation the heaviest key a query sees has
+# weight 1 and every |phi(q).phi(k)| <= that weight, so the normaliser is clamped below at this
+# fraction of the heaviest key's weight: |out_i| <= sum_j |v_j| / floor, always finite. Like the
+# stabiliser, the floor is a guard held constant under differentiation.
+TRIG_NORMALISER_FLOOR = 1e-3
+
+
+def favor_projection(
+    num_features: int,
+    head_dim: int,
+    *,
+    orthogonal: bool = True,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """A ``(num_features, head_dim)`` random projection for FAVOR+.
+
+    Orthogonal (default): blocks of ``head_dim`` rows, each block an orthonormal basis drawn
+    uniformly (QR of a Gaussian matrix with the sign of R's diagonal fixed), every row then scaled by
+    an independent chi(head_dim) norm (the norm of a Gaussian vector), so each row is marginally
+    N(0, I) and rows within a block are exactly orthogonal. The last block is cut to fit.
+    ``orthogonal=False``: i.i.d. N(0, 1) entries.
+
+    Drawn on the CPU in float64 from ``generator`` and then cast, so one generator state gives the
+    same matrix (up to rounding) for every dtype and device.
+    """
+    fn = "favor_projection"
+    for name, val in (("num_features", num_features), ("head_dim", head_dim)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{fn}: {name} must be an int >= 1, got {val!r}")
+    if generator is not None and generator.device.type != "cpu":
+        raise ValueError(f"{fn}: generator must be a CPU torch.Generator, got one on {generator.device}")
+    m, d = num_features, head_dim
+    f64 = torch.float64
+    if orthogonal:
+        gauss = torch.randn(-(-m // d), d, d, generator=generator, dtype=f64)  # (blocks, d, d)
+        q, r = torch.linalg.qr(gauss)
+        sign = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(f64)  # (blocks, d)
+        rows = (q * sign[:, None, :]).transpose(1, 2)  # orthonormal rows, Haar-distributed per block
+        norms = torch.randn(m, d, generator=generator, dtype=f64).norm(dim=1, keepdim=True)  # chi(d)
+        w = rows.reshape(-1, d)[:m] * norms
+    else:
+        w = torch.randn(m, d, generator=generator, dtype=f64)
+    return w.to(dtype=dtype or torch.get_default_dtype(), device=device)
+
+
+def _check_kind(fn: str, kernel: str, features: str) -> None:
+    if kernel not in FAVOR_KERNELS:
+        raise ValueError(f"{fn}: unknown kernel {kernel!r}; known: {list(FAVOR_KERNELS)}")
+    if features not in FAVOR_FEATURES:
+        raise ValueError(f"{fn}: unknown features {features!r}; known: {list(FAVOR_FEATURES)}")
+    if kernel == "relu" and features != "positive":
+        raise ValueError(
+            f"{fn}: features={features!r} applies to kernel='softmax' only; kernel='relu' has one "
+            "feature map, relu(W x) (leave features='positive')"
+        )
+
+
+def _check_projection(fn: str, projection, q: Tensor) -> None:
+    if not isinstance(projection, Tensor) or not projection.is_floating_point():
+        got = projection.dtype if isinstance(projection, Tensor) else type(projection).__name__
+        raise TypeError(f"{fn}: projection must be a floating-point tensor (m, D), got {got}")
+    if projection.dim() != 2 or projection.shape[1] != q.shape[-1] or projection.shape[0] < 1:
+        raise ValueError(
+            f"{fn}: projection must have shape (m, D) with D = {q.shape[-1]} (the last dim of q "
+            f"{tuple(q.shape)}) and m >= 1, got {tuple(projection.shape)}"
+        )
+    if projection.device != q.device:
+        raise ValueError(f"{fn}: projection is on {projection.device}, q on {q.device}")
+
+
+def favor_features(
+    x: Tensor,
+    projection: Tensor,
+    *,
+    kernel: str = "softmax",
+    features: str = "positive",
+    scale: float | None = None,
+) -> Tensor:
+    """The unstabilised feature map phi(x) ``(..., F)`` of ``x (..., D)`` (formulas at the top).
+
+    Plain and direct: for inspection, for the reference form and for tests. It overflows where the
+    attention functions do not (they never form it).
+    """
+    fn = "favor_features"
+    _check_kind(fn, kernel, features)
+    m = projection.shape[0]
+    if kernel == "relu":
+        return torch.relu(x @ projection.T) / math.sqrt(m)
+    xs = x * _check_scale(fn, scale, x.shape[-1]) ** 0.5
+    u = xs @ projection.T  # (..., m)
+    half_sq = xs.square().sum(-1, keepdim=True) / 2  # (..., 1)
+    if features == "positive":
+        return torch.exp(u - half_sq) / math.sqrt(m)
+    return torch.exp(half_sq) * torch.cat([torch.sin(u), torch.cos(u)], dim=-1) / math.sqrt(m)
+
+
+def favor_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    kernel: str = "softmax",
+    features: str = "positive",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
+    """FAVOR+ attention: kernel attention with the random features of ``projection``.
+
+    Args:
+        q: ``(B, H, Nq, D)`` queries.
+        k: ``(B, H, Nk, D)`` keys.
+        v: ``(B, H, Nk, Dv)`` values.
+        projection: ``(m, D)`` random projection, e.g. :func:`favor_projection`. Shared by all
+            heads; cast to the compute dtype.
+        kernel: ``"softmax"`` (estimates exp(scale q.k)) or ``"relu"`` (generalised attention).
+        features: for the softmax kernel, ``"positive"`` (FAVOR+, F = m) or ``"trig"``
+            (sin/cos, F = 2m). The trig normaliser estimate can be <= 0; it is clamped below at
+            ``TRIG_NORMALISER_FLOOR`` times the weight of the heaviest key the query sees, so the
+            output stays finite (and is unreliable for such rows, as the estimator is).
+        causal: sums over keys j <= i only (needs Nq == Nk). Chunked, O(N) memory.
+        key_padding_mask: bool ``(B, Nk)``, True = a real key that may be attended, False =
+            padding. Padded keys leave numerator, normaliser and stabiliser alike.
+        scale: logit scale of the softmax kernel; None means ``1/sqrt(D)`` as in
+            ``softmax_attention``. No effect with ``kernel="relu"``.
+        initial_state: causal only: the state after an earlier prefix, to resume from.
+        return_state: causal only: also return the state after the last key. Its ``S`` and
+            ``z`` are ``sum_j phi(k_j) v_j^T`` and ``sum_j phi(k_j)`` divided by
+            ``exp(log_scale)``.
+
+    Returns:
+        ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
+        :class:`LinearAttentionState` of width F. Sums are float32 for half inputs. A query with
+        no real key gets zeros.
+    """
+    fn = "favor_attention"
+    check_qkv(fn, q, k, v, causal=causal)
+    check_key_padding_mask(fn, key_padding_mask, k)
+    _check_state_args(fn, causal, initial_state, return_state)
+    _check_kind(fn, kernel, features)
+    _check_projection(fn, projection, q)
+    scale = _check_scale(fn, scale, q.shape[-1])
+    with no_autocast(q.device.type):
+        return _favor(fn, q, k, v, projection, kernel, features, causal, key_padding_mask, scale,
+                      initial_state, return_state)
+
+
+def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state):
+    dt, out_dtype = compute_dtype(q.dtype), q.dtype
+    B, H, nq, _ = q.shape
+    dv = v.shape[-1]
+    W = projection.to(dt)
+    m = W.shape[0]
+    Fd = 2 * m if features == "trig" else m
+    inv_root_m = 1.0 / math.sqrt(m)
+    q = q.to(dt)
+    k = sanitize_padded(k, mask).to(dt)
+    v = sanitize_padded(v, mask).to(dt)
+    w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
+    real = None if mask is None else mask[:, None, :]  # (B, 1, Nk)
+
+    s0 = log_scale0 = None
+    if initial_state is not None:
+        _check_state(fn, initial_state, B, H, Fd, dv, q.device, scaled=True)
+        s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
+        if initial_state.log_scale is not None:
+            log_scale0 = initial_state.log_scale.to(dt).detach()
+
+    if kernel == "relu":
+        qf = torch.relu(q @ W.T) * inv_root_m  # (B, H, Nq, m)
+        kf = torch.relu(k @ W.T) * inv_root_m  # (B, H, Nk, m); padded keys are 0 -> relu(0) = 0
+        if not causal:
+            return _finish(qf @ (kf.transpose(-1, -2) @ w), dv, features, out_dtype)
+        if s0 is not None and log_scale0 is not None:
+            s0 = s0 * torch.exp(log_scale0)[..., None, None]
+        o, s_final = causal_linear_product(qf, kf, w, s0)
+        out = _finish(o, dv, features, out_dtype)
+        if return_state:
+            return out, _state(s_final, dv, torch.zeros(B, H, dtype=dt, device=q.device))
+        return out
+
+    root = scale**0.5
+    uq = (q * root) @ W.T  # (B, H, Nq, m)
+    uk = (k * root) @ W.T  # (B, H, Nk, m)
+    half_sq = (k * root).square().sum(-1, keepdim=True) / 2  # (B, H, Nk, 1): ||k'||^2 / 2
+    if features == "positive":
+        # Per-query stabiliser: exp(u - max u) cancels with the dropped exp(-||q'||^2/2).
+        qf = torch.exp(uq - uq.amax(-1, keepdim=True).detach()) * inv_root_m
+        log_kf = uk - half_sq  # (B, H, Nk, m): log of sqrt(m) phi(k)
+        c = log_kf.amax(-1)  # (B, H, Nk): each key's log-magnitude
+    else:
+        # exp(||q'||^2/2) is a per-query factor: dropped, it cancels.
+        qf = torch.cat([torch.sin(uq), torch.cos(uq)], dim=-1) * inv_root_m  # (B, H, Nq, 2m)
+        log_kf = half_sq  # (B, H, Nk, 1): log-magnitude of the key's features
+        c = half_sq[..., 0]
+    c = c.detach()
+    if real is not None:
+        c = c.masked_fill(~real, float("-inf"))
+
+    def key_features(log_scale: Tensor) -> Tensor:
+        # exponents <= 0; padded keys get exp(-inf) = 0 (a where, so no inf * 0 in backward)
+        expo = log_kf - log_scale[..., None]
+        if real is not None:
+            expo = expo.masked_fill(~real[..., None], float("-inf"))
+        mag = torch.exp(expo) * inv_root_m
+        if features == "positive":
+            return mag  # (B, H, Nk, m)
+        return torch.cat([torch.sin(uk), torch.cos(uk)], dim=-1) * mag  # (B, H, Nk, 2m)
+
+    if not causal:
+        top = c.amax(-1) if c.shape[-1] else c.new_zeros(B, H)  # (B, H)
+        top = torch.where(torch.isfinite(top), top, 0.0)  # no real key: any finite scale
+        kf = key_features(top[..., None].expand_as(c))
+        o = qf @ (kf.transpose(-1, -2) @ w)  # (B, H, Nq, E)
+        return _finish(o, dv, features, out_dtype)
+
+    # Causal: the running maximum, from the carried state's scale onwards.
+    run = torch.cummax(c, dim=-1).values if c.shape[-1] else c  # (B, H, N)
+    if log_scale0 is not None:
+        run = torch.maximum(run, log_scale0[..., None])
+    # Positions before any real key (and no state) hold zero sums: any finite scale below every
+    # later one serves; the lowest finite value keeps the sequence non-decreasing.
+    run = torch.where(torch.isfinite(run), run, torch.finfo(dt).min)
+    kf = key_features(run)
+    if s0 is not None and log_scale0 is not None and run.shape[-1]:
+        s0 = s0 * torch.exp(log_scale0 - run[..., 0])[..., None, None]  # to the scale of position 0
+    o, s_final = causal_product_log_scaled(qf, kf, w, run, s0)
+    out = _finish(o, dv, features, out_dtype)
+    if not return_state:
+        return out
+    if run.shape[-1]:
+        final_scale = run[..., -1]
+    else:
+        final_scale = log_scale0 if log_scale0 is not None else torch.zeros(B, H, dtype=dt, device=q.device)
+    return out, _state(s_final, dv, final_scale)
+
+
+def _finish(o: Tensor, dv: int, features: str, out_dtype: torch.dtype) -> Tensor:
+    """Numerator / normaliser of ``o (..., Dv+1)``.
+
+    Trig: the normaliser is clamped (see ``TRIG_NORMALISER_FLOOR``). Positive: the normaliser is
+    >= 0, and with the stabiliser the heaviest visible key and a query's largest feature both
+    have weight 1, so a normaliser below sqrt(finfo.tiny) (1e-19 in float32) means every
+    query-key overlap has underflowed (huge inputs whose features are nearly one-hot in different
+    directions): such a row, like a row with no key, gets zeros. Dividing instead would return
+    inf from a denormal normaliser, or gradients near 1/tiny.
+    """
+    num, den = o[..., :dv], o[..., dv:]
+    if features == "trig":
+        return (num / den.clamp_min(TRIG_NORMALISER_FLOOR)).to(out_dtype)
+    ok = den >= torch.finfo(den.dtype).tiny ** 0.5
+    return torch.where(ok, num / torch.where(ok, den, 1.0), 0.0).to(out_dtype)
+
+
+def _state(s: Tensor, dv: int, log_scale: Tensor) -> LinearAttentionState:
+    return LinearAttentionState(S=s[..., :dv], z=s[..., dv], log_scale=log_scale)
+
+
+def favor_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    projection: Tensor,
+    *,
+    kernel: str = "softmax",
+    features: str = "positive",
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """Plain O(Nq Nk) FAVOR attention: explicit ``phi(Q) phi(K)^T``, masked, rows normalised.
+
+    No stabiliser, so only for moderate inputs (float64 in tests). The trig normaliser is clamped
+    at ``TRIG_NORMALISER_FLOOR`` times the heaviest visible key's weight, as in the fast forms.
+    """
+    fn = "favor_attention_reference"
+    check_qkv(fn, q, k, v, causal=causal)
+    check_key_padding_mask(fn, key_padding_mask, k)
+    _check_kind(fn, kernel, features)
+    _check_projection(fn, projection, q)
+    scale = _check_scale(fn, scale, q.shape[-1])
+    dt = compute_dtype(q.dtype)
+    q, k, v, W = q.to(dt), k.to(dt), v.to(dt), projection.to(dt)
+    qf = favor_features(q, W, kernel=kernel, features=features, scale=scale)
+    kf = favor_features(sanitize_padded(k, key_padding_mask), W, kernel=kernel, features=features, scale=scale)
+    nq, nk = q.shape[2], k.shape[2]
+    allowed = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril()
+    allowed = allowed[None, None]  # (1, 1, Nq, Nk)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    sim = torch.where(allowed, qf @ kf.transpose(-1, -2), 0.0)  # (B, H, Nq, Nk)
+    num = sim @ sanitize_padded(v, key_padding_mask)
+    den = sim.sum(-1, keepdim=True)
+    if features == "trig" and kernel == "softmax":
+        # the floor in these (unstabilised) units: the heaviest visible key's weight times the
+        # query's own magnitude exp(||q'||^2/2)
+        xs_q, xs_k = q * scale**0.5, k * scale**0.5
+        wk = torch.exp(xs_k.square().sum(-1) / 2)[:, :, None, :]  # (B, H, 1, Nk)
+        heaviest = torch.where(allowed, wk, 0.0).amax(-1, keepdim=True)
+        wq = torch.exp(xs_q.square().sum(-1, keepdim=True) / 2)
+        # the heaviest key's weight is held constant (it is the stabiliser); the query's own
+        # magnitude is a common factor of every term, as in the fast forms, where it is dropped
+        den = torch.maximum(den, TRIG_NORMALISER_FLOOR * heaviest.detach() * wq)
+        den = torch.where(heaviest > 0, den, 1.0)
+    else:
+        den = torch.where(den != 0, den, 1.0)
+    return (num / den).to(q.dtype)
