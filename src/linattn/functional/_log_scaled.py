@@ -16,8 +16,8 @@ Dimension legend as in ``linear.py``: B batch, H heads, N positions, F feature w
 width, C chunk length, Nc number of chunks.
 
 Chunked like ``causal_linear_product``: inside a chunk the C x C score matrix is formed with the
-factors ``e^{m_j - m_i}`` (j <= i) applied elementwise; across chunks a loop carries the state,
-rescaled at every chunk boundary. Exponents are differences of given ``m`` values, never of
+factors ``e^{m_j - m_i}`` (j <= i) applied elementwise; across chunks a loop of one fused
+multiply-add per chunk carries the state, rescaled at every chunk boundary. Exponents are differences of given ``m`` values, never of
 cumulative sums, so a jump of thousands in ``m`` costs no precision in later weights. ``m`` is
 a stabiliser: it receives no gradient.
 """
@@ -67,24 +67,33 @@ def _chunk_states(
 ) -> tuple[Tensor, Tensor]:
     """The state entering each chunk ``(B*H*Nc, F, E)`` and the final state ``(B*H, F, E)``.
 
-    ``S_in[c+1] = carry[c] S_in[c] + (leave * kc[c])^T wc[c]``: a loop over chunks that writes
-    into the buffer holding the per-chunk contributions.
+    ``S_out[c] = carry[c] S_out[c-1] + (leave * kc[c])^T wc[c]`` with ``S_out[-1] = s0``, one fused
+    ``addcmul_`` per chunk in the buffer that the per-chunk contributions were written to. The
+    buffer has one spare slot in front, so that shifted by one it holds each chunk's *entering*
+    state ``S_out[c-1]``; the slots where a head's first chunk would read the previous head's
+    last state are then overwritten with ``s0``.
     """
     Fd, E = kc.shape[-1], wc.shape[-1]
-    s_in = torch.bmm((kc * leave).transpose(1, 2), wc).view(BH, -1, Fd, E)  # contributions
-    nc = s_in.shape[1]
-    running = kc.new_zeros(BH, Fd, E) if s0 is None else s0.reshape(BH, Fd, E).clone()
-    spare = torch.empty_like(running)
-    for c in range(nc):
-        spare.copy_(s_in[:, c])
-        s_in[:, c].copy_(running)
-        running.mul_(carry[:, c, None, None]).add_(spare)
-    return s_in.view(-1, Fd, E), running
+    nc = kc.shape[0] // BH
+    buf = kc.new_empty(BH * nc + 1, Fd, E)
+    torch.bmm((kc * leave).transpose(1, 2), wc, out=buf[1:])  # contributions
+    out = buf[1:].view(BH, nc, Fd, E)
+    # (Nc, B*H, 1, 1): a contiguous factor per chunk (a strided broadcast operand sends addcmul_
+    # down a path ~100x slower)
+    carry4 = carry.T.contiguous()[..., None, None]
+    if s0 is not None:
+        out[:, 0].addcmul_(s0.reshape(BH, Fd, E), carry4[0])
+    for c in range(1, nc):
+        out[:, c].addcmul_(out[:, c - 1], carry4[c])
+    s_final = out[:, -1].clone()
+    # slot b*nc (b >= 1) holds head b-1's last state: make it head b's initial state
+    buf[0 : BH * nc : nc] = 0 if s0 is None else s0.reshape(BH, Fd, E)
+    return buf[:-1], s_final
 
 
 class _LogScaledCausalProduct(torch.autograd.Function):
-    # Saves only its inputs (as the plain causal product does) and rebuilds the chunk scores and
-    # states in backward.
+    # Saves its inputs and the per-chunk states (N F E / C floats, about one more feature tensor):
+    # the scan over chunks is sequential and costs more to redo than to keep.
 
     @staticmethod
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None, chunk_size: int):
@@ -104,7 +113,8 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             s_in, s_final = _chunk_states(kc, wc, leave, carry, s0, B * H)
             scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
             o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
-            ctx.save_for_backward(ac, kc, wc, mc, s0)
+            ctx.save_for_backward(ac, kc, wc, mc, s_in)
+            ctx.has_s0 = s0 is not None
             ctx.meta = (B, H, N)
             out = o.view(B, H, -1, E)[:, :, :N]
             return out, s_final.view(B, H, Fd, E)
@@ -113,7 +123,7 @@ class _LogScaledCausalProduct(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
         with no_autocast(ctx.device_type):
-            ac, kc, wc, mc, s0 = ctx.saved_tensors
+            ac, kc, wc, mc, s_in = ctx.saved_tensors
             B, H, N = ctx.meta
             C, Fd, E = ac.shape[1], ac.shape[2], wc.shape[-1]
             BH, nc = B * H, mc.shape[1]
@@ -122,24 +132,27 @@ class _LogScaledCausalProduct(torch.autograd.Function):
                 do = ac.new_zeros(B, H, N, E)
             doc = _chunks(do, nc * C - N, C)  # (B*H*Nc, C, E)
             doe = doc * enter  # gradient reaching a_i . S_in, per row
-            # g[c] = d loss / d S_in[c] from this chunk's outputs; then, running backwards,
-            # total[c] = g[c] + carry[c] * total[c+1] with total[Nc] = d loss / d s_final.
-            g = torch.bmm(ac.transpose(1, 2), doe).view(BH, nc, Fd, E)
-            running = ac.new_zeros(BH, Fd, E) if ds_final is None else ds_final.reshape(BH, Fd, E).clone()
-            spare = torch.empty_like(running)
-            for c in range(nc - 1, -1, -1):
-                spare.copy_(g[:, c])
-                g[:, c].copy_(running)  # now d loss / d (chunk c's contribution) = total[c+1]
-                running.mul_(carry[:, c, None, None]).add_(spare)
-            ds0 = running.view(B, H, Fd, E) if s0 is not None else None
-            g = g.view(-1, Fd, E)
+            # g[c] = d loss / d S_in[c] from chunk c's outputs. Running backwards,
+            # T[c] = g[c] + carry[c] T[c+1] with T[Nc] = d loss / d s_final is the total gradient of
+            # S_in[c], and chunk c's contribution gets T[c+1]: the buffer shifted by one, as in
+            # _chunk_states but mirrored.
+            buf = ac.new_empty(BH * nc + 1, Fd, E)
+            torch.bmm(ac.transpose(1, 2), doe, out=buf[:-1])
+            t = buf[:-1].view(BH, nc, Fd, E)
+            carry4 = carry.T.contiguous()[..., None, None]  # (Nc, B*H, 1, 1), see _chunk_states
+            if ds_final is not None:
+                t[:, -1].addcmul_(ds_final.reshape(BH, Fd, E), carry4[-1])
+            for c in range(nc - 2, -1, -1):
+                t[:, c].addcmul_(t[:, c + 1], carry4[c])
+            ds0 = t[:, 0].clone().view(B, H, Fd, E) if ctx.has_s0 else None
+            buf[nc :: nc] = 0 if ds_final is None else ds_final.reshape(BH, Fd, E)
+            g = buf[1:]  # (B*H*Nc, F, E): d loss / d (chunk c's contribution)
             dscores = torch.bmm(doc, wc.transpose(1, 2)).mul_(intra)  # d loss / d (a k^T), masked
             scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)
             dw = torch.bmm(kc * leave, g).baddbmm_(scores.transpose(1, 2), doc)
             del scores
             dk = torch.bmm(wc, g.transpose(1, 2)).mul_(leave).baddbmm_(dscores.transpose(1, 2), ac)
-            del g
-            s_in, _ = _chunk_states(kc, wc, leave, carry, s0, BH)
+            del g, buf, t
             da = torch.bmm(dscores, kc).baddbmm_(doe, s_in.transpose(1, 2))
 
             def unchunk(x: Tensor) -> Tensor:

@@ -112,6 +112,29 @@ def favor_projection(
     return w.to(dtype=dtype or torch.get_default_dtype(), device=device)
 
 
+class _ExpFeatures(torch.autograd.Function):
+    """``f = exp(u - shift) * c`` for ``u (..., m)``, ``shift (..., 1)``, in one buffer.
+
+    Autograd would keep three (B, H, N, m) temporaries alive for this line; these are the
+    largest tensors of FAVOR+, and on CPU each fresh one costs page faults as well as memory.
+    Backward: ``du = g * f`` and ``dshift = -sum_m du``.
+    """
+
+    @staticmethod
+    def forward(ctx, u: Tensor, shift: Tensor, c: float) -> Tensor:
+        f = torch.sub(u, shift).exp_().mul_(c)
+        ctx.save_for_backward(f)
+        return f
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        (f,) = ctx.saved_tensors
+        du = g * f
+        dshift = du.sum(-1, keepdim=True).neg_() if ctx.needs_input_grad[1] else None
+        return du, dshift, None
+
+
 def _check_kind(fn: str, kernel: str, features: str) -> None:
     if kernel not in FAVOR_KERNELS:
         raise ValueError(f"{fn}: unknown kernel {kernel!r}; known: {list(FAVOR_KERNELS)}")
@@ -239,8 +262,9 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             log_scale0 = initial_state.log_scale.to(dt).detach()
 
     if kernel == "relu":
-        qf = torch.relu(q @ W.T) * inv_root_m  # (B, H, Nq, m)
-        kf = torch.relu(k @ W.T) * inv_root_m  # (B, H, Nk, m); padded keys are 0 -> relu(0) = 0
+        Wm = W * inv_root_m  # relu is homogeneous: fold 1/sqrt(m) into the projection
+        qf = torch.relu(q @ Wm.T)  # (B, H, Nq, m)
+        kf = torch.relu(k @ Wm.T)  # (B, H, Nk, m); padded keys are 0 -> relu(0) = 0
         if not causal:
             return _finish(qf @ (kf.transpose(-1, -2) @ w), dv, features, out_dtype)
         if s0 is not None and log_scale0 is not None:
@@ -251,32 +275,34 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             return out, _state(s_final, dv, torch.zeros(B, H, dtype=dt, device=q.device))
         return out
 
-    root = scale**0.5
-    uq = (q * root) @ W.T  # (B, H, Nq, m)
-    uk = (k * root) @ W.T  # (B, H, Nk, m)
-    half_sq = (k * root).square().sum(-1, keepdim=True) / 2  # (B, H, Nk, 1): ||k'||^2 / 2
+    Wr = W * scale**0.5  # (m, D): u = x' W^T = x Wr^T
+    uq = q @ Wr.T  # (B, H, Nq, m)
+    uk = k @ Wr.T  # (B, H, Nk, m)
+    half_sq = k.square().sum(-1, keepdim=True) * (scale / 2)  # (B, H, Nk, 1): ||k'||^2 / 2
     if features == "positive":
         # Per-query stabiliser: exp(u - max u) cancels with the dropped exp(-||q'||^2/2).
-        qf = torch.exp(uq - uq.amax(-1, keepdim=True).detach()) * inv_root_m
-        log_kf = uk - half_sq  # (B, H, Nk, m): log of sqrt(m) phi(k)
-        c = log_kf.amax(-1)  # (B, H, Nk): each key's log-magnitude
+        qf = _ExpFeatures.apply(uq, uq.amax(-1, keepdim=True).detach(), inv_root_m)
+        c = uk.amax(-1) - half_sq[..., 0]  # (B, H, Nk): each key's log-magnitude
     else:
         # exp(||q'||^2/2) is a per-query factor: dropped, it cancels.
         qf = torch.cat([torch.sin(uq), torch.cos(uq)], dim=-1) * inv_root_m  # (B, H, Nq, 2m)
-        log_kf = half_sq  # (B, H, Nk, 1): log-magnitude of the key's features
         c = half_sq[..., 0]
     c = c.detach()
     if real is not None:
         c = c.masked_fill(~real, float("-inf"))
 
     def key_features(log_scale: Tensor) -> Tensor:
-        # exponents <= 0; padded keys get exp(-inf) = 0 (a where, so no inf * 0 in backward)
-        expo = log_kf - log_scale[..., None]
+        """Key features divided by ``e^{log_scale (B, H, Nk)}``; every exponent <= 0 and padded
+        keys get exp(-inf) = 0 (by masking the exponent, so no inf * 0 in backward)."""
+        if features == "positive":
+            shift = half_sq + log_scale[..., None]  # (B, H, Nk, 1), differentiable through half_sq
+            if real is not None:
+                shift = shift.masked_fill(~real[..., None], float("inf"))
+            return _ExpFeatures.apply(uk, shift, inv_root_m)  # (B, H, Nk, m)
+        expo = half_sq - log_scale[..., None]
         if real is not None:
             expo = expo.masked_fill(~real[..., None], float("-inf"))
-        mag = torch.exp(expo) * inv_root_m
-        if features == "positive":
-            return mag  # (B, H, Nk, m)
+        mag = torch.exp(expo) * inv_root_m  # (B, H, Nk, 1)
         return torch.cat([torch.sin(uk), torch.cos(uk)], dim=-1) * mag  # (B, H, Nk, 2m)
 
     if not causal:
