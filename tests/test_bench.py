@@ -51,3 +51,15 @@ def test_harness_times_and_resets_grads():
     g1 = x[0].grad.clone()
     call(case, x)
     torch.testing.assert_close(x[0].grad, g1)  # reset, not accumulated
+
+
+def test_favor_approximation_benchmark_tiny(tmp_path):
+    main(["bench", "favor", "--what", "approx", "--ms", "8,64", "--seeds", "3", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "favor_approx.json").read_text())
+    assert saved["command"] == f"linattn bench favor --what approx --ms 8,64 --seeds 3 --out {tmp_path}"
+    assert set(saved["summary"]) == {"positive-orthogonal", "positive-iid", "trig-orthogonal", "trig-iid"}
+    for per_m in saved["errors"].values():
+        assert [len(per_m[m]) for m in ("8", "64")] == [3, 3]
+        assert all(0 < e < 10 for e in per_m["8"] + per_m["64"])
+    assert (tmp_path / "favor_approx.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "positive-orthogonal" in (tmp_path / "favor_approx.md").read_text()

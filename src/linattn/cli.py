@@ -1,4 +1,4 @@
-"""Command line: `linattn demo` and `linattn bench core`."""
+"""Command line: `linattn demo`, `linattn bench core` and `linattn bench favor`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     core.add_argument("--n", type=int, default=16384, help="sequence length (default 16384)")
     core.add_argument("--repeats", type=int, default=7)
 
+    favor = bench_sub.add_parser("favor", help="FAVOR+ approximation figure and speed against performer-pytorch")
+    favor.add_argument("--out", default="docs/benchmarks", help="folder for favor_*.json/md/png")
+    favor.add_argument("--what", default="approx,speed",
+                       help="comma-separated parts: approx (error vs m), speed (needs performer-pytorch)")
+    favor.add_argument("--ms", type=_parse_ns, default=None, help="numbers of random features, e.g. 16,64,256")
+    favor.add_argument("--seeds", type=int, default=20)
+    favor.add_argument("--n", type=int, default=4096, help="sequence length of the speed comparison")
+    favor.add_argument("--repeats", type=int, default=7)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .bench.demo import DEFAULT_NS, run_demo
@@ -40,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.core import run_core
 
         run_core(out_dir=args.out, n=args.n, repeats=args.repeats)
+    elif args.command == "bench" and args.suite == "favor":
+        from .bench.favor import APPROX_MS, run_favor
+
+        what = tuple(x for x in args.what.split(",") if x)
+        unknown = sorted(set(what) - {"approx", "speed"})
+        if unknown:
+            parser.error(f"--what: unknown parts {unknown}; choose from approx, speed")
+        run_favor(out_dir=args.out, what=what, ms=args.ms or APPROX_MS, seeds=args.seeds, n=args.n,
+                  repeats=args.repeats)
     return 0
 
 

@@ -1,0 +1,204 @@
+"""`linattn bench favor`: FAVOR+ approximation quality and speed, with performer-pytorch beside it.
+
+- Approximation (the Performer paper's variance figure): relative error ||out - ref|| / ||ref|| of
+  ``favor_attention`` against ``softmax_attention`` (default scale) for m = 16 ... 4096 random
+  features, positive vs trig features, orthogonal vs i.i.d. projections, N = 256, D = 64,
+  q, k ~ 0.25 N(0, 1), v ~ N(0, 1), float64, mean and standard deviation over seeds. Every variant
+  and m sees the same inputs for a given seed. Writes favor_approx.json and favor_approx.png.
+- Speed: forward+backward at N = 4096, B = 1, H = 8, D = 64, m = 256, float32, against
+  performer-pytorch 1.1.4 ``FastAttention`` (causal: with fast-transformers' CPU kernel plugged in,
+  its fastest CPU path), interleaved A B A B in one process, default malloc. Writes
+  favor_speed.json and favor_speed.md.
+
+Every number in those files is written by this code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+import linattn
+
+from .harness import machine_info, median, time_calls, write_atomically
+
+APPROX_MS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+VARIANTS = (("positive", True), ("positive", False), ("trig", True), ("trig", False))
+
+
+def _variant(features: str, orthogonal: bool) -> str:
+    return f"{features}-{'orthogonal' if orthogonal else 'iid'}"
+
+
+def approximation_errors(
+    ms: tuple[int, ...] = APPROX_MS, *, seeds: int = 20, n: int = 256, d: int = 64
+) -> dict:
+    """Relative errors per variant and m; ``errors[variant][str(m)]`` lists one value per seed."""
+    errors: dict[str, dict[str, list[float]]] = {_variant(f, o): {str(m): [] for m in ms} for f, o in VARIANTS}
+    for seed in range(seeds):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) * 0.25
+        k = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) * 0.25
+        v = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
+        ref = linattn.softmax_attention(q, k, v)
+        for m in ms:
+            for features, orthogonal in VARIANTS:
+                # one projection seed per (seed, m), shared by the variants with the same draw type
+                pg = torch.Generator().manual_seed(1_000_003 * seed + m)
+                W = linattn.favor_projection(m, d, orthogonal=orthogonal, generator=pg, dtype=torch.float64)
+                out = linattn.favor_attention(q, k, v, W, features=features)
+                err = ((out - ref).norm() / ref.norm()).item()
+                errors[_variant(features, orthogonal)][str(m)].append(err)
+    summary = {
+        var: {m: {"mean": sum(e) / len(e), "std": _std(e)} for m, e in per_m.items()}
+        for var, per_m in errors.items()
+    }
+    return {
+        "config": {"ms": list(ms), "seeds": seeds, "n": n, "head_dim": d, "dtype": "float64",
+                   "q,k": "0.25 N(0,1)", "v": "N(0,1)", "scale": "1/sqrt(D)"},
+        "summary": summary,
+        "errors": errors,
+    }
+
+
+def _std(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    mu = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def plot_approximation(result: dict, path: str | Path) -> None:
+    """Error vs m on log-log axes with error bars (one standard deviation over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = result["config"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for var, per_m in result["summary"].items():
+        ms = [int(m) for m in per_m]
+        ax.errorbar(ms, [per_m[str(m)]["mean"] for m in ms], yerr=[per_m[str(m)]["std"] for m in ms],
+                    marker="o", capsize=3, label=var)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("random features m")
+    ax.set_ylabel("||favor - softmax|| / ||softmax||")
+    ax.set_title(f"FAVOR approximation, N={cfg['n']}, D={cfg['head_dim']}, {cfg['seeds']} seeds")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = Path(str(path) + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def speed_vs_performer(*, n: int = 4096, m: int = 256, repeats: int = 7, heads: int = 8, d: int = 64) -> dict:
+    """Interleaved forward+backward times of linattn and performer-pytorch, causal and not."""
+    try:
+        from performer_pytorch.performer_pytorch import FastAttention, causal_linear_attention
+    except ImportError as e:
+        raise RuntimeError(
+            "linattn bench favor --what speed needs performer-pytorch 1.1.4 and fast-transformers 0.4.0 "
+            "(see docs/benchmarks/README.md); they are benchmark peers, not dependencies"
+        ) from e
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, d, generator=g) for _ in range(3))
+    W = linattn.favor_projection(m, d, generator=g)
+    result: dict = {}
+    for causal in (True, False):
+        fa = FastAttention(dim_heads=d, nb_features=m, causal=causal)
+        if causal:
+            # performer-pytorch looks only for the CUDA build of this kernel; this is its CPU one
+            fa.causal_linear_fn = causal_linear_attention
+
+        def ours(causal=causal):
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            linattn.favor_attention(qq, kk, vv, W, causal=causal).sum().backward()
+
+        def theirs(fa=fa):
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            fa(qq, kk, vv).sum().backward()
+
+        times = time_calls({"linattn": ours, "performer_pytorch": theirs}, repeats=repeats, warmup=2)
+        result["causal" if causal else "bidirectional"] = {
+            name: {"median_s": median(ts), "all_s": ts} for name, ts in times.items()
+        }
+    return result
+
+
+def format_speed(result: dict) -> str:
+    cfg = result["config"]
+    lines = [
+        f"# FAVOR+ speed: N = {cfg['n']}, B = 1, H = {cfg['heads']}, D = {cfg['head_dim']}, "
+        f"m = {cfg['m']}, float32, forward+backward",
+        "",
+        f"Written by `{result['command']}`; do not edit by hand. "
+        f"torch {result['machine']['torch']}, {result['machine']['threads']} threads, default malloc. "
+        f"Median of {cfg['repeats']} interleaved repeats. performer-pytorch causal uses "
+        "fast-transformers' CPU kernel (its fastest CPU path).",
+        "",
+        "| mode | contender | time | performer-pytorch / linattn |",
+        "| --- | --- | --- | --- |",
+    ]
+    for mode, res in result["times"].items():
+        ours, theirs = res["linattn"]["median_s"], res["performer_pytorch"]["median_s"]
+        lines.append(f"| {mode} | linattn | {ours * 1e3:.0f} ms | {theirs / ours:.2f}x |")
+        lines.append(f"| {mode} | performer_pytorch | {theirs * 1e3:.0f} ms | |")
+    return "\n".join(lines) + "\n"
+
+
+def format_approx(result: dict) -> str:
+    cfg = result["config"]
+    ms = cfg["ms"]
+    lines = [
+        f"# FAVOR+ approximation error vs softmax attention (N = {cfg['n']}, D = {cfg['head_dim']}, "
+        f"{cfg['seeds']} seeds, float64)",
+        "",
+        f"Written by `{result['command']}`; do not edit by hand. Mean ± std of "
+        "||favor - softmax|| / ||softmax||. Figure: favor_approx.png.",
+        "",
+        "| variant | " + " | ".join(f"m={m}" for m in ms) + " |",
+        "| --- |" + " --- |" * len(ms),
+    ]
+    for var, per_m in result["summary"].items():
+        cells = [f"{per_m[str(m)]['mean']:.4f} ± {per_m[str(m)]['std']:.4f}" for m in ms]
+        lines.append(f"| {var} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_favor(
+    *, out_dir: str | Path = "docs/benchmarks", what: tuple[str, ...] = ("approx", "speed"),
+    ms: tuple[int, ...] = APPROX_MS, seeds: int = 20, n: int = 4096, repeats: int = 7, quiet: bool = False,
+) -> dict:
+    out_dir = Path(out_dir)
+    results: dict = {}
+    if "approx" in what:
+        res = approximation_errors(ms, seeds=seeds)
+        res["command"] = (f"linattn bench favor --what approx --ms {','.join(map(str, ms))} --seeds {seeds} "
+                          f"--out {out_dir}")
+        res["machine"] = machine_info()
+        md = format_approx(res)
+        write_atomically(out_dir, {"favor_approx.json": json.dumps(res, indent=2), "favor_approx.md": md})
+        plot_approximation(res, out_dir / "favor_approx.png")
+        results["approx"] = res
+        if not quiet:
+            print(md)
+    if "speed" in what:
+        res = {
+            "command": f"linattn bench favor --what speed --n {n} --repeats {repeats} --out {out_dir}",
+            "machine": machine_info(),
+            "config": {"n": n, "heads": 8, "head_dim": 64, "m": 256, "repeats": repeats, "dtype": "float32"},
+            "times": speed_vs_performer(n=n, repeats=repeats),
+        }
+        md = format_speed(res)
+        write_atomically(out_dir, {"favor_speed.json": json.dumps(res, indent=2), "favor_speed.md": md})
+        results["speed"] = res
+        if not quiet:
+            print(md)
+    return results
