@@ -17,7 +17,7 @@ width, C chunk length, Nc number of chunks.
 
 Chunked like ``causal_linear_product``: inside a chunk the C x C score matrix is formed with the
 factors ``e^{m_j - m_i}`` (j <= i) applied elementwise; across chunks a loop of one fused
-multiply-add per chunk carries the state, rescaled at every chunk boundary. Exponents are differences of given ``m`` values, never of
+blocked scan carries the state, rescaled at every chunk boundary. Exponents are differences of given ``m`` values, never of
 cumulative sums, so a jump of thousands in ``m`` costs no precision in later weights. ``m`` is
 a stabiliser: it receives no gradient.
 """
@@ -40,14 +40,14 @@ def _chunks(x: Tensor, n_pad: int, C: int, value: float = 0.0) -> Tensor:
     return x.reshape(-1, C, x.shape[-1])
 
 
-def _weights(mc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _weights(mc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Scale factors of one chunked ``m (B*H, Nc, C)``, all <= 1:
 
     - ``intra (B*H*Nc, C, C)``: ``e^{m_j - m_i}`` for j <= i in a chunk, 0 above the diagonal;
     - ``enter (B*H*Nc, C, 1)``: ``e^{m_start - m_i}`` applied to the state entering the chunk,
       ``m_start`` being the scale of that state (the last ``m`` of the previous chunk);
     - ``leave (B*H*Nc, C, 1)``: ``e^{m_j - m_end}``, a key's weight in the state leaving the chunk;
-    - ``carry (B*H, Nc)``: ``e^{m_start - m_end}``, the rescaling of the state across the chunk.
+    - ``start``, ``end (B*H, Nc)``: the scale of the state entering and leaving each chunk.
     """
     BH, nc, C = mc.shape
     start = torch.cat([mc[:, :1, 0], mc[:, :-1, -1]], dim=1)  # (B*H, Nc): scale entering each chunk
@@ -58,37 +58,61 @@ def _weights(mc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     intra = torch.exp(torch.where(causal, -diff, float("-inf"))).view(-1, C, C)
     enter = torch.exp(start[..., None] - mc).view(-1, C, 1)
     leave = torch.exp(mc - end[..., None]).view(-1, C, 1)
-    carry = torch.exp(start - end)
-    return intra, enter, leave, carry
+    return intra, enter, leave, start, end
+
+
+def _scan(x: Tensor, lvl: Tensor, init: Tensor | None, lvl_init: Tensor) -> Tensor:
+    """Inclusive rescaled prefix sums over dim 1 of ``x (BH, Nc, X)``, a new ``(BH, Nc, X)``:
+
+        out[c] = sum_{c' <= c} e^{lvl[c'] - lvl[c]} x[c'] + e^{lvl_init - lvl[c]} init
+
+    for ``lvl (BH, Nc)`` non-decreasing and ``lvl_init (BH,)`` <= ``lvl[:, 0]``; every factor <= 1.
+
+    Blocked so that it costs few, large operations: inside groups of G consecutive entries one
+    batched matmul with the (G, G) factor matrix, then one multiply-add per group to bring in the
+    state carried from the groups before (Nc/G sequential steps instead of Nc tiny ones, which on
+    a busy CPU or a GPU cost launch and synchronisation more than arithmetic).
+    """
+    BH, nc, X = x.shape
+    G = max(1, min(nc, round(nc**0.5)))
+    ng = -(-nc // G)
+    pad = ng * G - nc
+    if pad:  # zero entries at the previous level change nothing
+        x = F.pad(x, (0, 0, 0, pad))
+        lvl = torch.cat([lvl, lvl[:, -1:].expand(BH, pad)], dim=1)
+    lg = lvl.view(BH, ng, G)
+    lower = torch.ones(G, G, dtype=torch.bool, device=x.device).tril_()
+    factors = torch.exp(torch.where(lower, lg[..., None, :] - lg[..., :, None], float("-inf")))
+    out = torch.matmul(factors, x.view(BH, ng, G, X))  # (BH, ng, G, X): sums inside each group
+    # level carried into each group: the last level of the group before (lvl_init for the first)
+    before = torch.cat([lvl_init[:, None], lg[:, :-1, -1]], dim=1)  # (BH, ng)
+    # (ng, BH, G, 1) contiguous: a strided broadcast operand sends addcmul_ down a ~100x slower path
+    carry_in = torch.exp(before[..., None] - lg).transpose(0, 1).contiguous()[..., None]
+    if init is not None:
+        out[:, 0].addcmul_(init[:, None, :], carry_in[0])
+    for g in range(1, ng):
+        out[:, g].addcmul_(out[:, g - 1, -1:], carry_in[g])
+    out = out.view(BH, ng * G, X)
+    return out[:, :nc] if pad else out
 
 
 def _chunk_states(
-    kc: Tensor, wc: Tensor, leave: Tensor, carry: Tensor, s0: Tensor | None, BH: int
+    kc: Tensor, wc: Tensor, leave: Tensor, start: Tensor, end: Tensor, s0: Tensor | None, BH: int
 ) -> tuple[Tensor, Tensor]:
     """The state entering each chunk ``(B*H*Nc, F, E)`` and the final state ``(B*H, F, E)``.
 
-    ``S_out[c] = carry[c] S_out[c-1] + (leave * kc[c])^T wc[c]`` with ``S_out[-1] = s0``, one fused
-    ``addcmul_`` per chunk in the buffer that the per-chunk contributions were written to. The
-    buffer has one spare slot in front, so that shifted by one it holds each chunk's *entering*
-    state ``S_out[c-1]``; the slots where a head's first chunk would read the previous head's
-    last state are then overwritten with ``s0``.
+    ``S_out[c] = e^{start[c] - end[c]} S_out[c-1] + kc[c]^T (leave * wc[c])`` with ``S_out[-1] = s0``.
     """
     Fd, E = kc.shape[-1], wc.shape[-1]
     nc = kc.shape[0] // BH
-    buf = kc.new_empty(BH * nc + 1, Fd, E)
-    torch.bmm((kc * leave).transpose(1, 2), wc, out=buf[1:])  # contributions
-    out = buf[1:].view(BH, nc, Fd, E)
-    # (Nc, B*H, 1, 1): a contiguous factor per chunk (a strided broadcast operand sends addcmul_
-    # down a path ~100x slower)
-    carry4 = carry.T.contiguous()[..., None, None]
-    if s0 is not None:
-        out[:, 0].addcmul_(s0.reshape(BH, Fd, E), carry4[0])
-    for c in range(1, nc):
-        out[:, c].addcmul_(out[:, c - 1], carry4[c])
-    s_final = out[:, -1].clone()
-    # slot b*nc (b >= 1) holds head b-1's last state: make it head b's initial state
-    buf[0 : BH * nc : nc] = 0 if s0 is None else s0.reshape(BH, Fd, E)
-    return buf[:-1], s_final
+    contrib = torch.bmm(kc.transpose(1, 2), wc * leave).view(BH, nc, Fd * E)  # scale the narrower w
+    init = None if s0 is None else s0.reshape(BH, Fd * E)
+    s_out = _scan(contrib, end, init, start[:, 0])
+    del contrib
+    s_final = s_out[:, -1].reshape(BH, Fd, E).clone()
+    first = s_out.new_zeros(BH, 1, Fd * E) if s0 is None else init[:, None]
+    s_in = torch.cat([first, s_out[:, :-1]], dim=1)  # (BH, Nc, F*E): entering = previous leaving
+    return s_in.view(-1, Fd, E), s_final
 
 
 class _LogScaledCausalProduct(torch.autograd.Function):
@@ -109,8 +133,8 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             mc = _chunks(m[..., None], n_pad, C, 0.0).view(B * H, nc, C)
             if n_pad:
                 mc[:, -1, C - n_pad :] = mc[:, -1, C - n_pad - 1 : C - n_pad]
-            intra, enter, leave, carry = _weights(mc)
-            s_in, s_final = _chunk_states(kc, wc, leave, carry, s0, B * H)
+            intra, enter, leave, start, end = _weights(mc)
+            s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H)
             scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
             o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
             ctx.save_for_backward(ac, kc, wc, mc, s_in)
@@ -127,32 +151,29 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             B, H, N = ctx.meta
             C, Fd, E = ac.shape[1], ac.shape[2], wc.shape[-1]
             BH, nc = B * H, mc.shape[1]
-            intra, enter, leave, carry = _weights(mc)
+            intra, enter, leave, start, end = _weights(mc)
             if do is None:
                 do = ac.new_zeros(B, H, N, E)
             doc = _chunks(do, nc * C - N, C)  # (B*H*Nc, C, E)
             doe = doc * enter  # gradient reaching a_i . S_in, per row
-            # g[c] = d loss / d S_in[c] from chunk c's outputs. Running backwards,
-            # T[c] = g[c] + carry[c] T[c+1] with T[Nc] = d loss / d s_final is the total gradient of
-            # S_in[c], and chunk c's contribution gets T[c+1]: the buffer shifted by one, as in
-            # _chunk_states but mirrored.
-            buf = ac.new_empty(BH * nc + 1, Fd, E)
-            torch.bmm(ac.transpose(1, 2), doe, out=buf[:-1])
-            t = buf[:-1].view(BH, nc, Fd, E)
-            carry4 = carry.T.contiguous()[..., None, None]  # (Nc, B*H, 1, 1), see _chunk_states
-            if ds_final is not None:
-                t[:, -1].addcmul_(ds_final.reshape(BH, Fd, E), carry4[-1])
-            for c in range(nc - 2, -1, -1):
-                t[:, c].addcmul_(t[:, c + 1], carry4[c])
-            ds0 = t[:, 0].clone().view(B, H, Fd, E) if ctx.has_s0 else None
-            buf[nc :: nc] = 0 if ds_final is None else ds_final.reshape(BH, Fd, E)
-            g = buf[1:]  # (B*H*Nc, F, E): d loss / d (chunk c's contribution)
+            # g[c] = d loss / d S_in[c] from chunk c's outputs. The total gradient of S_in[c] is
+            # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
+            # the same rescaled scan run backwards (levels -start, read in reverse order); chunk c's
+            # contribution gets T[c+1] (T[Nc] = ds_final) and s0 gets T[0].
+            g = torch.bmm(ac.transpose(1, 2), doe).view(BH, nc, Fd * E)
+            init = None if ds_final is None else ds_final.reshape(BH, Fd * E)
+            t = _scan(g.flip(1), -start.flip(1), init, -end[:, -1]).flip(1)  # (BH, Nc, F*E)
+            del g
+            ds0 = t[:, 0].reshape(B, H, Fd, E).clone() if ctx.has_s0 else None
+            last = t.new_zeros(BH, 1, Fd * E) if init is None else init[:, None]
+            g = torch.cat([t[:, 1:], last], dim=1).view(-1, Fd, E)  # d loss / d (chunk c's contribution)
+            del t
             dscores = torch.bmm(doc, wc.transpose(1, 2)).mul_(intra)  # d loss / d (a k^T), masked
             scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)
-            dw = torch.bmm(kc * leave, g).baddbmm_(scores.transpose(1, 2), doc)
+            dw = torch.bmm(kc, g).mul_(leave).baddbmm_(scores.transpose(1, 2), doc)
             del scores
             dk = torch.bmm(wc, g.transpose(1, 2)).mul_(leave).baddbmm_(dscores.transpose(1, 2), ac)
-            del g, buf, t
+            del g
             da = torch.bmm(dscores, kc).baddbmm_(doe, s_in.transpose(1, 2))
 
             def unchunk(x: Tensor) -> Tensor:
