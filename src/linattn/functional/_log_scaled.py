@@ -116,8 +116,8 @@ def _chunk_states(
 
 
 class _LogScaledCausalProduct(torch.autograd.Function):
-    # Saves its inputs and the per-chunk states (N F E / C floats, about one more feature tensor):
-    # the scan over chunks is sequential and costs more to redo than to keep.
+    # Saves its inputs, the per-chunk states (N F E / C floats, about one more feature tensor) and
+    # the chunk scores (N C floats): with F in the hundreds both cost more to redo than to keep.
 
     @staticmethod
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None, chunk_size: int):
@@ -137,7 +137,7 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H)
             scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
             o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
-            ctx.save_for_backward(ac, kc, wc, mc, s_in)
+            ctx.save_for_backward(ac, kc, wc, mc, s_in, scores)
             ctx.has_s0 = s0 is not None
             ctx.meta = (B, H, N)
             out = o.view(B, H, -1, E)[:, :, :N]
@@ -147,7 +147,7 @@ class _LogScaledCausalProduct(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
         with no_autocast(ctx.device_type):
-            ac, kc, wc, mc, s_in = ctx.saved_tensors
+            ac, kc, wc, mc, s_in, scores = ctx.saved_tensors
             B, H, N = ctx.meta
             C, Fd, E = ac.shape[1], ac.shape[2], wc.shape[-1]
             BH, nc = B * H, mc.shape[1]
@@ -169,9 +169,7 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             g = torch.cat([t[:, 1:], last], dim=1).view(-1, Fd, E)  # d loss / d (chunk c's contribution)
             del t
             dscores = torch.bmm(doc, wc.transpose(1, 2)).mul_(intra)  # d loss / d (a k^T), masked
-            scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)
             dw = torch.bmm(kc, g).mul_(leave).baddbmm_(scores.transpose(1, 2), doc)
-            del scores
             dk = torch.bmm(wc, g.transpose(1, 2)).mul_(leave).baddbmm_(dscores.transpose(1, 2), ac)
             del g
             da = torch.bmm(dscores, kc).baddbmm_(doe, s_in.transpose(1, 2))
