@@ -11,16 +11,26 @@ from .linear import (
     linear_attention,
     linear_attention_reference,
 )
+from .linformer import linformer_attention, linformer_attention_reference
+from .local import LocalAttentionState, local_attention, local_attention_reference
+from .lsh import lsh_attention, lsh_attention_reference
 from .softmax import softmax_attention, softmax_attention_reference
 
 __all__ = [
     "FEATURE_MAPS",
     "LinearAttentionState",
+    "LocalAttentionState",
     "causal_linear_product",
     "efficient_attention",
     "efficient_attention_reference",
     "linear_attention",
     "linear_attention_reference",
+    "linformer_attention",
+    "linformer_attention_reference",
+    "local_attention",
+    "local_attention_reference",
+    "lsh_attention",
+    "lsh_attention_reference",
     "softmax_attention",
     "softmax_attention_reference",
 ]
