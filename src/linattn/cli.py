@@ -1,4 +1,4 @@
-"""Command line: `linattn demo` and `linattn bench core`."""
+"""Command line: `linattn demo`, `linattn bench core` and `linattn bench family`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     core.add_argument("--n", type=int, default=16384, help="sequence length (default 16384)")
     core.add_argument("--repeats", type=int, default=7)
 
+    family = bench_sub.add_parser("family", help="local attention at N = 65536 against softmax at N = 4096")
+    family.add_argument("--out", default="docs/benchmarks", help="folder for family.json and family.md")
+    family.add_argument("--n-local", type=int, default=65536, help="local attention's N (default 65536)")
+    family.add_argument("--n-softmax", type=int, default=4096, help="softmax attention's N (default 4096)")
+    family.add_argument("--repeats", type=int, default=3)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .bench.demo import DEFAULT_NS, run_demo
@@ -40,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.core import run_core
 
         run_core(out_dir=args.out, n=args.n, repeats=args.repeats)
+    elif args.command == "bench" and args.suite == "family":
+        from .bench.family import run_family
+
+        run_family(out_dir=args.out, n_local=args.n_local, n_softmax=args.n_softmax, repeats=args.repeats)
     return 0
 
 
