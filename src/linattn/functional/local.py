@@ -36,10 +36,11 @@ from .softmax import _check_scale
 
 __all__ = ["LocalAttentionState", "local_attention", "local_attention_reference"]
 
-# Block length bounds. A query block of C rows sees K = (M+1) C keys of which W+1 are in its band,
-# so C near W wastes the least work per useful score while the tiles stay large enough for the
-# fused kernel to run at full speed. Timed at N = 65536, H = 8, D = 64 on 2 CPU cores for
-# W = 256: C = 256 (M = 1) beat C = 128 (M = 2) and C = 64 (M = 4), causal and bidirectional.
+# Block length bounds. A causal query block of C rows sees K = (M+1) C keys of which W+1 are in a
+# row's band: smaller blocks waste fewer scores but give the fused kernel smaller tiles. At
+# N = 65536, H = 8, D = 64, W = 256 on 2 shared CPU cores, C = 256 (M = 1), 128 (M = 2) and
+# 64 (M = 4) timed the same within noise; the largest keeps the fewest tiles. The lower bound
+# keeps tiny windows from making tiny tiles.
 MIN_BLOCK = 32
 MAX_BLOCK = 256
 
@@ -173,7 +174,9 @@ class _Windows(torch.autograd.Function):
     def forward(ctx, x: Tensor, front: int, C: int, K: int, nb: int):
         B, H, L, X = x.shape
         Lp = (nb - 1) * C + K
-        xp = x.new_zeros(B, H, Lp, X)
+        xp = x.new_empty(B, H, Lp, X)  # zero only the padding: every fill of a large buffer costs
+        xp[:, :, :front].zero_()
+        xp[:, :, front + L:].zero_()
         xp[:, :, front:front + L] = x
         s = xp.stride()
         win = xp.as_strided((B, nb, H, K, X), (s[0], C * s[2], s[1], s[2], s[3]))  # (B, Nb, H, K, X)
@@ -184,9 +187,11 @@ class _Windows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         B, H, L, X, front, C, K, nb = ctx.meta
-        gp = g.new_zeros(B, H, (nb - 1) * C + K, X)
+        gp = g.new_empty(B, H, (nb - 1) * C + K, X)
+        gp[:, :, nb * C:].zero_()
         g = g.view(B, nb, H, K // C, C, X)
-        for p in range(K // C):  # the p-th C-slice of window b is block b + p of the padded keys
+        gp[:, :, :nb * C].view(B, H, nb, C, X).copy_(g[:, :, :, 0].transpose(1, 2))
+        for p in range(1, K // C):  # the p-th C-slice of window b is block b + p of the padded keys
             gp[:, :, p * C:(p + nb) * C].view(B, H, nb, C, X).add_(g[:, :, :, p].transpose(1, 2))
         return gp[:, :, front:front + L], None, None, None, None
 
@@ -209,7 +214,9 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int
     kw = _Windows.apply(keys, front, C, K, nb)  # (B*Nb, H, K, D)
     vw = _Windows.apply(values, front, C, K, nb)  # (B*Nb, H, K, Dv)
     # (B*Nb, H, C, D): blocks in the batch dimension so that a (B*Nb, 1, C, K) mask broadcasts over heads
-    qb = F.pad(q, (0, 0, 0, nb * C - N)).view(B, H, nb, C, D).transpose(1, 2).reshape(B * nb, H, C, D)
+    if nb * C != N:
+        q = F.pad(q, (0, 0, 0, nb * C - N))
+    qb = q.view(B, H, nb, C, D).transpose(1, 2).reshape(B * nb, H, C, D)
 
     ii = torch.arange(C, device=q.device)[:, None] + M * C
     t = torch.arange(K, device=q.device)[None, :]
@@ -227,7 +234,7 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int
     if not every_query_has_key:
         out = torch.where(has_key.view(B * nb, 1, C, 1), out, out.new_zeros(()))
     out = out.view(B, nb, H, C, Dv).transpose(1, 2).reshape(B, H, nb * C, Dv)  # (B, H, Nb C, Dv)
-    return out[:, :, :N]
+    return out if nb * C == N else out[:, :, :N]
 
 
 def local_attention(
