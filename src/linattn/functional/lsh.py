@@ -21,7 +21,8 @@ how many *future* positions fall into lower buckets, so a causal output would ch
 token changes. Cutting each bucket separately makes the rank of a position in its bucket, and so
 its chunk, depend only on earlier positions. Each bucket is padded to whole chunks: Np <= 2N slots.
 
-Cost: O(N log N) for the sort, O(R N c D) for the attention, O(R N c) memory.
+Cost: O(N log N) for the sort, O(R N c D) for the attention, O(R N (c + D)) memory (Np <= 2N
+slots per round, each chunk's keys copied next to the previous chunk's).
 """
 
 from __future__ import annotations
@@ -125,6 +126,50 @@ def _masked_softmax_lse(scores: Tensor, allowed: Tensor, values: Tensor) -> tupl
     return out, lse.squeeze(-1)
 
 
+class _ChunkAttention(torch.autograd.Function):
+    """``_masked_softmax_lse(q k^T * scale, allowed, v)`` for chunks ``q (.., c, D)``,
+    ``k (.., K, D)``, ``v (.., K, Dv)``, ``allowed (.., c, K)`` with its own backward.
+
+    Saves the inputs, the output and the log-sum-exp, and rebuilds the probabilities in backward
+    (as flash attention does), instead of autograd keeping the scores, their exponentials and the
+    masked copies: at N = 16384 that is the difference between ~1 GB and ~3 GB.
+    The log-sum-exp has a gradient too (it weighs the hash rounds).
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float):
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (.., c, K)
+        scores.masked_fill_(~allowed, float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        p = scores.sub_(top).exp_()  # exp(-inf) = 0 where not allowed
+        z = p.sum(-1, keepdim=True)
+        some = z > 0
+        z = torch.where(some, z, torch.ones_like(z))
+        out = torch.matmul(p, v).div_(z)  # (.., c, Dv)
+        lse = torch.where(some, z.log() + top, torch.full_like(z, float("-inf"))).squeeze(-1)
+        ctx.save_for_backward(q, k, v, allowed, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: Tensor, d_lse: Tensor):
+        q, k, v, allowed, out, lse = ctx.saved_tensors
+        scale = ctx.scale
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]
+        p = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).sub_(lse_safe).exp_()
+        p.masked_fill_(~allowed, 0.0)  # (.., c, K): the probabilities of the forward pass
+        dv = torch.matmul(p.transpose(-1, -2), d_out)
+        # d score_ij = p_ij (d_out_i . v_j - d_out_i . out_i + d_lse_i)
+        delta = (d_out * out).sum(-1, keepdim=True) - d_lse[..., None]  # (.., c, 1)
+        ds = torch.matmul(d_out, v.transpose(-1, -2)).sub_(delta).mul_(p).mul_(scale)
+        del p
+        dq = torch.matmul(ds, k)
+        dk = torch.matmul(ds.transpose(-1, -2), q)
+        return dq, dk, dv, None, None
+
+
 def lsh_attention(
     qk: Tensor,
     v: Tensor,
@@ -207,6 +252,7 @@ def _bucketed(q, k, v, buckets, n_buckets: int, c: int, causal: bool, scale: flo
         return torch.cat([prev, x], dim=2)
 
     kw, vw = look_back(ks, 0), look_back(vs, 0)  # (G, Nc, 2c, D|Dv)
+    del ks, vs  # R * Np * (D + Dv) floats each: free them before the scores exist
     pq = tok.view(G, nc, c)
     bq = slot_bucket.view(G, nc, c)
     pk, bk = look_back(pq, -1), look_back(bq, -1)  # (G, Nc, 2c); -1: no key
@@ -214,8 +260,7 @@ def _bucketed(q, k, v, buckets, n_buckets: int, c: int, causal: bool, scale: flo
     allowed &= pk[:, :, None, :] != pq[..., None]  # never itself (the fallback is handled later)
     if causal:
         allowed &= pk[:, :, None, :] <= pq[..., None]
-    scores = (qs @ kw.transpose(-1, -2)) * scale  # (G, Nc, c, 2c)
-    o, lse = _masked_softmax_lse(scores, allowed, vw)  # (G, Nc, c, Dv), (G, Nc, c)
+    o, lse = _ChunkAttention.apply(qs, kw, vw, allowed, scale)  # (G, Nc, c, Dv), (G, Nc, c)
     # back to positions; padding reads the appended empty slot
     o = torch.cat([o.reshape(G, np_, Dv), o.new_zeros(G, 1, Dv)], 1)
     lse = torch.cat([lse.reshape(G, np_), lse.new_full((G, 1), float("-inf"))], 1)
