@@ -12,7 +12,7 @@ import reference as ref
 from conftest import assert_close, grads, make_mask, make_qkv
 
 # (N, window): N = 1, not multiples of any block size, windows below, at and above N and MAX_BLOCK
-SIZES = [(1, 1), (2, 1), (63, 5), (65, 64), (65, 100), (200, 33), (300, MAX_BLOCK + 1), (1000, 40)]
+SIZES = [(1, 1), (2, 1), (63, 5), (65, 64), (65, 100), (200, 33), (300, MAX_BLOCK + 1), (600, 2 * MAX_BLOCK + 5), (1000, 40)]
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -38,11 +38,11 @@ __all__ = ["LocalAttentionState", "local_attention", "local_attention_reference"
 
 # Block length bounds. A causal query block of C rows sees K = (M+1) C keys of which W+1 are in a
 # row's band: smaller blocks waste fewer scores but give the fused kernel smaller tiles. At
-# N = 65536, H = 8, D = 64, W = 256 on 2 shared CPU cores, C = 256 (M = 1), 128 (M = 2) and
-# 64 (M = 4) timed the same within noise; the largest keeps the fewest tiles. The lower bound
-# keeps tiny windows from making tiny tiles.
+# N = 65536, H = 8, D = 64, W = 256, forward+backward on 2 CPU cores (median of 5): causal
+# C = 256 / 128 / 64 took 2.07 / 1.83 / 1.82 s, bidirectional 2.94 / 2.88 / 3.09 s. The lower
+# bound keeps tiny windows from making tiny tiles.
 MIN_BLOCK = 32
-MAX_BLOCK = 256
+MAX_BLOCK = 128
 
 
 class LocalAttentionState(NamedTuple):
