@@ -142,3 +142,98 @@ def favor_attention(q, k, v, W, kind, causal=False, mask=None, scale=None, trig_
     if mask is not None:
         fk = torch.where(mask[:, None, :, None], fk, torch.zeros_like(fk))
     return out, fk.transpose(-1, -2) @ v, fk.sum(-2)
+def local_attention(q, k, v, window, causal=False, mask=None, scale=None):
+    """Softmax attention with an explicit (N, N) band mask: |i - j| <= window (causal: 0 <= i - j <= window)."""
+    n = q.shape[2]
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    band = ((i - j) >= 0) & ((i - j) <= window) if causal else (i - j).abs() <= window
+    B, _, nq, d = q.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k, v = _zero_padded(k, mask), _zero_padded(v, mask)
+    allowed = allowed_matrix(nq, n, B, False, mask) & band
+    logits = (q @ k.transpose(-1, -2)) * scale
+    shift = torch.where(allowed, logits, torch.full_like(logits, -1e300)).max(-1, keepdim=True).values
+    sim = torch.exp(torch.where(allowed, logits - shift, torch.full_like(logits, -1e300)))
+    return weighted_average(sim, v, allowed)
+
+
+def linformer_attention(q, k, v, E, F, mask=None, scale=None):
+    """softmax(q (E k)^T * scale) (F v) written with explicit sums; padded keys dropped first."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k, v = _zero_padded(k, mask), _zero_padded(v, mask)
+    kp = torch.einsum("pn,bhnd->bhpd", E, k)
+    vp = torch.einsum("pn,bhne->bhpe", F, v)
+    logits = torch.einsum("bhid,bhpd->bhip", q, kp) * scale
+    w = torch.exp(logits - logits.max(-1, keepdim=True).values)
+    w = w / w.sum(-1, keepdim=True)
+    return torch.einsum("bhip,bhpe->bhie", w, vp)
+
+
+def shared_qk_attention(qk, v, causal=False, mask=None, scale=None):
+    """Full softmax attention with q = qk, k = qk / |qk|, never attending to oneself unless there is
+    nothing else (then the output is one's own value; zeros for a padded position)."""
+    B, _, n, d = qk.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qk, v = _zero_padded(qk, mask), _zero_padded(v, mask)
+    k = qk / torch.sqrt((qk * qk).sum(-1, keepdim=True)).clamp_min(1e-300)
+    allowed = allowed_matrix(n, n, B, causal, mask) & ~torch.eye(n, dtype=torch.bool)
+    if mask is not None:  # a padded position attends nothing
+        allowed = allowed & mask[:, None, :, None]
+    logits = (qk @ k.transpose(-1, -2)) * scale
+    shift = torch.where(allowed, logits, torch.full_like(logits, -1e300)).max(-1, keepdim=True).values
+    sim = torch.exp(torch.where(allowed, logits - shift, torch.full_like(logits, -1e300)))
+    out = weighted_average(sim, v, allowed)
+    alone = ~allowed.any(-1, keepdim=True)
+    return torch.where(alone, v, out)
+
+
+def lsh_buckets(qk, rotations, n_buckets):
+    """Angular LSH: argmax over the first n_buckets of [x R, -x R] for unit x; (B, H, R, N)."""
+    k = qk / torch.sqrt((qk * qk).sum(-1, keepdim=True)).clamp_min(1e-300)
+    out = []
+    for r in range(rotations.shape[1]):
+        xr = k @ rotations[:, r, :]
+        out.append(torch.cat([xr, -xr], -1)[..., :n_buckets].argmax(-1))
+    return torch.stack(out, 2)
+
+
+def lsh_attention_loops(qk, v, buckets, bucket_size, causal=False, mask=None, scale=None):
+    """Reformer attention one query at a time: in round r, query i attends the real positions j != i
+    of its bucket whose rank in the bucket (among real positions, by position) is in i's chunk or
+    the chunk before (j < i too when causal); rounds combined by log-sum-exp. Slow: tiny inputs."""
+    B, H, n, d = qk.shape
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qk, v = _zero_padded(qk, mask), _zero_padded(v, mask)
+    k = qk / torch.sqrt((qk * qk).sum(-1, keepdim=True)).clamp_min(1e-300)
+    real = torch.ones(B, n, dtype=torch.bool) if mask is None else mask
+    rows = []
+    for b in range(B):
+        for h in range(H):
+            outs = []
+            for i in range(n):
+                if not real[b, i]:
+                    outs.append(torch.zeros_like(v[b, h, i]))
+                    continue
+                round_out, round_lse = [], []
+                for r in range(buckets.shape[2]):
+                    hb = buckets[b, h, r]
+                    members = [j for j in range(n) if real[b, j] and hb[j] == hb[i]]  # by position
+                    rank = {j: t for t, j in enumerate(members)}
+                    ci = rank[i] // bucket_size
+                    keys = [j for j in members if j != i and rank[j] // bucket_size in (ci, ci - 1)
+                            and (not causal or j < i)]
+                    if not keys:
+                        continue
+                    logits = (k[b, h, keys] @ qk[b, h, i]) * scale
+                    lse = torch.logsumexp(logits, 0)
+                    round_out.append(torch.exp(logits - lse) @ v[b, h, keys])
+                    round_lse.append(lse)
+                if not round_out:
+                    outs.append(v[b, h, i])
+                    continue
+                w = torch.softmax(torch.stack(round_lse), 0)
+                outs.append((w[:, None] * torch.stack(round_out)).sum(0))
+            rows.append(torch.stack(outs))
+    return torch.stack(rows).view(B, H, n, -1)

@@ -3,6 +3,7 @@ checks that the harness works and writes what it promises)."""
 
 import json
 
+import pytest
 import torch
 
 import linattn
@@ -63,3 +64,37 @@ def test_favor_approximation_benchmark_tiny(tmp_path):
         assert all(0 < e < 10 for e in per_m["8"] + per_m["64"])
     assert (tmp_path / "favor_approx.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "positive-orthogonal" in (tmp_path / "favor_approx.md").read_text()
+def test_family_tiny(tmp_path):
+    from linattn.bench.family import run_family
+
+    result = run_family(out_dir=tmp_path, n_local=300, n_softmax=40, repeats=1, quiet=True)
+    saved = json.loads((tmp_path / "family.json").read_text())
+    assert saved["command"] == f"linattn bench family --n-local 300 --n-softmax 40 --repeats 1 --out {tmp_path}"
+    assert set(saved["seconds"]) == {"local causal", "local bidirectional", "softmax bidirectional", "softmax causal"}
+    assert all(t > 0 for t in saved["seconds"].values())
+    assert saved["cases"]["local causal"]["n"] == 300 and saved["cases"]["softmax causal"]["n"] == 40
+    md = (tmp_path / "family.md").read_text()
+    for key, holds in saved["claim"].items():
+        if key != "text":  # the markdown states each verdict the JSON holds
+            assert f"- {key}: {'holds' if holds else 'does NOT hold'}" in md
+    assert result["claim"] == saved["claim"]
+
+
+def test_cli_bench_family(tmp_path, capsys):
+    assert main(["bench", "family", "--n-local", "64", "--n-softmax", "16", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert "local causal" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("impl", ["local", "linformer", "lsh"])
+def test_family_impls_run_forward_and_backward(impl):
+    from linattn.bench.harness import IMPLS
+
+    for causal in (False, True):
+        if not IMPLS[impl].supports(causal):
+            with pytest.raises(ValueError, match="no causal form"):
+                call(Case(impl, causal, 128, heads=2, head_dim=8), make_inputs(Case(impl, causal, 128, heads=2, head_dim=8)))
+            continue
+        case = Case(impl, causal, 128, heads=2, head_dim=8)
+        x = make_inputs(case)
+        call(case, x)
+        assert x[0].grad is not None and torch.isfinite(x[0].grad).all()

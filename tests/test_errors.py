@@ -11,6 +11,9 @@ MECHS = {
     "softmax_attention": lambda q, k, v, **kw: linattn.softmax_attention(q, k, v, **kw),
     "linear_attention": lambda q, k, v, **kw: linattn.linear_attention(q, k, v, **kw),
     "efficient_attention": lambda q, k, v, **kw: linattn.efficient_attention(q, k, v, **kw),
+    "local_attention": lambda q, k, v, **kw: linattn.local_attention(q, k, v, window=2, **kw),
+    "linformer_attention": lambda q, k, v, **kw: linattn.linformer_attention(
+        q, k, v, torch.ones(3, k.shape[2]), torch.ones(3, k.shape[2]), **kw),
 }
 
 

@@ -1,4 +1,4 @@
-"""Command line: `linattn demo`, `linattn bench core` and `linattn bench favor`."""
+"""Command line: `linattn demo` and `linattn bench core|favor|family`."""
 
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     favor.add_argument("--seeds", type=int, default=20)
     favor.add_argument("--n", type=int, default=4096, help="sequence length of the speed comparison")
     favor.add_argument("--repeats", type=int, default=7)
+    family = bench_sub.add_parser("family", help="local attention at N = 65536 against softmax at N = 4096")
+    family.add_argument("--out", default="docs/benchmarks", help="folder for family.json and family.md")
+    family.add_argument("--n-local", type=int, default=65536, help="local attention's N (default 65536)")
+    family.add_argument("--n-softmax", type=int, default=4096, help="softmax attention's N (default 4096)")
+    family.add_argument("--repeats", type=int, default=3)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -58,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--what: unknown parts {unknown}; choose from approx, speed")
         run_favor(out_dir=args.out, what=what, ms=args.ms or APPROX_MS, seeds=args.seeds, n=args.n,
                   repeats=args.repeats)
+    elif args.command == "bench" and args.suite == "family":
+        from .bench.family import run_family
+
+        run_family(out_dir=args.out, n_local=args.n_local, n_softmax=args.n_softmax, repeats=args.repeats)
     return 0
 
 

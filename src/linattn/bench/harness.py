@@ -11,6 +11,7 @@ mark VmHWM, reset through /proc/self/clear_refs just before the call).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -95,6 +96,33 @@ def _has(module: str) -> Callable[[], bool]:
     return check
 
 
+# Settings of the mechanisms that have more than q, k, v and causal (fixed so that every benchmark
+# measures the same thing; N must be a multiple of LSH_BUCKET_SIZE for "lsh").
+LOCAL_WINDOW = 256
+LINFORMER_PROJ_LEN = 256
+LSH_N_HASHES = 4
+LSH_BUCKET_SIZE = 64
+
+
+@functools.lru_cache(maxsize=4)
+def _linformer_projections(n: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed E, F (P, N) with entries N(0, 1/P), drawn once per (N, dtype, device): not timed."""
+    g = torch.Generator().manual_seed(0)
+    e, f = (torch.randn(LINFORMER_PROJ_LEN, n, generator=g) / LINFORMER_PROJ_LEN**0.5 for _ in range(2))
+    return e.to(device=device, dtype=dtype), f.to(device=device, dtype=dtype)
+
+
+def _linformer_fn(q, k, v, causal):
+    e, f = _linformer_projections(k.shape[2], k.dtype, str(k.device))
+    return linattn.linformer_attention(q, k, v, e, f, causal=causal)
+
+
+def _lsh_fn(q, k, v, causal):
+    # shared query-key: q is the shared vector, k goes unused; a fixed generator gives fixed rotations
+    return linattn.lsh_attention(q, v, n_hashes=LSH_N_HASHES, bucket_size=LSH_BUCKET_SIZE, causal=causal,
+                                 generator=torch.Generator().manual_seed(0))
+
+
 IMPLS: dict[str, Impl] = {
     "softmax": Impl("softmax", lambda q, k, v, c: linattn.softmax_attention(q, k, v, causal=c),
                     note="linattn.softmax_attention (PyTorch SDPA)"),
@@ -102,6 +130,12 @@ IMPLS: dict[str, Impl] = {
                    note="linattn.linear_attention, elu+1"),
     "efficient": Impl("efficient", lambda q, k, v, c: linattn.efficient_attention(q, k, v),
                       causal=False, note="linattn.efficient_attention"),
+    "local": Impl("local", lambda q, k, v, c: linattn.local_attention(q, k, v, window=LOCAL_WINDOW, causal=c),
+                  note=f"linattn.local_attention, window {LOCAL_WINDOW}"),
+    "linformer": Impl("linformer", _linformer_fn, causal=False,
+                      note=f"linattn.linformer_attention, P = {LINFORMER_PROJ_LEN}, fixed E, F ~ N(0, 1/P)"),
+    "lsh": Impl("lsh", _lsh_fn,
+                note=f"linattn.lsh_attention, shared qk = q, {LSH_N_HASHES} hashes, bucket size {LSH_BUCKET_SIZE}"),
     "fast_transformers": Impl("fast_transformers", _fast_transformers_fn, layout="bnhd",
                               note="fast-transformers 0.4.0 (Causal)LinearAttention, elu+1, C++ CPU kernel",
                               available=_has("fast_transformers")),

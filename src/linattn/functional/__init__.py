@@ -19,6 +19,9 @@ from .linear import (
     linear_attention,
     linear_attention_reference,
 )
+from .linformer import linformer_attention, linformer_attention_reference
+from .local import LocalAttentionState, local_attention, local_attention_reference
+from .lsh import lsh_attention, lsh_attention_reference
 from .softmax import softmax_attention, softmax_attention_reference
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "FAVOR_KERNELS",
     "FEATURE_MAPS",
     "LinearAttentionState",
+    "LocalAttentionState",
     "causal_linear_product",
     "efficient_attention",
     "efficient_attention_reference",
@@ -35,6 +39,12 @@ __all__ = [
     "favor_projection",
     "linear_attention",
     "linear_attention_reference",
+    "linformer_attention",
+    "linformer_attention_reference",
+    "local_attention",
+    "local_attention_reference",
+    "lsh_attention",
+    "lsh_attention_reference",
     "softmax_attention",
     "softmax_attention_reference",
 ]
