@@ -85,7 +85,7 @@ def test_cli_bench_family(tmp_path, capsys):
     assert "local causal" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("impl", ["local", "linformer", "lsh"])
+@pytest.mark.parametrize("impl", ["local", "linformer", "lsh", "favor"])
 def test_family_impls_run_forward_and_backward(impl):
     from linattn.bench.harness import IMPLS
 

@@ -23,7 +23,7 @@ import torch
 
 import linattn
 
-from .harness import machine_info, median, time_calls, write_atomically
+from .harness import IMPLS, Case, call, machine_info, make_inputs, median, peak_memory, time_calls, write_atomically
 
 APPROX_MS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 VARIANTS = (("positive", True), ("positive", False), ("trig", True), ("trig", False))
@@ -98,36 +98,23 @@ def plot_approximation(result: dict, path: str | Path) -> None:
     tmp.replace(path)
 
 
-def speed_vs_performer(*, n: int = 4096, m: int = 256, repeats: int = 7, heads: int = 8, d: int = 64) -> dict:
-    """Interleaved forward+backward times of linattn and performer-pytorch, causal and not."""
-    try:
-        from performer_pytorch.performer_pytorch import FastAttention, causal_linear_attention
-    except ImportError as e:
+def speed_vs_performer(*, n: int = 4096, repeats: int = 7, heads: int = 8, d: int = 64) -> dict:
+    """Interleaved forward+backward times and peak memory of linattn and performer-pytorch."""
+    if not IMPLS["performer_pytorch"].available():
         raise RuntimeError(
             "linattn bench favor --what speed needs performer-pytorch 1.1.4 and fast-transformers 0.4.0 "
             "(see docs/benchmarks/README.md); they are benchmark peers, not dependencies"
-        ) from e
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, n, d, generator=g) for _ in range(3))
-    W = linattn.favor_projection(m, d, generator=g)
+        )
     result: dict = {}
     for causal in (True, False):
-        fa = FastAttention(dim_heads=d, nb_features=m, causal=causal)
-        if causal:
-            # performer-pytorch looks only for the CUDA build of this kernel; this is its CPU one
-            fa.causal_linear_fn = causal_linear_attention
-
-        def ours(causal=causal):
-            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            linattn.favor_attention(qq, kk, vv, W, causal=causal).sum().backward()
-
-        def theirs(fa=fa):
-            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            fa(qq, kk, vv).sum().backward()
-
-        times = time_calls({"linattn": ours, "performer_pytorch": theirs}, repeats=repeats, warmup=2)
+        cases = {"linattn": Case("favor", causal, n, heads=heads, head_dim=d),
+                 "performer_pytorch": Case("performer_pytorch", causal, n, heads=heads, head_dim=d)}
+        inputs = {name: make_inputs(c) for name, c in cases.items()}
+        fns = {name: (lambda c=c, x=inputs[name]: call(c, x)) for name, c in cases.items()}
+        times = time_calls(fns, repeats=repeats, warmup=2)
         result["causal" if causal else "bidirectional"] = {
-            name: {"median_s": median(ts), "all_s": ts} for name, ts in times.items()
+            name: {"median_s": median(ts), "all_s": ts, "peak_memory_bytes": peak_memory(cases[name])}
+            for name, ts in times.items()
         }
     return result
 
@@ -140,16 +127,19 @@ def format_speed(result: dict) -> str:
         "",
         f"Written by `{result['command']}`; do not edit by hand. "
         f"torch {result['machine']['torch']}, {result['machine']['threads']} threads, default malloc. "
-        f"Median of {cfg['repeats']} interleaved repeats. performer-pytorch causal uses "
-        "fast-transformers' CPU kernel (its fastest CPU path).",
+        f"Median of {cfg['repeats']} interleaved repeats; peak memory = peak RSS above the inputs in a "
+        "fresh process per configuration. performer-pytorch causal uses fast-transformers' CPU kernel "
+        "(its fastest CPU path).",
         "",
-        "| mode | contender | time | performer-pytorch / linattn |",
-        "| --- | --- | --- | --- |",
+        "| mode | contender | time | performer-pytorch / linattn | peak memory |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for mode, res in result["times"].items():
-        ours, theirs = res["linattn"]["median_s"], res["performer_pytorch"]["median_s"]
-        lines.append(f"| {mode} | linattn | {ours * 1e3:.0f} ms | {theirs / ours:.2f}x |")
-        lines.append(f"| {mode} | performer_pytorch | {theirs * 1e3:.0f} ms | |")
+        ours, theirs = res["linattn"], res["performer_pytorch"]
+        ratio = theirs["median_s"] / ours["median_s"]
+        for name, r, col in (("linattn", ours, f"{ratio:.2f}x"), ("performer_pytorch", theirs, "")):
+            mem = r["peak_memory_bytes"] / 2**20
+            lines.append(f"| {mode} | {name} | {r['median_s'] * 1e3:.0f} ms | {col} | {mem:.0f} MiB |")
     return "\n".join(lines) + "\n"
 
 

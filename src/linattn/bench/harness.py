@@ -102,6 +102,7 @@ LOCAL_WINDOW = 256
 LINFORMER_PROJ_LEN = 256
 LSH_N_HASHES = 4
 LSH_BUCKET_SIZE = 64
+FAVOR_NUM_FEATURES = 256
 
 
 @functools.lru_cache(maxsize=4)
@@ -117,6 +118,33 @@ def _linformer_fn(q, k, v, causal):
     return linattn.linformer_attention(q, k, v, e, f, causal=causal)
 
 
+@functools.lru_cache(maxsize=4)
+def _favor_projection(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A fixed orthogonal (m, D) projection, drawn once per (D, dtype, device): not timed."""
+    return linattn.favor_projection(FAVOR_NUM_FEATURES, d, generator=torch.Generator().manual_seed(0),
+                                    dtype=dtype, device=device)
+
+
+def _favor_fn(q, k, v, causal):
+    return linattn.favor_attention(q, k, v, _favor_projection(q.shape[-1], q.dtype, str(q.device)), causal=causal)
+
+
+@functools.lru_cache(maxsize=4)
+def _performer_module(d: int, causal: bool):
+    from performer_pytorch.performer_pytorch import FastAttention, causal_linear_attention
+
+    fa = FastAttention(dim_heads=d, nb_features=FAVOR_NUM_FEATURES, causal=causal)
+    if causal:
+        # performer-pytorch looks only for the CUDA build of fast-transformers' kernel and otherwise
+        # falls back to a path that needs gigabytes; this plugs in the CPU build, its fastest CPU path
+        fa.causal_linear_fn = causal_linear_attention
+    return fa
+
+
+def _performer_fn(q, k, v, causal):
+    return _performer_module(q.shape[-1], causal)(q, k, v)
+
+
 def _lsh_fn(q, k, v, causal):
     # shared query-key: q is the shared vector, k goes unused; a fixed generator gives fixed rotations
     return linattn.lsh_attention(q, v, n_hashes=LSH_N_HASHES, bucket_size=LSH_BUCKET_SIZE, causal=causal,
@@ -130,12 +158,18 @@ IMPLS: dict[str, Impl] = {
                    note="linattn.linear_attention, elu+1"),
     "efficient": Impl("efficient", lambda q, k, v, c: linattn.efficient_attention(q, k, v),
                       causal=False, note="linattn.efficient_attention"),
+    "favor": Impl("favor", _favor_fn,
+                  note=f"linattn.favor_attention, positive orthogonal features, m = {FAVOR_NUM_FEATURES}"),
     "local": Impl("local", lambda q, k, v, c: linattn.local_attention(q, k, v, window=LOCAL_WINDOW, causal=c),
                   note=f"linattn.local_attention, window {LOCAL_WINDOW}"),
     "linformer": Impl("linformer", _linformer_fn, causal=False,
                       note=f"linattn.linformer_attention, P = {LINFORMER_PROJ_LEN}, fixed E, F ~ N(0, 1/P)"),
     "lsh": Impl("lsh", _lsh_fn,
                 note=f"linattn.lsh_attention, shared qk = q, {LSH_N_HASHES} hashes, bucket size {LSH_BUCKET_SIZE}"),
+    "performer_pytorch": Impl("performer_pytorch", _performer_fn,
+                              note=f"performer-pytorch 1.1.4 FastAttention, m = {FAVOR_NUM_FEATURES}, causal "
+                                   "with fast-transformers' CPU kernel",
+                              available=_has("performer_pytorch")),
     "fast_transformers": Impl("fast_transformers", _fast_transformers_fn, layout="bnhd",
                               note="fast-transformers 0.4.0 (Causal)LinearAttention, elu+1, C++ CPU kernel",
                               available=_has("fast_transformers")),
