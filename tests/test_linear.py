@@ -181,6 +181,52 @@ def test_causal_product_any_chunk_any_split(n, split, chunk, d, dv):
 
 
 @pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("group_positions", [1, 300])
+@pytest.mark.parametrize("masked", [False, True])
+def test_causal_row_groups(monkeypatch, feature_map, group_positions, masked):
+    """The causal forms process B*H rows in groups of about `_GROUP_POSITIONS` positions; groups of
+    one row, of several rows, and a last group shorter than the others, with a partial last chunk
+    (N = 67, chunk 64) and a carried state, all give the reference's outputs, states and gradients."""
+    from linattn.functional import linear
+
+    monkeypatch.setattr(linear, "_GROUP_POSITIONS", group_positions)
+    # 5 rows of 128 positions after the fill (N = 67, chunk 64): groups of 1 row, or 2, 2 and 1
+    B, H, N, D, Dv = 5, 1, 67, 16, 9
+    q, k, v = make_qkv(B, H, N, N, D, Dv, seed=group_positions)
+    mask = make_mask(B, N, seed=3, all_padded_row=False) if masked else None
+    g = torch.Generator().manual_seed(2)
+    Fd = D + 1 if feature_map == "cos" else D
+    S0 = torch.rand(B, H, Fd, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    z0 = (torch.rand(B, H, Fd, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    out, st = linattn.linear_attention(
+        q, k, v, feature_map=feature_map, causal=True, key_padding_mask=mask,
+        initial_state=linattn.LinearAttentionState(S0, z0), return_state=True,
+    )
+    expected, S, z = ref.kernel_attention(q, k, v, feature_map, causal=True, mask=mask, S0=S0, z0=z0)
+    assert_close(out, expected)
+    assert_close(st.S, S, msg="S")
+    assert_close(st.z, z, msg="z")
+    ins = (q, k, v, S0, z0)
+    loss = (out.sin().sum() + st.S.square().sum() + st.z.cos().sum(),
+            expected.sin().sum() + S.square().sum() + z.cos().sum())
+    for name, a, b in zip(("q", "k", "v", "S0", "z0"), torch.autograd.grad(loss[0], ins),
+                          torch.autograd.grad(loss[1], ins)):
+        assert_close(a, b, msg=f"grad {name}")
+    # the unnormalised engine too (4 rows)
+    a, kf = torch.rand(2, 2, N, D, generator=g, dtype=torch.float64), torch.rand(2, 2, N, D, generator=g, dtype=torch.float64)
+    w, s0 = torch.randn(2, 2, N, 5, generator=g, dtype=torch.float64), torch.randn(2, 2, D, 5, generator=g, dtype=torch.float64)
+    ins = [t.requires_grad_() for t in (a, kf, w, s0)]
+    o, s_final = causal_linear_product(a, kf, w, s0)
+    o_ref = (a @ kf.transpose(-1, -2)).tril() @ w + a @ s0
+    s_ref = s0 + kf.transpose(-1, -2) @ w
+    assert_close(o, o_ref)
+    assert_close(s_final, s_ref)
+    loss = (o.sin().sum() + s_final.square().sum(), o_ref.sin().sum() + s_ref.square().sum())
+    for x, y in zip(torch.autograd.grad(loss[0], ins), torch.autograd.grad(loss[1], ins)):
+        assert_close(x, y)
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("s", [0, 1, 31, 64, 65, 99])
 def test_causality(feature_map, s):
     N = 100

@@ -19,6 +19,7 @@ and it has its own backward that recomputes the intra-chunk scores instead of st
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Union
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
 
 __all__ = [
     "LinearAttentionState",
@@ -60,145 +61,299 @@ class LinearAttentionState(NamedTuple):
 # The causal product o_i = a_i . (s0 + sum_{j<=i} kf_j w_j^T), chunked, with its own backward.
 # ---------------------------------------------------------------------------------------------
 
+# Rows (the B*H independent sequences) are processed in groups of about this many positions.
+# Why: with glibc's default malloc every temporary of 32 MiB or more is a fresh mmap whose pages
+# fault in on first touch, which at N = 16384 costs as much as the arithmetic. Per-group
+# temporaries (4 MiB for one row of 16384 positions and width 64) are recycled by malloc without
+# faults, and they stay in cache, where the C x C bmm runs ~1.5x faster than on whole tensors.
+# Tests lower it to exercise several groups at small sizes.
+_GROUP_POSITIONS = 16384
 
-def _chunked(x: Tensor, n_pad: int, C: int) -> Tensor:
-    """``(B, H, N, X)`` -> ``(B*H*Nc, C, X)``, zero rows appended to fill the last chunk.
 
-    Zero rows contribute nothing to any sum; outputs for them are cropped by the caller.
+class _Rows(NamedTuple):
+    """How a causal call is cut up: ``BH`` rows of ``N`` positions, chunks of ``C``, ``nc`` per row.
+
+    Inputs are viewed as ``(BH, N, X)``; one group of ``R`` rows is handed to the chunk algorithm as
+    ``(R*Nc, C, X)``, zero rows appended to fill each row's last chunk (zero rows contribute nothing
+    to any sum; outputs for them are dropped).
     """
-    if n_pad:
-        x = F.pad(x, (0, 0, 0, n_pad))
-    return x.reshape(-1, C, x.shape[-1])
+
+    BH: int
+    N: int
+    C: int
+    nc: int
+
+    @staticmethod
+    def of(x: Tensor, chunk_size: int) -> "_Rows":
+        B, H, N = x.shape[:3]
+        C = min(chunk_size, N)
+        return _Rows(B * H, N, C, -(-N // C))
+
+    def groups(self) -> list[slice]:
+        per = max(1, _GROUP_POSITIONS // (self.nc * self.C))
+        return [slice(r, min(r + per, self.BH)) for r in range(0, self.BH, per)]
+
+    def chunks(self, x: Tensor, rows: slice | None = None) -> Tensor:
+        """Rows of ``x (BH, N, X)`` (all of a group's ``(R, N, X)`` when ``rows`` is None) as
+        ``(R*Nc, C, X)``: a view unless fill rows are needed."""
+        xg = x if rows is None else x[rows]
+        if self.nc * self.C != self.N:
+            xg = F.pad(xg, (0, 0, 0, self.nc * self.C - self.N))
+        return xg.reshape(-1, self.C, x.shape[-1])
+
+    def put(self, dst: Tensor, rows: slice, src: Tensor) -> None:
+        """Write ``src (R*Nc, C, X)`` into the rows of ``dst (BH, N, X)``, dropping fill rows."""
+        dst[rows].copy_(src.view(rows.stop - rows.start, -1, src.shape[-1])[:, : self.N])
 
 
-def _unchunk(x: Tensor, B: int, H: int, N: int) -> Tensor:
-    """``(B*H*Nc, C, X)`` -> ``(B, H, N, X)``, dropping the fill rows."""
-    out = x.reshape(B, H, -1, x.shape[-1])
-    return out if out.shape[2] == N else out[:, :, :N]
+def _rows_view(x: Tensor | None) -> Tensor | None:
+    """``(B, H, ..., X, Y)`` -> ``(B*H, ..., X, Y)``, a view whenever the strides allow."""
+    return None if x is None else x.reshape(-1, *x.shape[2:])
 
 
-# Memory note: with glibc's default malloc every large temporary is a fresh mmap whose pages fault
-# in on first touch, which costs as much as the arithmetic here. Hence the in-place updates
-# (baddbmm_, tril_, chunk loops writing into existing buffers) wherever autograd allows it.
+def _exclusive_chunk_sums(contrib: Tensor, start: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``contrib (R, Nc, ...)`` -> ``start + sum_{c' < c} contrib[:, c']`` ``(R, Nc, ...)`` and the
+    total ``start + sum_c contrib[:, c]`` ``(R, ...)``; ``start (R, ...)`` or None for zeros.
+
+    The result's rows lie 16 elements further apart than their length: at F = E = 64 a row is 4096
+    floats, and with rows exactly 16 KiB apart the scan down dim 1 hits the same cache sets at every
+    step and runs ~15x slower. (Views with that batch stride are fine for bmm.)
+    """
+    R, nc, rest = contrib.shape[0], contrib.shape[1], contrib.shape[2:]
+    m = math.prod(rest)
+    out = contrib.new_empty(R, nc, m + 16)[..., :m].view(R, nc, *rest)
+    if start is None:
+        out[:, 0].zero_()
+    else:
+        out[:, 0].copy_(start)
+    out[:, 1:].copy_(contrib[:, :-1])
+    out.cumsum_(1)  # in place: [s0, c0, c1, ...] -> [s0, s0 + c0, s0 + c0 + c1, ...]
+    return out, out[:, -1] + contrib[:, -1]
 
 
-def _chunk_states(kc: Tensor, wc: Tensor, s0: Tensor | None, BH: int) -> tuple[Tensor, Tensor]:
-    """States before each chunk, ``s_excl[c] = s0 + sum_{c' < c} kc[c']^T wc[c']``, as
-    ``(B*H*Nc, F, E)``, and the final state ``(B*H, F, E)``."""
-    Fd, E = kc.shape[-1], wc.shape[-1]
-    s_excl = torch.bmm(kc.transpose(1, 2), wc).view(BH, -1, Fd, E)  # each chunk's contribution
-    s_final = s_excl[:, -1].clone()
-    _exclusive_prefix_sum_(s_excl, s0)
-    s_final += s_excl[:, -1]
-    return s_excl.view(-1, Fd, E), s_final
+def _reverse_chunk_sums(contrib: Tensor, end: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``contrib (R, Nc, ...)`` -> ``end + sum_{c' > c} contrib[:, c']`` ``(R, Nc, ...)`` and the
+    total ``end + sum_c contrib[:, c]`` ``(R, ...)``: :func:`_exclusive_chunk_sums` run backwards."""
+    rev, total = _exclusive_chunk_sums(contrib.flip(1), end)
+    return rev.flip(1), total
+
+
+class _ChunkInputs(NamedTuple):
+    """One group of ``R`` rows, chunked: ``a, k (R*Nc, C, F)``, ``w (R*Nc, C, E)``, the initial
+    state ``s0 (R, F, E)`` and normaliser state ``z0 (R, F)`` (None for zeros)."""
+
+    a: Tensor
+    k: Tensor
+    w: Tensor
+    s0: Tensor | None
+    z0: Tensor | None
+    R: int
+
+    def states(self) -> tuple[Tensor, Tensor]:
+        """States before each chunk ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, final ``(R, F, E)``."""
+        Fd, E = self.a.shape[-1], self.w.shape[-1]
+        s_excl, s_final = _exclusive_chunk_sums(
+            torch.bmm(self.k.transpose(1, 2), self.w).view(self.R, -1, Fd, E), self.s0
+        )
+        return s_excl.view(-1, Fd, E), s_final
+
+    def z_states(self) -> tuple[Tensor, Tensor]:
+        """The same for the normaliser, ``w = 1``: ``(R*Nc, F)`` and ``(R, F)``."""
+        z_excl, z_final = _exclusive_chunk_sums(self.k.sum(1).view(self.R, -1, self.a.shape[-1]), self.z0)
+        return z_excl.view(-1, self.a.shape[-1]), z_final
+
+    def scores(self) -> Tensor:
+        """``(R*Nc, C, C)`` intra-chunk scores a_i . k_j for j <= i, zero above the diagonal."""
+        return torch.bmm(self.a, self.k.transpose(1, 2)).tril_()
+
+
+def _rows_forward(x: _ChunkInputs, with_den: bool):
+    """Forward of one group: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
+    the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)`` and its final state ``(R, F)``
+    (the product with an implicit ones column, kept out of the bmm: a width of 65 instead of 64
+    makes them ~30% slower)."""
+    s_excl, s_final = x.states()
+    scores = x.scores()
+    o = torch.bmm(x.a, s_excl).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
+    if not with_den:
+        return o, s_final, None, None
+    z_excl, z_final = x.z_states()
+    d = torch.bmm(x.a, z_excl.unsqueeze(-1)).squeeze(-1).add_(scores.sum(-1))
+    return o, s_final, d, z_final
+
+
+def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Tensor | None,
+                   dz_final: Tensor | None, need: tuple[bool, bool, bool, bool]):
+    """Backward of one group, given ``do (R*Nc, C, E)`` and, for the normaliser, ``dd (R*Nc, C)``:
+    ``da, dk (R*Nc, C, F)``, ``dw (R*Nc, C, E)``, ``ds0 (R, F, E)`` and ``dz0 (R, F)``, None where
+    ``need`` (for a, k, w, initial state) says not needed.
+
+    Only the inputs are kept from the forward: the C x C scores and the per-chunk states are
+    rebuilt here (two extra bmm), which keeps the saved memory at the inputs alone.
+    """
+    need_a, need_k, need_w, need_s0 = need
+    R, Fd, E = x.R, x.a.shape[-1], x.w.shape[-1]
+    da = dk = dw = ds0 = dz0 = g = gz = dscores = None
+    if need_k or need_w or need_s0:
+        # g[c] = d loss / d (k[c]^T w[c]): that contribution sits in the state of every later
+        # chunk and in the final state. Start from d loss / d s_excl[c] = a^T do.
+        g, ds0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), do).view(R, -1, Fd, E), ds_final)
+        g = g.view(-1, Fd, E)
+        if dd is not None:
+            gz, dz0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), dd.unsqueeze(-1)).view(R, -1, Fd), dz_final)
+            gz = gz.view(-1, 1, Fd)
+    if need_a or need_k:
+        dscores = torch.bmm(do, x.w.transpose(1, 2))  # (R*Nc, C, C)
+        if dd is not None:
+            dscores.add_(dd.unsqueeze(-1))
+        dscores.tril_()
+    if need_k:
+        dk = torch.bmm(x.w, g.transpose(1, 2)).baddbmm_(dscores.transpose(1, 2), x.a)
+        if gz is not None:
+            dk.add_(gz)
+    if need_w:
+        dw = torch.bmm(x.k, g).baddbmm_(x.scores().transpose(1, 2), do)
+    if need_a:
+        s_excl, _ = x.states()
+        da = torch.bmm(dscores, x.k).baddbmm_(do, s_excl.transpose(1, 2))
+        if dd is not None:
+            z_excl, _ = x.z_states()
+            da.addcmul_(dd.unsqueeze(-1), z_excl.unsqueeze(1))
+    return da, dk, dw, ds0, dz0
 
 
 class _CausalLinearProduct(torch.autograd.Function):
-    # Memory plan (it is what keeps the causal peak below fast-transformers' C++ kernel): only the
-    # inputs are saved. The C x C scores and the per-chunk states are rebuilt in backward, one at a
-    # time, each freed before the next large buffer is made. Two extra bmm buy ~2*N*C floats.
+    """``(a, kf, w, s0) -> (o, s_final)`` of :func:`causal_linear_product`, group of rows by group."""
 
     @staticmethod
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
         # Autocast would run these bmm in half precision and accumulate the state there; the
         # caller already chose the compute dtype (float32 for half inputs).
         with no_autocast(a.device.type):
-            return _CausalLinearProduct._forward(ctx, a, kf, w, s0, chunk_size)
+            ctx.device_type, ctx.chunk_size = a.device.type, chunk_size
+            ctx.save_for_backward(a, kf, w, s0)
+            lay = _Rows.of(a, chunk_size)
+            a3, k3, w3, s03 = (_rows_view(t) for t in (a, kf, w, s0))
+            o = w.new_empty(w.shape)
+            s_final = w.new_empty(*a.shape[:2], a.shape[-1], w.shape[-1])
+            o3, sf3 = _rows_view(o), _rows_view(s_final)
+            for rows in lay.groups():
+                x = _ChunkInputs(lay.chunks(a3, rows), lay.chunks(k3, rows), lay.chunks(w3, rows),
+                                 None if s03 is None else s03[rows], None, rows.stop - rows.start)
+                og, sf3[rows], _, _ = _rows_forward(x, with_den=False)
+                lay.put(o3, rows, og)
+            return o, s_final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
         with no_autocast(ctx.device_type):
-            return _CausalLinearProduct._backward(ctx, do, ds_final)
+            a, kf, w, s0 = ctx.saved_tensors
+            need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
+            lay = _Rows.of(a, ctx.chunk_size)
+            a3, k3, w3, s03, do3, dsf3 = (_rows_view(t) for t in (a, kf, w, s0, do, ds_final))
+            grads = [torch.empty_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
+            grads3 = [_rows_view(g) for g in grads]
+            for rows in lay.groups():
+                x = _ChunkInputs(lay.chunks(a3, rows), lay.chunks(k3, rows), lay.chunks(w3, rows),
+                                 None if s03 is None else s03[rows], None, rows.stop - rows.start)
+                doc = torch.zeros_like(x.w) if do3 is None else lay.chunks(do3, rows)
+                parts = _rows_backward(x, doc, None, None if dsf3 is None else dsf3[rows], None, need)
+                for g3, part in zip(grads3[:3], parts[:3]):
+                    if g3 is not None:
+                        lay.put(g3, rows, part)
+                if grads3[3] is not None:
+                    grads3[3][rows] = parts[3]
+            return (*grads, None)
+
+
+class _CausalLinearAttention(torch.autograd.Function):
+    """Normalised causal kernel attention ``(q, k, v, s0) -> (out, s_final)`` with
+    ``out_i = n_i / d_i``, ``[n_i, d_i] = phi(q_i) . (s0 + sum_{j<=i} phi(k_j) [v_j, 1]^T)``.
+
+    The causal product fused with the normalisation and, for an elementwise feature map ``phi``
+    (a :class:`~linattn.functional.feature_maps.ElementwiseMap`), with the map too: features,
+    ``[v, 1]`` and the normaliser only ever exist one group of rows at a time, phi is recomputed
+    in the backward instead of stored, and outputs and gradients are written straight into their
+    final tensors. With ``phi`` None, q and k are already features.
+    Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
+    (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them).
+    A zero normaliser is replaced by 1 (see :func:`_normalise`).
+    """
 
     @staticmethod
-    def _forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
-        ctx.device_type = a.device.type
-        B, H, N, Fd = a.shape
-        E = w.shape[-1]
-        C = min(chunk_size, N)
-        nc = -(-N // C)
-        n_pad = nc * C - N
-        ac, kc, wc = (_chunked(x, n_pad, C) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
-        s_excl, s_final = _chunk_states(kc, wc, s0, B * H)
-        scores = torch.bmm(ac, kc.transpose(1, 2)).tril_()  # (B*H*Nc, C, C): j <= i in a chunk
-        o = torch.bmm(ac, s_excl).baddbmm_(scores, wc)  # inter-chunk + intra-chunk, (.., C, E)
-        ctx.save_for_backward(ac, kc, wc, s0)
-        ctx.meta = (B, H, N)
-        return _unchunk(o, B, H, N), s_final.view(B, H, Fd, E)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, phi):
+        with no_autocast(q.device.type):
+            ctx.device_type, ctx.chunk_size, ctx.phi = q.device.type, chunk_size, phi
+            lay = _Rows.of(q, chunk_size)
+            dv = v.shape[-1]
+            q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
+            out = v.new_empty(v.shape)
+            inv = v.new_empty(*v.shape[:-1], 1)  # 1 / normaliser, (B, H, N, 1)
+            out3, inv3 = _rows_view(out), _rows_view(inv)
+            s_finals = []
+            for rows in lay.groups():
+                x = _attention_inputs(lay, rows, q3, k3, v3, s03, phi)
+                og, sf, d, zf = _rows_forward(x, with_den=True)
+                s_finals.append(torch.cat([sf, zf.unsqueeze(-1)], dim=-1))
+                inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
+                lay.put(inv3, rows, inv_g)
+                lay.put(out3, rows, og.mul_(inv_g))
+            ctx.save_for_backward(q, k, v, s0, out, inv)
+            s_final = torch.cat(s_finals).view(*q.shape[:2], -1, dv + 1)
+            return out, s_final
 
     @staticmethod
-    def _backward(ctx, do: Tensor | None, ds_final: Tensor | None):
-        ac, kc, wc, s0 = ctx.saved_tensors
-        B, H, N = ctx.meta
-        C, Fd = ac.shape[1], ac.shape[2]
-        E = wc.shape[-1]
-        nc = ac.shape[0] // (B * H)
-        need_a, need_k, need_w, need_s0 = ctx.needs_input_grad[:4]
-        need_g = need_k or need_w or need_s0  # the state gradients g feed dk, dw and ds0
-        if do is None:
-            do = ac.new_zeros(B, H, N, E)
-        doc = _chunked(do, nc * C - N, C)  # (B*H*Nc, C, E)
-        da = dk = dw = ds0 = None
-        if need_g:
-            # g[c] = d loss / d (kc[c]^T wc[c]): that contribution sits in the state of every
-            # later chunk and in the final state. Start from d loss / d s_excl[c] = ac^T doc.
-            g = torch.bmm(ac.transpose(1, 2), doc).view(B * H, nc, Fd, E)
-            ds0 = _reverse_exclusive_prefix_sum_(g, ds_final).view(B, H, Fd, E)
-            g = g.view(-1, Fd, E)
-        if need_a or need_k:
-            dscores = torch.bmm(doc, wc.transpose(1, 2)).tril_()  # (B*H*Nc, C, C)
-        if need_k:
-            dk = _unchunk(torch.bmm(wc, g.transpose(1, 2)).baddbmm_(dscores.transpose(1, 2), ac), B, H, N)
-        if need_w:
-            dw = torch.bmm(kc, g)
-        if need_g:
-            del g
-        if need_w:
-            scores = torch.bmm(ac, kc.transpose(1, 2)).tril_()
-            dw = _unchunk(dw.baddbmm_(scores.transpose(1, 2), doc), B, H, N)
-            del scores
-        if need_a:
-            da = torch.bmm(dscores, kc)
-            del dscores
-            s_excl, _ = _chunk_states(kc, wc, s0, B * H)
-            da = _unchunk(da.baddbmm_(doc, s_excl.transpose(1, 2)), B, H, N)
-        return da, dk, dw, ds0 if (s0 is not None and need_s0) else None, None
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor | None, ds_final: Tensor | None):
+        with no_autocast(ctx.device_type):
+            q, k, v, s0, out, inv = ctx.saved_tensors
+            phi = ctx.phi
+            need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
+            lay = _Rows.of(q, ctx.chunk_size)
+            dv = v.shape[-1]
+            q3, k3, v3, s03, out3, inv3, dout3, dsf3 = (
+                _rows_view(t) for t in (q, k, v, s0, out, inv, dout, ds_final)
+            )
+            grads = [torch.empty_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
+            grads3 = [_rows_view(g) for g in grads]
+            for rows in lay.groups():
+                x = _attention_inputs(lay, rows, q3, k3, v3, s03, phi)
+                if dout3 is None:
+                    do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
+                else:
+                    # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d
+                    g, o_g, inv_g = (lay.chunks(t, rows) for t in (dout3, out3, inv3))
+                    do = g * inv_g
+                    dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_()
+                dsf = None if dsf3 is None else dsf3[rows]
+                da, dk, dw, ds0, dz0 = _rows_backward(
+                    x, do, dd, None if dsf is None else dsf[..., :dv], None if dsf is None else dsf[..., dv], need
+                )
+                if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself
+                    da = None if da is None else phi.backward(x.a, da)
+                    dk = None if dk is None else phi.backward(x.k, dk)
+                for g3, part in zip(grads3[:3], (da, dk, dw)):
+                    if g3 is not None:
+                        lay.put(g3, rows, part)
+                if grads3[3] is not None:
+                    grads3[3][rows] = torch.cat([ds0, dz0.unsqueeze(-1)], dim=-1)
+            return (*grads, None, None)
 
 
-def _exclusive_prefix_sum_(x: Tensor, start: Tensor | None) -> None:
-    """In place along dim 1 of ``x (BH, Nc, F, E)``: ``x[:, c] <- start + sum_{c' < c} x[:, c']``.
-
-    A loop over chunks writing into the buffer it reads: as fast as torch.cumsum here and it
-    allocates nothing (see the memory note above).
-    """
-    running, spare = x[:, 0].clone(), torch.empty_like(x[:, 0])
-    if start is None:
-        x[:, 0].zero_()
-    else:
-        x[:, 0].copy_(start.reshape(x[:, 0].shape))
-    for c in range(1, x.shape[1]):
-        spare.copy_(x[:, c])
-        torch.add(x[:, c - 1], running, out=x[:, c])
-        running, spare = spare, running
-
-
-def _reverse_exclusive_prefix_sum_(x: Tensor, end: Tensor | None) -> Tensor:
-    """In place along dim 1 of ``x (BH, Nc, F, E)``: ``x[:, c] <- end + sum_{c' > c} x[:, c']``.
-
-    Returns ``end + sum_c x[:, c]`` (the gradient of an initial state that feeds every chunk).
-    """
-    last = x.shape[1] - 1
-    running, spare = x[:, last].clone(), torch.empty_like(x[:, last])
-    if end is None:
-        x[:, last].zero_()
-    else:
-        x[:, last].copy_(end.reshape(x[:, last].shape))
-    for c in range(last - 1, -1, -1):
-        spare.copy_(x[:, c])
-        torch.add(x[:, c + 1], running, out=x[:, c])
-        running, spare = spare, running
-    return x[:, 0] + running
+def _attention_inputs(lay: _Rows, rows: slice, q3: Tensor, k3: Tensor, v3: Tensor,
+                      s03: Tensor | None, phi) -> _ChunkInputs:
+    """One group's chunked features (phi applied before the fill rows are added: phi(0) need not
+    be 0) and values, and its initial state split into numerator and normaliser parts."""
+    qg, kg = q3[rows], k3[rows]
+    if phi is not None:
+        qg, kg = phi.forward(qg), phi.forward(kg)
+    s0 = None if s03 is None else s03[rows]
+    dv = v3.shape[-1]
+    return _ChunkInputs(
+        lay.chunks(qg), lay.chunks(kg), lay.chunks(v3, rows),
+        None if s0 is None else s0[..., :dv], None if s0 is None else s0[..., dv], rows.stop - rows.start,
+    )
 
 
 def causal_linear_product(
@@ -390,10 +545,15 @@ def linear_attention(
 def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state):
     dt = compute_dtype(q.dtype)
     dv = v.shape[-1]
-    qf, kf = _features(fn, feature_map, q, k, key_padding_mask, dt)
+    if causal and key_padding_mask is None and q.shape[2] > 0 and isinstance(feature_map, str) \
+            and feature_map in ELEMENTWISE_MAPS:
+        # the fused form computes phi itself, a block of rows at a time
+        phi, qf, kf = ELEMENTWISE_MAPS[feature_map], q.to(dt), k.to(dt)
+    else:
+        phi, (qf, kf) = None, _features(fn, feature_map, q, k, key_padding_mask, dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
-    w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
     if not causal:
+        w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E)
         return _normalise(qf @ s, dv, q.dtype)
     s0 = None
@@ -401,8 +561,13 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         B, H, _, Fd = qf.shape
         _check_state(fn, initial_state, B, H, Fd, dv, q.device)
         s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
-    o, s_final = causal_linear_product(qf, kf, w, s0)
-    out = _normalise(o, dv, q.dtype)
+    if qf.shape[2] == 0:  # nothing to normalise; causal_linear_product handles the empty case
+        w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        o, s_final = causal_linear_product(qf, kf, w, s0)
+        out = o[..., :dv]
+    else:
+        out, s_final = _CausalLinearAttention.apply(qf, kf, v, s0, CAUSAL_CHUNK_SIZE, phi)
+    out = out.to(q.dtype)
     if return_state:
         return out, _state_from(s_final, dv)
     return out
