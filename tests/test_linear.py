@@ -181,18 +181,18 @@ def test_causal_product_any_chunk_any_split(n, split, chunk, d, dv):
 
 
 @pytest.mark.parametrize("feature_map", MAPS)
-@pytest.mark.parametrize("group_positions", [1, 300])
+@pytest.mark.parametrize("N,tile", [(67, 1), (67, 300), (300, 128), (300, 10**6)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_causal_row_groups(monkeypatch, feature_map, group_positions, masked):
-    """The causal forms process B*H rows in groups of about `_GROUP_POSITIONS` positions; groups of
-    one row, of several rows, and a last group shorter than the others, with a partial last chunk
-    (N = 67, chunk 64) and a carried state, all give the reference's outputs, states and gradients."""
+def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
+    """The causal forms work on tiles of about `_TILE_POSITIONS` positions: groups of whole rows,
+    or blocks of chunks of one row with the state carried across (here: groups of 1 row and of
+    2, 2 and 1; blocks 64 + 3 and 128 + 128 + 44, the last with a partial chunk). Outputs, states
+    and every gradient, the initial state's included, match the reference."""
     from linattn.functional import linear
 
-    monkeypatch.setattr(linear, "_GROUP_POSITIONS", group_positions)
-    # 5 rows of 128 positions after the fill (N = 67, chunk 64): groups of 1 row, or 2, 2 and 1
-    B, H, N, D, Dv = 5, 1, 67, 16, 9
-    q, k, v = make_qkv(B, H, N, N, D, Dv, seed=group_positions)
+    monkeypatch.setattr(linear, "_TILE_POSITIONS", tile)
+    B, H, D, Dv = 5, 1, 16, 9
+    q, k, v = make_qkv(B, H, N, N, D, Dv, seed=tile % 1000)
     mask = make_mask(B, N, seed=3, all_padded_row=False) if masked else None
     g = torch.Generator().manual_seed(2)
     Fd = D + 1 if feature_map == "cos" else D

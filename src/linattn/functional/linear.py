@@ -61,49 +61,60 @@ class LinearAttentionState(NamedTuple):
 # The causal product o_i = a_i . (s0 + sum_{j<=i} kf_j w_j^T), chunked, with its own backward.
 # ---------------------------------------------------------------------------------------------
 
-# Rows (the B*H independent sequences) are processed in groups of about this many positions.
+# The causal forms work on tiles of about this many positions: groups of whole rows (the B*H
+# independent sequences) when rows are short, else blocks of consecutive chunks of one row, the
+# state carried from block to block (and the state gradient back, in the backward).
 # Why: with glibc's default malloc every temporary of 32 MiB or more is a fresh mmap whose pages
-# fault in on first touch, which at N = 16384 costs as much as the arithmetic. Per-group
-# temporaries (4 MiB for one row of 16384 positions and width 64) are recycled by malloc without
-# faults, and they stay in cache, where the C x C bmm runs ~1.5x faster than on whole tensors.
-# Tests lower it to exercise several groups at small sizes.
-_GROUP_POSITIONS = 16384
+# fault in on first touch, which at N = 16384 costs as much as the arithmetic. Per-tile
+# temporaries (1 MiB at width 64) are recycled by malloc without faults and stay in cache, where
+# the C x C bmm run ~1.5x faster than on whole tensors. At N = 16384, D = 64 on 2 CPU cores tiles
+# of 2048-4096 positions were fastest (one row of 16384: 1.25x slower; two rows: 1.5x slower).
+# Tests lower it to exercise many tiles at small sizes.
+_TILE_POSITIONS = 4096
 
 
-class _Rows(NamedTuple):
-    """How a causal call is cut up: ``BH`` rows of ``N`` positions, chunks of ``C``, ``nc`` per row.
+class _Tiles(NamedTuple):
+    """How a causal call is cut up: ``BH`` rows of ``N`` positions, chunks of ``C``, ``per`` rows
+    to a group, and blocks of ``L`` positions (a multiple of C; the whole row when per > 1).
 
-    Inputs are viewed as ``(BH, N, X)``; one group of ``R`` rows is handed to the chunk algorithm as
-    ``(R*Nc, C, X)``, zero rows appended to fill each row's last chunk (zero rows contribute nothing
-    to any sum; outputs for them are dropped).
+    Inputs are viewed as ``(BH, N, X)``; a tile (rows, positions) is handed to the chunk algorithm
+    as ``(R*Nc, C, X)``, zero rows appended to fill the last chunk (zero rows contribute nothing to
+    any sum; outputs for them are dropped).
     """
 
     BH: int
     N: int
     C: int
-    nc: int
+    per: int
+    L: int
 
     @staticmethod
-    def of(x: Tensor, chunk_size: int) -> "_Rows":
+    def of(x: Tensor, chunk_size: int) -> "_Tiles":
         B, H, N = x.shape[:3]
         C = min(chunk_size, N)
-        return _Rows(B * H, N, C, -(-N // C))
+        n_fill = -(-N // C) * C
+        if n_fill <= _TILE_POSITIONS:
+            return _Tiles(B * H, N, C, _TILE_POSITIONS // n_fill, N)
+        return _Tiles(B * H, N, C, 1, max(C, _TILE_POSITIONS // C * C))
 
-    def groups(self) -> list[slice]:
-        per = max(1, _GROUP_POSITIONS // (self.nc * self.C))
-        return [slice(r, min(r + per, self.BH)) for r in range(0, self.BH, per)]
+    def row_groups(self) -> list[slice]:
+        return [slice(r, min(r + self.per, self.BH)) for r in range(0, self.BH, self.per)]
 
-    def chunks(self, x: Tensor, rows: slice | None = None) -> Tensor:
-        """Rows of ``x (BH, N, X)`` (all of a group's ``(R, N, X)`` when ``rows`` is None) as
-        ``(R*Nc, C, X)``: a view unless fill rows are needed."""
-        xg = x if rows is None else x[rows]
-        if self.nc * self.C != self.N:
-            xg = F.pad(xg, (0, 0, 0, self.nc * self.C - self.N))
-        return xg.reshape(-1, self.C, x.shape[-1])
+    def blocks(self) -> list[slice]:
+        return [slice(n, min(n + self.L, self.N)) for n in range(0, self.N, self.L)]
 
-    def put(self, dst: Tensor, rows: slice, src: Tensor) -> None:
-        """Write ``src (R*Nc, C, X)`` into the rows of ``dst (BH, N, X)``, dropping fill rows."""
-        dst[rows].copy_(src.view(rows.stop - rows.start, -1, src.shape[-1])[:, : self.N])
+    def chunks(self, x: Tensor, pos: slice) -> Tensor:
+        """Positions ``pos`` of a group's ``x (R, N, X)`` as ``(R*Nc, C, X)``: a view unless fill
+        rows are needed (only ever in a row's last block)."""
+        xt = x[:, pos]
+        fill = -xt.shape[1] % self.C
+        if fill:
+            xt = F.pad(xt, (0, 0, 0, fill))
+        return xt.reshape(-1, self.C, x.shape[-1])
+
+    def put(self, dst: Tensor, pos: slice, src: Tensor) -> None:
+        """Write ``src (R*Nc, C, X)`` into positions ``pos`` of a group's ``dst (R, N, X)``."""
+        dst[:, pos].copy_(src.view(dst.shape[0], -1, src.shape[-1])[:, : pos.stop - pos.start])
 
 
 def _rows_view(x: Tensor | None) -> Tensor | None:
@@ -223,7 +234,7 @@ def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Ten
 
 
 class _CausalLinearProduct(torch.autograd.Function):
-    """``(a, kf, w, s0) -> (o, s_final)`` of :func:`causal_linear_product`, group of rows by group."""
+    """``(a, kf, w, s0) -> (o, s_final)`` of :func:`causal_linear_product`, tile by tile."""
 
     @staticmethod
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
@@ -231,17 +242,22 @@ class _CausalLinearProduct(torch.autograd.Function):
         # caller already chose the compute dtype (float32 for half inputs).
         with no_autocast(a.device.type):
             ctx.device_type, ctx.chunk_size = a.device.type, chunk_size
-            ctx.save_for_backward(a, kf, w, s0)
-            lay = _Rows.of(a, chunk_size)
+            lay = _Tiles.of(a, chunk_size)
             a3, k3, w3, s03 = (_rows_view(t) for t in (a, kf, w, s0))
             o = w.new_empty(w.shape)
             s_final = w.new_empty(*a.shape[:2], a.shape[-1], w.shape[-1])
             o3, sf3 = _rows_view(o), _rows_view(s_final)
-            for rows in lay.groups():
-                x = _ChunkInputs(lay.chunks(a3, rows), lay.chunks(k3, rows), lay.chunks(w3, rows),
-                                 None if s03 is None else s03[rows], None, rows.stop - rows.start)
-                og, sf3[rows], _, _ = _rows_forward(x, with_den=False)
-                lay.put(o3, rows, og)
+            ctx.starts = []  # the state before every block but a row's first, (R, F, E) each
+            for rows in lay.row_groups():
+                s = None if s03 is None else s03[rows]
+                for i, pos in enumerate(lay.blocks()):
+                    if i:
+                        ctx.starts.append(s)
+                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
+                    og, s, _, _ = _rows_forward(x, with_den=False)
+                    lay.put(o3[rows], pos, og)
+                sf3[rows] = s
+            ctx.save_for_backward(a, kf, w, s0)
             return o, s_final
 
     @staticmethod
@@ -250,20 +266,25 @@ class _CausalLinearProduct(torch.autograd.Function):
         with no_autocast(ctx.device_type):
             a, kf, w, s0 = ctx.saved_tensors
             need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
-            lay = _Rows.of(a, ctx.chunk_size)
+            lay = _Tiles.of(a, ctx.chunk_size)
             a3, k3, w3, s03, do3, dsf3 = (_rows_view(t) for t in (a, kf, w, s0, do, ds_final))
             grads = [torch.empty_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
             grads3 = [_rows_view(g) for g in grads]
-            for rows in lay.groups():
-                x = _ChunkInputs(lay.chunks(a3, rows), lay.chunks(k3, rows), lay.chunks(w3, rows),
-                                 None if s03 is None else s03[rows], None, rows.stop - rows.start)
-                doc = torch.zeros_like(x.w) if do3 is None else lay.chunks(do3, rows)
-                parts = _rows_backward(x, doc, None, None if dsf3 is None else dsf3[rows], None, need)
-                for g3, part in zip(grads3[:3], parts[:3]):
-                    if g3 is not None:
-                        lay.put(g3, rows, part)
+            starts = iter(reversed(ctx.starts))
+            blocks = lay.blocks()
+            for rows in reversed(lay.row_groups()):
+                ds = None if dsf3 is None else dsf3[rows]  # gradient of the state after the block
+                for i in reversed(range(len(blocks))):
+                    pos = blocks[i]
+                    s = next(starts) if i else (None if s03 is None else s03[rows])
+                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
+                    doc = torch.zeros_like(x.w) if do3 is None else lay.chunks(do3[rows], pos)
+                    *parts, ds, _ = _rows_backward(x, doc, None, ds, None, need)
+                    for g3, part in zip(grads3[:3], parts):
+                        if g3 is not None:
+                            lay.put(g3[rows], pos, part)
                 if grads3[3] is not None:
-                    grads3[3][rows] = parts[3]
+                    grads3[3][rows] = ds
             return (*grads, None)
 
 
@@ -273,9 +294,9 @@ class _CausalLinearAttention(torch.autograd.Function):
 
     The causal product fused with the normalisation and, for an elementwise feature map ``phi``
     (a :class:`~linattn.functional.feature_maps.ElementwiseMap`), with the map too: features,
-    ``[v, 1]`` and the normaliser only ever exist one group of rows at a time, phi is recomputed
-    in the backward instead of stored, and outputs and gradients are written straight into their
-    final tensors. With ``phi`` None, q and k are already features.
+    ``[v, 1]`` and the normaliser only ever exist one tile at a time, phi is recomputed in the
+    backward instead of stored, and outputs and gradients are written straight into their final
+    tensors. With ``phi`` None, q and k are already features.
     Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
     (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them).
     A zero normaliser is replaced by 1 (see :func:`_normalise`).
@@ -285,20 +306,26 @@ class _CausalLinearAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, phi):
         with no_autocast(q.device.type):
             ctx.device_type, ctx.chunk_size, ctx.phi = q.device.type, chunk_size, phi
-            lay = _Rows.of(q, chunk_size)
+            lay = _Tiles.of(q, chunk_size)
             dv = v.shape[-1]
             q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
             out = v.new_empty(v.shape)
             inv = v.new_empty(*v.shape[:-1], 1)  # 1 / normaliser, (B, H, N, 1)
             out3, inv3 = _rows_view(out), _rows_view(inv)
             s_finals = []
-            for rows in lay.groups():
-                x = _attention_inputs(lay, rows, q3, k3, v3, s03, phi)
-                og, sf, d, zf = _rows_forward(x, with_den=True)
-                s_finals.append(torch.cat([sf, zf.unsqueeze(-1)], dim=-1))
-                inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
-                lay.put(inv3, rows, inv_g)
-                lay.put(out3, rows, og.mul_(inv_g))
+            ctx.starts = []  # the states (S, z) before every block but a row's first
+            for rows in lay.row_groups():
+                s0g = None if s03 is None else s03[rows]
+                s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
+                for i, pos in enumerate(lay.blocks()):
+                    if i:
+                        ctx.starts.append((s, z))
+                    x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
+                    og, s, d, z = _rows_forward(x, with_den=True)
+                    inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
+                    lay.put(inv3[rows], pos, inv_g)
+                    lay.put(out3[rows], pos, og.mul_(inv_g))
+                s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1))
             ctx.save_for_backward(q, k, v, s0, out, inv)
             s_final = torch.cat(s_finals).view(*q.shape[:2], -1, dv + 1)
             return out, s_final
@@ -310,50 +337,55 @@ class _CausalLinearAttention(torch.autograd.Function):
             q, k, v, s0, out, inv = ctx.saved_tensors
             phi = ctx.phi
             need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
-            lay = _Rows.of(q, ctx.chunk_size)
+            lay = _Tiles.of(q, ctx.chunk_size)
             dv = v.shape[-1]
             q3, k3, v3, s03, out3, inv3, dout3, dsf3 = (
                 _rows_view(t) for t in (q, k, v, s0, out, inv, dout, ds_final)
             )
             grads = [torch.empty_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
             grads3 = [_rows_view(g) for g in grads]
-            for rows in lay.groups():
-                x = _attention_inputs(lay, rows, q3, k3, v3, s03, phi)
-                if dout3 is None:
-                    do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
-                else:
-                    # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d
-                    g, o_g, inv_g = (lay.chunks(t, rows) for t in (dout3, out3, inv3))
-                    do = g * inv_g
-                    dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_()
+            starts = iter(reversed(ctx.starts))
+            blocks = lay.blocks()
+            for rows in reversed(lay.row_groups()):
+                # gradients of the states after the block, carried back from block to block
                 dsf = None if dsf3 is None else dsf3[rows]
-                da, dk, dw, ds0, dz0 = _rows_backward(
-                    x, do, dd, None if dsf is None else dsf[..., :dv], None if dsf is None else dsf[..., dv], need
-                )
-                if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself
-                    da = None if da is None else phi.backward(x.a, da)
-                    dk = None if dk is None else phi.backward(x.k, dk)
-                for g3, part in zip(grads3[:3], (da, dk, dw)):
-                    if g3 is not None:
-                        lay.put(g3, rows, part)
+                ds, dz = (None, None) if dsf is None else (dsf[..., :dv], dsf[..., dv])
+                for i in reversed(range(len(blocks))):
+                    pos = blocks[i]
+                    if i:
+                        s, z = next(starts)
+                    else:
+                        s0g = None if s03 is None else s03[rows]
+                        s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
+                    x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
+                    if dout3 is None:
+                        do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
+                    else:
+                        # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d
+                        g, o_g, inv_g = (lay.chunks(t[rows], pos) for t in (dout3, out3, inv3))
+                        do = g * inv_g
+                        dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_()
+                    da, dk, dw, ds, dz = _rows_backward(x, do, dd, ds, dz, need)
+                    if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself
+                        da = None if da is None else phi.backward(x.a, da)
+                        dk = None if dk is None else phi.backward(x.k, dk)
+                    for g3, part in zip(grads3[:3], (da, dk, dw)):
+                        if g3 is not None:
+                            lay.put(g3[rows], pos, part)
                 if grads3[3] is not None:
-                    grads3[3][rows] = torch.cat([ds0, dz0.unsqueeze(-1)], dim=-1)
+                    grads3[3][rows] = torch.cat([ds, dz.unsqueeze(-1)], dim=-1)
             return (*grads, None, None)
 
 
-def _attention_inputs(lay: _Rows, rows: slice, q3: Tensor, k3: Tensor, v3: Tensor,
-                      s03: Tensor | None, phi) -> _ChunkInputs:
-    """One group's chunked features (phi applied before the fill rows are added: phi(0) need not
-    be 0) and values, and its initial state split into numerator and normaliser parts."""
-    qg, kg = q3[rows], k3[rows]
+def _attention_inputs(lay: _Tiles, pos: slice, q: Tensor, k: Tensor, v: Tensor,
+                      s: Tensor | None, z: Tensor | None, phi) -> _ChunkInputs:
+    """One tile's chunked features and values from a group's ``q, k (R, N, D)``, ``v (R, N, Dv)``
+    (phi applied before the fill rows are added: phi(0) need not be 0), with the states before it."""
+    q, k = q[:, pos], k[:, pos]
     if phi is not None:
-        qg, kg = phi.forward(qg), phi.forward(kg)
-    s0 = None if s03 is None else s03[rows]
-    dv = v3.shape[-1]
-    return _ChunkInputs(
-        lay.chunks(qg), lay.chunks(kg), lay.chunks(v3, rows),
-        None if s0 is None else s0[..., :dv], None if s0 is None else s0[..., dv], rows.stop - rows.start,
-    )
+        q, k = phi.forward(q), phi.forward(k)
+    full = slice(0, pos.stop - pos.start)
+    return _ChunkInputs(lay.chunks(q, full), lay.chunks(k, full), lay.chunks(v, pos), s, z, q.shape[0])
 
 
 def causal_linear_product(
