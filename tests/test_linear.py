@@ -226,6 +226,31 @@ def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
         assert_close(x, y)
 
 
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_causal_fused_map_second_backward_and_partial_grads(feature_map):
+    """With a fused elementwise map the forward keeps phi(q), phi(k) in the tensors that become
+    the gradients of q and k: a second backward (retain_graph) must still be right, and so must a
+    call where only some inputs need a gradient."""
+    q, k, v = make_qkv(2, 2, 70, 70, 8, 5, seed=11)
+    expected, _, _ = ref.kernel_attention(q, k, v, feature_map, causal=True)
+    ge = grads(expected, (q, k, v))
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)  # as grads()
+    first = torch.autograd.grad(out, (q, k, v), cot, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), cot)
+    for a, b, e in zip(first, second, ge):
+        assert_close(a, e)
+        assert_close(b, e)
+    inputs = {"q": q, "k": k, "v": v}
+    for wanted in ("k", "qv", "v"):
+        for name, t in inputs.items():
+            t.requires_grad_(name in wanted)
+        out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+        got = torch.autograd.grad(out, [inputs[n] for n in wanted], cot)
+        for name, g in zip(wanted, got):
+            assert_close(g, ge["qkv".index(name)], msg=f"grad {name} of {wanted}")
+
+
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("s", [0, 1, 31, 64, 65, 99])
 def test_causality(feature_map, s):

@@ -293,13 +293,19 @@ class _CausalLinearAttention(torch.autograd.Function):
     ``out_i = n_i / d_i``, ``[n_i, d_i] = phi(q_i) . (s0 + sum_{j<=i} phi(k_j) [v_j, 1]^T)``.
 
     The causal product fused with the normalisation and, for an elementwise feature map ``phi``
-    (a :class:`~linattn.functional.feature_maps.ElementwiseMap`), with the map too: features,
-    ``[v, 1]`` and the normaliser only ever exist one tile at a time, phi is recomputed in the
-    backward instead of stored, and outputs and gradients are written straight into their final
-    tensors. With ``phi`` None, q and k are already features.
+    (a :class:`~linattn.functional.feature_maps.ElementwiseMap`), with the map too. ``[v, 1]``
+    and the normaliser only ever exist one tile at a time, and outputs and gradients are written
+    straight into their final tensors. With ``phi`` None, q and k are already features.
     Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
     (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them).
     A zero normaliser is replaced by 1 (see :func:`_normalise`).
+
+    Features under a fused phi, when a gradient will be needed: the forward writes phi(q) and
+    phi(k) into two tensors that the backward then overwrites, tile by tile, with the gradients of
+    q and k (a tile's features are read only by that tile). Storing them costs no more memory
+    than the gradients themselves, and no page faults beyond theirs (a fresh 32 MiB tensor costs
+    ~6 ms of faults at first touch), while recomputing phi (an exp) would cost ~8% of the call.
+    A second backward through the same graph (retain_graph) finds them consumed and recomputes.
     """
 
     @staticmethod
@@ -312,6 +318,8 @@ class _CausalLinearAttention(torch.autograd.Function):
             out = v.new_empty(v.shape)
             inv = v.new_empty(*v.shape[:-1], 1)  # 1 / normaliser, (B, H, N, 1)
             out3, inv3 = _rows_view(out), _rows_view(inv)
+            keep = phi is not None and any(ctx.needs_input_grad[:4])
+            feats = (torch.empty_like(q), torch.empty_like(k)) if keep else None
             s_finals = []
             ctx.starts = []  # the states (S, z) before every block but a row's first
             for rows in lay.row_groups():
@@ -321,11 +329,15 @@ class _CausalLinearAttention(torch.autograd.Function):
                     if i:
                         ctx.starts.append((s, z))
                     x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
+                    if keep:
+                        lay.put(_rows_view(feats[0])[rows], pos, x.a)
+                        lay.put(_rows_view(feats[1])[rows], pos, x.k)
                     og, s, d, z = _rows_forward(x, with_den=True)
                     inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
                     lay.put(inv3[rows], pos, inv_g)
                     lay.put(out3[rows], pos, og.mul_(inv_g))
                 s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1))
+            ctx.feats = feats
             ctx.save_for_backward(q, k, v, s0, out, inv)
             s_final = torch.cat(s_finals).view(*q.shape[:2], -1, dv + 1)
             return out, s_final
@@ -335,7 +347,8 @@ class _CausalLinearAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor | None, ds_final: Tensor | None):
         with no_autocast(ctx.device_type):
             q, k, v, s0, out, inv = ctx.saved_tensors
-            phi = ctx.phi
+            phi, feats = ctx.phi, ctx.feats
+            ctx.feats = None  # overwritten below: a second backward must recompute them
             need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
             lay = _Tiles.of(q, ctx.chunk_size)
             dv = v.shape[-1]
@@ -343,6 +356,8 @@ class _CausalLinearAttention(torch.autograd.Function):
                 _rows_view(t) for t in (q, k, v, s0, out, inv, dout, ds_final)
             )
             grads = [torch.empty_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
+            if feats is not None:  # the features' tensors become the gradients of q and k
+                grads[:2] = [f if n else None for f, n in zip(feats, need)]
             grads3 = [_rows_view(g) for g in grads]
             starts = iter(reversed(ctx.starts))
             blocks = lay.blocks()
@@ -357,7 +372,11 @@ class _CausalLinearAttention(torch.autograd.Function):
                     else:
                         s0g = None if s03 is None else s03[rows]
                         s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
-                    x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
+                    if feats is None:
+                        x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
+                    else:
+                        x = _ChunkInputs(*(lay.chunks(_rows_view(t)[rows], pos) for t in (*feats, v)), s, z,
+                                         rows.stop - rows.start)
                     if dout3 is None:
                         do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
                     else:
