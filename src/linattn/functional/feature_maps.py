@@ -70,18 +70,20 @@ def softmax_feature_map(x: Tensor) -> Tensor:
 class ElementwiseMap(NamedTuple):
     """A named map applied elementwise (F = D) whose derivative is a function of its output.
 
-    Fused kernels (causal ``linear_attention``) apply it to one block of rows at a time and recompute
-    it in their backward instead of storing phi(q) and phi(k) for the whole sequence.
+    Fused kernels (causal ``linear_attention``) apply it one tile at a time, writing into and
+    overwriting buffers they own (no autograd here).
     """
 
-    forward: Callable[[Tensor], Tensor]  # x -> phi(x), no autograd
-    backward: Callable[[Tensor, Tensor], Tensor]  # (phi(x), g) -> g * phi'(x), may reuse g
+    forward: Callable[[Tensor, Tensor], Tensor]  # (x, out) -> out = phi(x)
+    backward_: Callable[[Tensor, Tensor], Tensor]  # (y = phi(x), g) -> y = g * phi'(x), in place
 
 
 # relu's derivative is taken as 0 at 0, as autograd does for F.relu.
 ELEMENTWISE_MAPS: dict[str, ElementwiseMap] = {
-    "elu": ElementwiseMap(_elu_plus_one, _elu_plus_one_grad),
-    "relu": ElementwiseMap(F.relu, lambda y, g: g.masked_fill_(y <= 0, 0.0)),
+    "elu": ElementwiseMap(lambda x, out: torch.add(F.elu(x), 1.0, out=out),
+                          lambda y, g: y.clamp_(max=1.0).mul_(g)),
+    "relu": ElementwiseMap(lambda x, out: torch.clamp(x, min=0.0, out=out),
+                           lambda y, g: y.gt_(0.0).mul_(g)),
 }
 
 

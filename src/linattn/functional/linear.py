@@ -112,6 +112,15 @@ class _Tiles(NamedTuple):
             xt = F.pad(xt, (0, 0, 0, fill))
         return xt.reshape(-1, self.C, x.shape[-1])
 
+    def fills(self, pos: slice) -> bool:
+        """Whether positions ``pos`` end in a partial chunk (which :meth:`chunks` fills up)."""
+        return (pos.stop - pos.start) % self.C != 0
+
+    def target(self, dst: Tensor, pos: slice) -> Tensor | None:
+        """Positions ``pos`` of a group's ``dst (R, N, X)`` as a ``(R*Nc, C, X)`` view to compute
+        into, or None where there are fill rows (compute elsewhere, then :meth:`put`)."""
+        return None if self.fills(pos) else dst[:, pos].view(-1, self.C, dst.shape[-1])
+
     def put(self, dst: Tensor, pos: slice, src: Tensor) -> None:
         """Write ``src (R*Nc, C, X)`` into positions ``pos`` of a group's ``dst (R, N, X)``."""
         dst[:, pos].copy_(src.view(dst.shape[0], -1, src.shape[-1])[:, : pos.stop - pos.start])
@@ -178,14 +187,14 @@ class _ChunkInputs(NamedTuple):
         return torch.bmm(self.a, self.k.transpose(1, 2)).tril_()
 
 
-def _rows_forward(x: _ChunkInputs, with_den: bool):
+def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
     """Forward of one group: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
     the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)`` and its final state ``(R, F)``
     (the product with an implicit ones column, kept out of the bmm: a width of 65 instead of 64
-    makes them ~30% slower)."""
+    makes them ~30% slower). ``out``: where to write o, or None for a new tensor."""
     s_excl, s_final = x.states()
     scores = x.scores()
-    o = torch.bmm(x.a, s_excl).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
+    o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
     if not with_den:
         return o, s_final, None, None
     z_excl, z_final = x.z_states()
@@ -194,10 +203,12 @@ def _rows_forward(x: _ChunkInputs, with_den: bool):
 
 
 def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Tensor | None,
-                   dz_final: Tensor | None, need: tuple[bool, bool, bool, bool]):
+                   dz_final: Tensor | None, need: tuple[bool, bool, bool, bool],
+                   outs: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)):
     """Backward of one group, given ``do (R*Nc, C, E)`` and, for the normaliser, ``dd (R*Nc, C)``:
     ``da, dk (R*Nc, C, F)``, ``dw (R*Nc, C, E)``, ``ds0 (R, F, E)`` and ``dz0 (R, F)``, None where
-    ``need`` (for a, k, w, initial state) says not needed.
+    ``need`` (for a, k, w, initial state) says not needed. ``outs``: where to write da, dk, dw
+    (views of the final gradients), or None for new tensors.
 
     Only the inputs are kept from the forward: the C x C scores and the per-chunk states are
     rebuilt here (two extra bmm), which keeps the saved memory at the inputs alone.
@@ -219,14 +230,14 @@ def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Ten
             dscores.add_(dd.unsqueeze(-1))
         dscores.tril_()
     if need_k:
-        dk = torch.bmm(x.w, g.transpose(1, 2)).baddbmm_(dscores.transpose(1, 2), x.a)
+        dk = torch.bmm(x.w, g.transpose(1, 2), out=outs[1]).baddbmm_(dscores.transpose(1, 2), x.a)
         if gz is not None:
             dk.add_(gz)
     if need_w:
-        dw = torch.bmm(x.k, g).baddbmm_(x.scores().transpose(1, 2), do)
+        dw = torch.bmm(x.k, g, out=outs[2]).baddbmm_(x.scores().transpose(1, 2), do)
     if need_a:
         s_excl, _ = x.states()
-        da = torch.bmm(dscores, x.k).baddbmm_(do, s_excl.transpose(1, 2))
+        da = torch.bmm(dscores, x.k, out=outs[0]).baddbmm_(do, s_excl.transpose(1, 2))
         if dd is not None:
             z_excl, _ = x.z_states()
             da.addcmul_(dd.unsqueeze(-1), z_excl.unsqueeze(1))
@@ -254,8 +265,10 @@ class _CausalLinearProduct(torch.autograd.Function):
                     if i:
                         ctx.starts.append(s)
                     x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
-                    og, s, _, _ = _rows_forward(x, with_den=False)
-                    lay.put(o3[rows], pos, og)
+                    into = lay.target(o3[rows], pos)
+                    og, s, _, _ = _rows_forward(x, with_den=False, out=into)
+                    if into is None:
+                        lay.put(o3[rows], pos, og)
                 sf3[rows] = s
             ctx.save_for_backward(a, kf, w, s0)
             return o, s_final
@@ -279,9 +292,10 @@ class _CausalLinearProduct(torch.autograd.Function):
                     s = next(starts) if i else (None if s03 is None else s03[rows])
                     x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
                     doc = torch.zeros_like(x.w) if do3 is None else lay.chunks(do3[rows], pos)
-                    *parts, ds, _ = _rows_backward(x, doc, None, ds, None, need)
-                    for g3, part in zip(grads3[:3], parts):
-                        if g3 is not None:
+                    outs = tuple(None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3])
+                    *parts, ds, _ = _rows_backward(x, doc, None, ds, None, need, outs)
+                    for g3, part, into in zip(grads3[:3], parts, outs):
+                        if g3 is not None and into is None:
                             lay.put(g3[rows], pos, part)
                 if grads3[3] is not None:
                     grads3[3][rows] = ds
@@ -328,14 +342,16 @@ class _CausalLinearAttention(torch.autograd.Function):
                 for i, pos in enumerate(lay.blocks()):
                     if i:
                         ctx.starts.append((s, z))
-                    x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
-                    if keep:
-                        lay.put(_rows_view(feats[0])[rows], pos, x.a)
-                        lay.put(_rows_view(feats[1])[rows], pos, x.k)
+                    x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
+                                          None if feats is None else [_rows_view(f)[rows] for f in feats])
                     og, s, d, z = _rows_forward(x, with_den=True)
                     inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
                     lay.put(inv3[rows], pos, inv_g)
-                    lay.put(out3[rows], pos, og.mul_(inv_g))
+                    into = lay.target(out3[rows], pos)
+                    if into is None:
+                        lay.put(out3[rows], pos, og.mul_(inv_g))
+                    else:
+                        torch.mul(og, inv_g, out=into)
                 s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1))
             ctx.feats = feats
             ctx.save_for_backward(q, k, v, s0, out, inv)
@@ -384,12 +400,20 @@ class _CausalLinearAttention(torch.autograd.Function):
                         g, o_g, inv_g = (lay.chunks(t[rows], pos) for t in (dout3, out3, inv3))
                         do = g * inv_g
                         dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_()
-                    da, dk, dw, ds, dz = _rows_backward(x, do, dd, ds, dz, need)
-                    if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself
-                        da = None if da is None else phi.backward(x.a, da)
-                        dk = None if dk is None else phi.backward(x.k, dk)
-                    for g3, part in zip(grads3[:3], (da, dk, dw)):
-                        if g3 is not None:
+                    # gradients straight into their final tensors where no fill rows are in the
+                    # way: dw always; da, dk when q, k are features (else phi' comes first)
+                    outs = [None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3]]
+                    if phi is not None:
+                        outs[:2] = None, None
+                    da, dk, dw, ds, dz = _rows_backward(x, do, dd, ds, dz, need, tuple(outs))
+                    if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself,
+                        # in place of phi(x), which is the saved feature itself unless there is fill
+                        da = None if da is None else phi.backward_(x.a, da)
+                        dk = None if dk is None else phi.backward_(x.k, dk)
+                        if feats is not None and not lay.fills(pos):
+                            outs[:2] = da, dk
+                    for g3, part, into in zip(grads3[:3], (da, dk, dw), outs):
+                        if g3 is not None and into is None:
                             lay.put(g3[rows], pos, part)
                 if grads3[3] is not None:
                     grads3[3][rows] = torch.cat([ds, dz.unsqueeze(-1)], dim=-1)
@@ -397,12 +421,14 @@ class _CausalLinearAttention(torch.autograd.Function):
 
 
 def _attention_inputs(lay: _Tiles, pos: slice, q: Tensor, k: Tensor, v: Tensor,
-                      s: Tensor | None, z: Tensor | None, phi) -> _ChunkInputs:
+                      s: Tensor | None, z: Tensor | None, phi, feats: list[Tensor] | None = None) -> _ChunkInputs:
     """One tile's chunked features and values from a group's ``q, k (R, N, D)``, ``v (R, N, Dv)``
-    (phi applied before the fill rows are added: phi(0) need not be 0), with the states before it."""
+    (phi applied before the fill rows are added: phi(0) need not be 0), with the states before it.
+    ``feats``: the group's ``(R, N, F)`` tensors to write phi(q), phi(k) into, or None."""
     q, k = q[:, pos], k[:, pos]
     if phi is not None:
-        q, k = phi.forward(q), phi.forward(k)
+        q, k = (phi.forward(t, torch.empty_like(t) if feats is None else f[:, pos])
+                for t, f in zip((q, k), feats or (None, None)))
     full = slice(0, pos.stop - pos.start)
     return _ChunkInputs(lay.chunks(q, full), lay.chunks(k, full), lay.chunks(v, pos), s, z, q.shape[0])
 
