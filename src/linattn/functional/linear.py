@@ -622,9 +622,12 @@ def linear_attention(
 def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state):
     dt = compute_dtype(q.dtype)
     dv = v.shape[-1]
-    if causal and key_padding_mask is None and q.shape[2] > 0 and isinstance(feature_map, str) \
-            and feature_map in ELEMENTWISE_MAPS:
-        # the fused form computes phi itself, a block of rows at a time
+    # Causal sequences longer than one chunk go to the tiled Function, which computes an
+    # elementwise phi itself. One chunk or less (a generation step, a short prompt) takes the
+    # plain quadratic form below: there the tiled machinery's hundred small ops would double the
+    # time of a step.
+    tiled = causal and q.shape[2] > CAUSAL_CHUNK_SIZE
+    if tiled and key_padding_mask is None and isinstance(feature_map, str) and feature_map in ELEMENTWISE_MAPS:
         phi, qf, kf = ELEMENTWISE_MAPS[feature_map], q.to(dt), k.to(dt)
     else:
         phi, (qf, kf) = None, _features(fn, feature_map, q, k, key_padding_mask, dt)
@@ -638,13 +641,16 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         B, H, _, Fd = qf.shape
         _check_state(fn, initial_state, B, H, Fd, dv, q.device)
         s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
-    if qf.shape[2] == 0:  # nothing to normalise; causal_linear_product handles the empty case
-        w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-        o, s_final = causal_linear_product(qf, kf, w, s0)
-        out = o[..., :dv]
-    else:
+    if tiled:
         out, s_final = _CausalLinearAttention.apply(qf, kf, v, s0, CAUSAL_CHUNK_SIZE, phi)
-    out = out.to(q.dtype)
+        out = out.to(q.dtype)
+    else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
+        w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        o = (qf @ kf.transpose(-1, -2)).tril_() @ w
+        s_final = kf.transpose(-1, -2) @ w
+        if s0 is not None:
+            o, s_final = o + qf @ s0, s_final + s0
+        out = _normalise(o, dv, q.dtype)
     if return_state:
         return out, _state_from(s_final, dv)
     return out
