@@ -226,6 +226,27 @@ def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
         assert_close(x, y)
 
 
+@pytest.mark.parametrize("feature_map", ["elu", "cos"])
+def test_causal_permuted_inputs(feature_map):
+    """Inputs in the (B, N, H, D) memory layout, transposed to (B, H, N, D) (what a model's
+    projections give): the tiled forms write through views of their outputs and gradients, which
+    must not become copies."""
+    B, N, H, D, Dv = 2, 150, 3, 8, 5
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(B, N, H, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_() for _ in range(2))
+    v = torch.randn(B, N, H, Dv, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    expected, _, _ = ref.kernel_attention(q, k, v, feature_map, causal=True)
+    assert_close(out, expected)
+    for name, a, b in zip("qkv", grads(out, (q, k, v)), grads(expected, (q, k, v))):
+        assert_close(a, b, msg=f"grad {name}")
+    o, _ = causal_linear_product(q, k, v.detach().requires_grad_())
+    o_ref = (q @ k.transpose(-1, -2)).tril() @ v
+    assert_close(o, o_ref)
+    for a, b in zip(grads(o, (q, k)), grads(o_ref, (q, k))):
+        assert_close(a, b)
+
+
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
 def test_causal_fused_map_second_backward_and_partial_grads(feature_map):
     """With a fused elementwise map the forward keeps phi(q), phi(k) in the tensors that become

@@ -8,13 +8,17 @@ over all keys (bidirectional, O(N F Dv)) or over j <= i (causal). Causal attenti
 state is (S, z); a call with Nq = 1 and a state is one generation step of cost O(F Dv).
 
 Dimension legend: B batch, H heads, N/Nq/Nk positions, D query/key width, Dv value width,
-F feature width, E = Dv + 1 (values with a column of ones appended, so one matmul produces the
-numerator S and the normaliser z together), C chunk length, Nc number of chunks.
+F feature width, E = Dv + 1 (values with a column of ones appended, so one product gives the
+numerator S and the normaliser z together; the causal attention keeps that column implicit),
+C chunk length, Nc number of chunks, R rows (of the B*H sequences) in a tile.
 
 The causal form is chunked (as in the chunkwise forms of later linear-attention work): inside a chunk
 the C x C masked score matrix is formed explicitly, across chunks a running state carries the sum.
 It never builds the (N, F, E) prefix-sum tensor the plain cumsum form needs (30+ GB at N = 65536),
-and it has its own backward that recomputes the intra-chunk scores instead of storing them.
+and it has its own backward that recomputes the intra-chunk scores instead of storing them. It runs
+tile by tile (a few thousand positions at a time, see ``_TILE_POSITIONS``), so that no temporary
+is larger than a tile; causal ``linear_attention`` fuses normalisation and an elementwise feature
+map into the same pass (``_CausalLinearAttention``).
 """
 
 from __future__ import annotations
@@ -124,6 +128,12 @@ class _Tiles(NamedTuple):
     def put(self, dst: Tensor, pos: slice, src: Tensor) -> None:
         """Write ``src (R*Nc, C, X)`` into positions ``pos`` of a group's ``dst (R, N, X)``."""
         dst[:, pos].copy_(src.view(dst.shape[0], -1, src.shape[-1])[:, : pos.stop - pos.start])
+
+
+def _new_like(x: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor like ``x``. (empty_like would copy the strides of a
+    permuted input, and the views this file writes through would then be copies.)"""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _rows_view(x: Tensor | None) -> Tensor | None:
@@ -281,7 +291,7 @@ class _CausalLinearProduct(torch.autograd.Function):
             need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
             lay = _Tiles.of(a, ctx.chunk_size)
             a3, k3, w3, s03, do3, dsf3 = (_rows_view(t) for t in (a, kf, w, s0, do, ds_final))
-            grads = [torch.empty_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
+            grads = [_new_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
             grads3 = [_rows_view(g) for g in grads]
             starts = iter(reversed(ctx.starts))
             blocks = lay.blocks()
@@ -333,7 +343,7 @@ class _CausalLinearAttention(torch.autograd.Function):
             inv = v.new_empty(*v.shape[:-1], 1)  # 1 / normaliser, (B, H, N, 1)
             out3, inv3 = _rows_view(out), _rows_view(inv)
             keep = phi is not None and any(ctx.needs_input_grad[:4])
-            feats = (torch.empty_like(q), torch.empty_like(k)) if keep else None
+            feats = (_new_like(q), _new_like(k)) if keep else None
             s_finals = []
             ctx.starts = []  # the states (S, z) before every block but a row's first
             for rows in lay.row_groups():
@@ -371,7 +381,7 @@ class _CausalLinearAttention(torch.autograd.Function):
             q3, k3, v3, s03, out3, inv3, dout3, dsf3 = (
                 _rows_view(t) for t in (q, k, v, s0, out, inv, dout, ds_final)
             )
-            grads = [torch.empty_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
+            grads = [_new_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
             if feats is not None:  # the features' tensors become the gradients of q and k
                 grads[:2] = [f if n else None for f, n in zip(feats, need)]
             grads3 = [_rows_view(g) for g in grads]
@@ -427,7 +437,7 @@ def _attention_inputs(lay: _Tiles, pos: slice, q: Tensor, k: Tensor, v: Tensor,
     ``feats``: the group's ``(R, N, F)`` tensors to write phi(q), phi(k) into, or None."""
     q, k = q[:, pos], k[:, pos]
     if phi is not None:
-        q, k = (phi.forward(t, torch.empty_like(t) if feats is None else f[:, pos])
+        q, k = (phi.forward(t, _new_like(t) if feats is None else f[:, pos])
                 for t, f in zip((q, k), feats or (None, None)))
     full = slice(0, pos.stop - pos.start)
     return _ChunkInputs(lay.chunks(q, full), lay.chunks(k, full), lay.chunks(v, pos), s, z, q.shape[0])
