@@ -169,8 +169,8 @@ def _reverse_chunk_sums(contrib: Tensor, end: Tensor | None) -> tuple[Tensor, Te
 
 
 class _ChunkInputs(NamedTuple):
-    """One group of ``R`` rows, chunked: ``a, k (R*Nc, C, F)``, ``w (R*Nc, C, E)``, the initial
-    state ``s0 (R, F, E)`` and normaliser state ``z0 (R, F)`` (None for zeros)."""
+    """One tile of ``R`` rows, chunked: ``a, k (R*Nc, C, F)``, ``w (R*Nc, C, E)``, the states
+    before it ``s0 (R, F, E)`` and, for the normaliser, ``z0 (R, F)`` (None for zeros)."""
 
     a: Tensor
     k: Tensor
@@ -198,10 +198,10 @@ class _ChunkInputs(NamedTuple):
 
 
 def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
-    """Forward of one group: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
+    """Forward of one tile: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
     the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)`` and its final state ``(R, F)``
     (the product with an implicit ones column, kept out of the bmm: a width of 65 instead of 64
-    makes them ~30% slower). ``out``: where to write o, or None for a new tensor."""
+    makes them 10-40% slower). ``out``: where to write o, or None for a new tensor."""
     s_excl, s_final = x.states()
     scores = x.scores()
     o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
@@ -215,7 +215,7 @@ def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
 def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Tensor | None,
                    dz_final: Tensor | None, need: tuple[bool, bool, bool, bool],
                    outs: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)):
-    """Backward of one group, given ``do (R*Nc, C, E)`` and, for the normaliser, ``dd (R*Nc, C)``:
+    """Backward of one tile, given ``do (R*Nc, C, E)`` and, for the normaliser, ``dd (R*Nc, C)``:
     ``da, dk (R*Nc, C, F)``, ``dw (R*Nc, C, E)``, ``ds0 (R, F, E)`` and ``dz0 (R, F)``, None where
     ``need`` (for a, k, w, initial state) says not needed. ``outs``: where to write da, dk, dw
     (views of the final gradients), or None for new tensors.
@@ -231,24 +231,24 @@ def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Ten
         # chunk and in the final state. Start from d loss / d s_excl[c] = a^T do.
         g, ds0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), do).view(R, -1, Fd, E), ds_final)
         g = g.view(-1, Fd, E)
-        if dd is not None:
+        if dd is not None:  # the same for the ones column: a^T dd
             gz, dz0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), dd.unsqueeze(-1)).view(R, -1, Fd), dz_final)
             gz = gz.view(-1, 1, Fd)
     if need_a or need_k:
         dscores = torch.bmm(do, x.w.transpose(1, 2))  # (R*Nc, C, C)
-        if dd is not None:
+        if dd is not None:  # d_i = sum_j scores_ij + ...
             dscores.add_(dd.unsqueeze(-1))
         dscores.tril_()
     if need_k:
         dk = torch.bmm(x.w, g.transpose(1, 2), out=outs[1]).baddbmm_(dscores.transpose(1, 2), x.a)
-        if gz is not None:
+        if gz is not None:  # + 1 gz^T
             dk.add_(gz)
     if need_w:
         dw = torch.bmm(x.k, g, out=outs[2]).baddbmm_(x.scores().transpose(1, 2), do)
     if need_a:
         s_excl, _ = x.states()
         da = torch.bmm(dscores, x.k, out=outs[0]).baddbmm_(do, s_excl.transpose(1, 2))
-        if dd is not None:
+        if dd is not None:  # + dd z_excl^T
             z_excl, _ = x.z_states()
             da.addcmul_(dd.unsqueeze(-1), z_excl.unsqueeze(1))
     return da, dk, dw, ds0, dz0
