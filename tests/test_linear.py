@@ -213,8 +213,9 @@ def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
                           torch.autograd.grad(loss[1], ins)):
         assert_close(a, b, msg=f"grad {name}")
     # the unnormalised engine too (4 rows)
-    a, kf = torch.rand(2, 2, N, D, generator=g, dtype=torch.float64), torch.rand(2, 2, N, D, generator=g, dtype=torch.float64)
-    w, s0 = torch.randn(2, 2, N, 5, generator=g, dtype=torch.float64), torch.randn(2, 2, D, 5, generator=g, dtype=torch.float64)
+    a, kf = (torch.rand(2, 2, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(2, 2, N, 5, generator=g, dtype=torch.float64)
+    s0 = torch.randn(2, 2, D, 5, generator=g, dtype=torch.float64)
     ins = [t.requires_grad_() for t in (a, kf, w, s0)]
     o, s_final = causal_linear_product(a, kf, w, s0)
     o_ref = (a @ kf.transpose(-1, -2)).tril() @ w + a @ s0
@@ -233,7 +234,8 @@ def test_causal_permuted_inputs(feature_map):
     must not become copies."""
     B, N, H, D, Dv = 2, 150, 3, 8, 5
     g = torch.Generator().manual_seed(4)
-    q, k = (torch.randn(B, N, H, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_() for _ in range(2))
+    q, k = (torch.randn(B, N, H, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+            for _ in range(2))
     v = torch.randn(B, N, H, Dv, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
     out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
     expected, _, _ = ref.kernel_attention(q, k, v, feature_map, causal=True)

@@ -180,7 +180,8 @@ class _ChunkInputs(NamedTuple):
     R: int
 
     def states(self) -> tuple[Tensor, Tensor]:
-        """States before each chunk ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, final ``(R, F, E)``."""
+        """States before each chunk, ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, and the
+        final state ``(R, F, E)``."""
         Fd, E = self.a.shape[-1], self.w.shape[-1]
         s_excl, s_final = _exclusive_chunk_sums(
             torch.bmm(self.k.transpose(1, 2), self.w).view(self.R, -1, Fd, E), self.s0
@@ -232,7 +233,8 @@ def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Ten
         g, ds0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), do).view(R, -1, Fd, E), ds_final)
         g = g.view(-1, Fd, E)
         if dd is not None:  # the same for the ones column: a^T dd
-            gz, dz0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), dd.unsqueeze(-1)).view(R, -1, Fd), dz_final)
+            gz = torch.bmm(x.a.transpose(1, 2), dd.unsqueeze(-1)).view(R, -1, Fd)
+            gz, dz0 = _reverse_chunk_sums(gz, dz_final)
             gz = gz.view(-1, 1, Fd)
     if need_a or need_k:
         dscores = torch.bmm(do, x.w.transpose(1, 2))  # (R*Nc, C, C)
@@ -274,7 +276,8 @@ class _CausalLinearProduct(torch.autograd.Function):
                 for i, pos in enumerate(lay.blocks()):
                     if i:
                         ctx.starts.append(s)
-                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
+                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None,
+                                     rows.stop - rows.start)
                     into = lay.target(o3[rows], pos)
                     og, s, _, _ = _rows_forward(x, with_den=False, out=into)
                     if into is None:
@@ -300,7 +303,8 @@ class _CausalLinearProduct(torch.autograd.Function):
                 for i in reversed(range(len(blocks))):
                     pos = blocks[i]
                     s = next(starts) if i else (None if s03 is None else s03[rows])
-                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
+                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None,
+                                     rows.stop - rows.start)
                     doc = torch.zeros_like(x.w) if do3 is None else lay.chunks(do3[rows], pos)
                     outs = tuple(None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3])
                     *parts, ds, _ = _rows_backward(x, doc, None, ds, None, need, outs)
@@ -431,7 +435,8 @@ class _CausalLinearAttention(torch.autograd.Function):
 
 
 def _attention_inputs(lay: _Tiles, pos: slice, q: Tensor, k: Tensor, v: Tensor,
-                      s: Tensor | None, z: Tensor | None, phi, feats: list[Tensor] | None = None) -> _ChunkInputs:
+                      s: Tensor | None, z: Tensor | None, phi,
+                      feats: list[Tensor] | None = None) -> _ChunkInputs:
     """One tile's chunked features and values from a group's ``q, k (R, N, D)``, ``v (R, N, Dv)``
     (phi applied before the fill rows are added: phi(0) need not be 0), with the states before it.
     ``feats``: the group's ``(R, N, F)`` tensors to write phi(q), phi(k) into, or None."""
@@ -637,7 +642,8 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
     # plain quadratic form below: there the tiled machinery's hundred small ops would double the
     # time of a step.
     tiled = causal and q.shape[2] > CAUSAL_CHUNK_SIZE
-    if tiled and key_padding_mask is None and isinstance(feature_map, str) and feature_map in ELEMENTWISE_MAPS:
+    fusable = isinstance(feature_map, str) and feature_map in ELEMENTWISE_MAPS and key_padding_mask is None
+    if tiled and fusable:
         phi, qf, kf = ELEMENTWISE_MAPS[feature_map], q.to(dt), k.to(dt)
     else:
         phi, (qf, kf) = None, _features(fn, feature_map, q, k, key_padding_mask, dt)
