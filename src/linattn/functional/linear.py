@@ -348,6 +348,7 @@ class _CausalLinearAttention(torch.autograd.Function):
             out3, inv3 = _rows_view(out), _rows_view(inv)
             keep = phi is not None and any(ctx.needs_input_grad[:4])
             feats = (_new_like(q), _new_like(k)) if keep else None
+            feats3 = None if feats is None else [_rows_view(f) for f in feats]
             s_finals = []
             ctx.starts = []  # the states (S, z) before every block but a row's first
             for rows in lay.row_groups():
@@ -357,7 +358,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                     if i:
                         ctx.starts.append((s, z))
                     x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
-                                          None if feats is None else [_rows_view(f)[rows] for f in feats])
+                                          None if feats3 is None else [f[rows] for f in feats3])
                     og, s, d, z = _rows_forward(x, with_den=True)
                     inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
                     lay.put(inv3[rows], pos, inv_g)
@@ -386,6 +387,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                 _rows_view(t) for t in (q, k, v, s0, out, inv, dout, ds_final)
             )
             grads = [_new_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
+            feats3 = None if feats is None else [_rows_view(f) for f in feats]
             if feats is not None:  # the features' tensors become the gradients of q and k
                 grads[:2] = [f if n else None for f, n in zip(feats, need)]
             grads3 = [_rows_view(g) for g in grads]
@@ -405,7 +407,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                     if feats is None:
                         x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
                     else:
-                        x = _ChunkInputs(*(lay.chunks(_rows_view(t)[rows], pos) for t in (*feats, v)), s, z,
+                        x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (*feats3, v3)), s, z,
                                          rows.stop - rows.start)
                     if dout3 is None:
                         do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
