@@ -181,6 +181,100 @@ def test_causal_product_any_chunk_any_split(n, split, chunk, d, dv):
 
 
 @pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("N,tile", [(67, 1), (67, 300), (300, 128), (300, 10**6)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
+    """The causal forms work on tiles of about `_TILE_POSITIONS` positions: groups of whole rows,
+    or blocks of chunks of one row with the state carried across (here: groups of 1 row and of
+    2, 2 and 1; blocks 64 + 3 and 128 + 128 + 44, the last with a partial chunk). Outputs, states
+    and every gradient, the initial state's included, match the reference."""
+    from linattn.functional import linear
+
+    monkeypatch.setattr(linear, "_TILE_POSITIONS", tile)
+    B, H, D, Dv = 5, 1, 16, 9
+    q, k, v = make_qkv(B, H, N, N, D, Dv, seed=tile % 1000)
+    mask = make_mask(B, N, seed=3, all_padded_row=False) if masked else None
+    g = torch.Generator().manual_seed(2)
+    Fd = D + 1 if feature_map == "cos" else D
+    S0 = torch.rand(B, H, Fd, Dv, generator=g, dtype=torch.float64, requires_grad=True)
+    z0 = (torch.rand(B, H, Fd, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    out, st = linattn.linear_attention(
+        q, k, v, feature_map=feature_map, causal=True, key_padding_mask=mask,
+        initial_state=linattn.LinearAttentionState(S0, z0), return_state=True,
+    )
+    expected, S, z = ref.kernel_attention(q, k, v, feature_map, causal=True, mask=mask, S0=S0, z0=z0)
+    assert_close(out, expected)
+    assert_close(st.S, S, msg="S")
+    assert_close(st.z, z, msg="z")
+    ins = (q, k, v, S0, z0)
+    loss = (out.sin().sum() + st.S.square().sum() + st.z.cos().sum(),
+            expected.sin().sum() + S.square().sum() + z.cos().sum())
+    for name, a, b in zip(("q", "k", "v", "S0", "z0"), torch.autograd.grad(loss[0], ins),
+                          torch.autograd.grad(loss[1], ins)):
+        assert_close(a, b, msg=f"grad {name}")
+    # the unnormalised engine too (4 rows)
+    a, kf = (torch.rand(2, 2, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    w = torch.randn(2, 2, N, 5, generator=g, dtype=torch.float64)
+    s0 = torch.randn(2, 2, D, 5, generator=g, dtype=torch.float64)
+    ins = [t.requires_grad_() for t in (a, kf, w, s0)]
+    o, s_final = causal_linear_product(a, kf, w, s0)
+    o_ref = (a @ kf.transpose(-1, -2)).tril() @ w + a @ s0
+    s_ref = s0 + kf.transpose(-1, -2) @ w
+    assert_close(o, o_ref)
+    assert_close(s_final, s_ref)
+    loss = (o.sin().sum() + s_final.square().sum(), o_ref.sin().sum() + s_ref.square().sum())
+    for x, y in zip(torch.autograd.grad(loss[0], ins), torch.autograd.grad(loss[1], ins)):
+        assert_close(x, y)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "cos"])
+def test_causal_permuted_inputs(feature_map):
+    """Inputs in the (B, N, H, D) memory layout, transposed to (B, H, N, D) (what a model's
+    projections give): the tiled forms write through views of their outputs and gradients, which
+    must not become copies."""
+    B, N, H, D, Dv = 2, 150, 3, 8, 5
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(B, N, H, D, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+            for _ in range(2))
+    v = torch.randn(B, N, H, Dv, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    expected, _, _ = ref.kernel_attention(q, k, v, feature_map, causal=True)
+    assert_close(out, expected)
+    for name, a, b in zip("qkv", grads(out, (q, k, v)), grads(expected, (q, k, v))):
+        assert_close(a, b, msg=f"grad {name}")
+    o, _ = causal_linear_product(q, k, v.detach().requires_grad_())
+    o_ref = (q @ k.transpose(-1, -2)).tril() @ v
+    assert_close(o, o_ref)
+    for a, b in zip(grads(o, (q, k)), grads(o_ref, (q, k))):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_causal_fused_map_second_backward_and_partial_grads(feature_map):
+    """With a fused elementwise map the forward keeps phi(q), phi(k) in the tensors that become
+    the gradients of q and k: a second backward (retain_graph) must still be right, and so must a
+    call where only some inputs need a gradient."""
+    q, k, v = make_qkv(2, 2, 70, 70, 8, 5, seed=11)
+    expected, _, _ = ref.kernel_attention(q, k, v, feature_map, causal=True)
+    ge = grads(expected, (q, k, v))
+    out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)  # as grads()
+    first = torch.autograd.grad(out, (q, k, v), cot, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), cot)
+    for a, b, e in zip(first, second, ge):
+        assert_close(a, e)
+        assert_close(b, e)
+    inputs = {"q": q, "k": k, "v": v}
+    for wanted in ("k", "qv", "v"):
+        for name, t in inputs.items():
+            t.requires_grad_(name in wanted)
+        out = linattn.linear_attention(q, k, v, feature_map=feature_map, causal=True)
+        got = torch.autograd.grad(out, [inputs[n] for n in wanted], cot)
+        for name, g in zip(wanted, got):
+            assert_close(g, ge["qkv".index(name)], msg=f"grad {name} of {wanted}")
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("s", [0, 1, 31, 64, 65, 99])
 def test_causality(feature_map, s):
     N = 100

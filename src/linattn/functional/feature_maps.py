@@ -11,30 +11,39 @@ makes the normaliser phi(q) . sum_j phi(k_j) a sum of non-negative terms (see ``
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["FEATURE_MAPS", "FeatureMap", "resolve_feature_map"]
+__all__ = ["ELEMENTWISE_MAPS", "FEATURE_MAPS", "ElementwiseMap", "FeatureMap", "resolve_feature_map"]
 
 FeatureMap = Callable[[Tensor], Tensor]
 
 
-class _EluPlusOne(torch.autograd.Function):
+def _elu_plus_one(x: Tensor) -> Tensor:
+    return F.elu(x).add_(1.0)
+
+
+def _elu_plus_one_grad(y: Tensor, g: Tensor) -> Tensor:
     # y = elu(x) + 1 is x + 1 for x > 0 and exp(x) <= 1 otherwise, so dy/dx = min(y, 1): the
-    # backward needs only y, and forward and backward each make one tensor instead of two.
+    # backward needs only y.
+    return y.clamp(max=1.0).mul_(g)
+
+
+class _EluPlusOne(torch.autograd.Function):
+    # Saves y only, so forward and backward each make one tensor instead of two.
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        y = F.elu(x).add_(1.0)
+        y = _elu_plus_one(x)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, g: Tensor) -> Tensor:
         (y,) = ctx.saved_tensors
-        return y.clamp(max=1.0).mul_(g)
+        return _elu_plus_one_grad(y, g)
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
@@ -56,6 +65,26 @@ def cos_feature_map(x: Tensor) -> Tensor:
 def softmax_feature_map(x: Tensor) -> Tensor:
     """softmax over the feature dimension."""
     return torch.softmax(x, dim=-1)
+
+
+class ElementwiseMap(NamedTuple):
+    """A named map applied elementwise (F = D) whose derivative is a function of its output.
+
+    Fused kernels (causal ``linear_attention``) apply it one tile at a time, writing into and
+    overwriting buffers they own (no autograd here).
+    """
+
+    forward: Callable[[Tensor, Tensor], Tensor]  # (x, out) -> out = phi(x)
+    backward_: Callable[[Tensor, Tensor], Tensor]  # (y = phi(x), g) -> y = g * phi'(x), in place
+
+
+# relu's derivative is taken as 0 at 0, as autograd does for F.relu.
+ELEMENTWISE_MAPS: dict[str, ElementwiseMap] = {
+    "elu": ElementwiseMap(lambda x, out: torch.add(F.elu(x), 1.0, out=out),
+                          lambda y, g: y.clamp_(max=1.0).mul_(g)),
+    "relu": ElementwiseMap(lambda x, out: torch.clamp(x, min=0.0, out=out),
+                           lambda y, g: y.gt_(0.0).mul_(g)),
+}
 
 
 FEATURE_MAPS: dict[str, FeatureMap] = {

@@ -8,17 +8,22 @@ over all keys (bidirectional, O(N F Dv)) or over j <= i (causal). Causal attenti
 state is (S, z); a call with Nq = 1 and a state is one generation step of cost O(F Dv).
 
 Dimension legend: B batch, H heads, N/Nq/Nk positions, D query/key width, Dv value width,
-F feature width, E = Dv + 1 (values with a column of ones appended, so one matmul produces the
-numerator S and the normaliser z together), C chunk length, Nc number of chunks.
+F feature width, E = Dv + 1 (values with a column of ones appended, so one product gives the
+numerator S and the normaliser z together; the causal attention keeps that column implicit),
+C chunk length, Nc number of chunks, R rows (of the B*H sequences) in a tile.
 
 The causal form is chunked (as in the chunkwise forms of later linear-attention work): inside a chunk
 the C x C masked score matrix is formed explicitly, across chunks a running state carries the sum.
 It never builds the (N, F, E) prefix-sum tensor the plain cumsum form needs (30+ GB at N = 65536),
-and it has its own backward that recomputes the intra-chunk scores instead of storing them.
+and it has its own backward that recomputes the intra-chunk scores instead of storing them. It runs
+tile by tile (a few thousand positions at a time, see ``_TILE_POSITIONS``), so that no temporary
+is larger than a tile; causal ``linear_attention`` fuses normalisation and an elementwise feature
+map into the same pass (``_CausalLinearAttention``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Union
 
 import torch
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
 
 __all__ = [
     "LinearAttentionState",
@@ -66,145 +71,389 @@ class LinearAttentionState(NamedTuple):
 # The causal product o_i = a_i . (s0 + sum_{j<=i} kf_j w_j^T), chunked, with its own backward.
 # ---------------------------------------------------------------------------------------------
 
+# The causal forms work on tiles of about this many positions: groups of whole rows (the B*H
+# independent sequences) when rows are short, else blocks of consecutive chunks of one row, the
+# state carried from block to block (and the state gradient back, in the backward).
+# Why: with glibc's default malloc every temporary of 32 MiB or more is a fresh mmap whose pages
+# fault in on first touch, which at N = 16384 costs as much as the arithmetic. Per-tile
+# temporaries (1 MiB at width 64) are recycled by malloc without faults and stay in cache, where
+# the C x C bmm run ~1.5x faster than on whole tensors. At N = 16384, D = 64 on 2 CPU cores tiles
+# of 2048-4096 positions were fastest (one row of 16384: 1.25x slower; two rows: 1.5x slower).
+# Tests lower it to exercise many tiles at small sizes.
+_TILE_POSITIONS = 4096
 
-def _chunked(x: Tensor, n_pad: int, C: int) -> Tensor:
-    """``(B, H, N, X)`` -> ``(B*H*Nc, C, X)``, zero rows appended to fill the last chunk.
 
-    Zero rows contribute nothing to any sum; outputs for them are cropped by the caller.
+class _Tiles(NamedTuple):
+    """How a causal call is cut up: ``BH`` rows of ``N`` positions, chunks of ``C``, ``per`` rows
+    to a group, and blocks of ``L`` positions (a multiple of C; the whole row when per > 1).
+
+    Inputs are viewed as ``(BH, N, X)``; a tile (rows, positions) is handed to the chunk algorithm
+    as ``(R*Nc, C, X)``, zero rows appended to fill the last chunk (zero rows contribute nothing to
+    any sum; outputs for them are dropped).
     """
-    if n_pad:
-        x = F.pad(x, (0, 0, 0, n_pad))
-    return x.reshape(-1, C, x.shape[-1])
+
+    BH: int
+    N: int
+    C: int
+    per: int
+    L: int
+
+    @staticmethod
+    def of(x: Tensor, chunk_size: int) -> "_Tiles":
+        B, H, N = x.shape[:3]
+        C = min(chunk_size, N)
+        n_fill = -(-N // C) * C
+        if n_fill <= _TILE_POSITIONS:
+            return _Tiles(B * H, N, C, _TILE_POSITIONS // n_fill, N)
+        return _Tiles(B * H, N, C, 1, max(C, _TILE_POSITIONS // C * C))
+
+    def row_groups(self) -> list[slice]:
+        return [slice(r, min(r + self.per, self.BH)) for r in range(0, self.BH, self.per)]
+
+    def blocks(self) -> list[slice]:
+        return [slice(n, min(n + self.L, self.N)) for n in range(0, self.N, self.L)]
+
+    def chunks(self, x: Tensor, pos: slice) -> Tensor:
+        """Positions ``pos`` of a group's ``x (R, N, X)`` as ``(R*Nc, C, X)``: a view unless fill
+        rows are needed (only ever in a row's last block)."""
+        xt = x[:, pos]
+        fill = -xt.shape[1] % self.C
+        if fill:
+            xt = F.pad(xt, (0, 0, 0, fill))
+        return xt.reshape(-1, self.C, x.shape[-1])
+
+    def fills(self, pos: slice) -> bool:
+        """Whether positions ``pos`` end in a partial chunk (which :meth:`chunks` fills up)."""
+        return (pos.stop - pos.start) % self.C != 0
+
+    def target(self, dst: Tensor, pos: slice) -> Tensor | None:
+        """Positions ``pos`` of a group's ``dst (R, N, X)`` as a ``(R*Nc, C, X)`` view to compute
+        into, or None where there are fill rows (compute elsewhere, then :meth:`put`)."""
+        return None if self.fills(pos) else dst[:, pos].view(-1, self.C, dst.shape[-1])
+
+    def put(self, dst: Tensor, pos: slice, src: Tensor) -> None:
+        """Write ``src (R*Nc, C, X)`` into positions ``pos`` of a group's ``dst (R, N, X)``."""
+        dst[:, pos].copy_(src.view(dst.shape[0], -1, src.shape[-1])[:, : pos.stop - pos.start])
 
 
-def _unchunk(x: Tensor, B: int, H: int, N: int) -> Tensor:
-    """``(B*H*Nc, C, X)`` -> ``(B, H, N, X)``, dropping the fill rows."""
-    out = x.reshape(B, H, -1, x.shape[-1])
-    return out if out.shape[2] == N else out[:, :, :N]
+def _new_like(x: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor like ``x``. (empty_like would copy the strides of a
+    permuted input, and the views this file writes through would then be copies.)"""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-# Memory note: with glibc's default malloc every large temporary is a fresh mmap whose pages fault
-# in on first touch, which costs as much as the arithmetic here. Hence the in-place updates
-# (baddbmm_, tril_, chunk loops writing into existing buffers) wherever autograd allows it.
+def _rows_view(x: Tensor | None) -> Tensor | None:
+    """``(B, H, ..., X, Y)`` -> ``(B*H, ..., X, Y)``, a view whenever the strides allow."""
+    return None if x is None else x.reshape(-1, *x.shape[2:])
 
 
-def _chunk_states(kc: Tensor, wc: Tensor, s0: Tensor | None, BH: int) -> tuple[Tensor, Tensor]:
-    """States before each chunk, ``s_excl[c] = s0 + sum_{c' < c} kc[c']^T wc[c']``, as
-    ``(B*H*Nc, F, E)``, and the final state ``(B*H, F, E)``."""
-    Fd, E = kc.shape[-1], wc.shape[-1]
-    s_excl = torch.bmm(kc.transpose(1, 2), wc).view(BH, -1, Fd, E)  # each chunk's contribution
-    s_final = s_excl[:, -1].clone()
-    _exclusive_prefix_sum_(s_excl, s0)
-    s_final += s_excl[:, -1]
-    return s_excl.view(-1, Fd, E), s_final
+def _exclusive_chunk_sums(contrib: Tensor, start: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``contrib (R, Nc, ...)`` -> ``start + sum_{c' < c} contrib[:, c']`` ``(R, Nc, ...)`` and the
+    total ``start + sum_c contrib[:, c]`` ``(R, ...)``; ``start (R, ...)`` or None for zeros.
+
+    The result's rows lie 16 elements further apart than their length: at F = E = 64 a row is 4096
+    floats, and with rows exactly 16 KiB apart the scan down dim 1 hits the same cache sets at every
+    step and runs ~15x slower. (Views with that batch stride are fine for bmm.)
+    """
+    R, nc, rest = contrib.shape[0], contrib.shape[1], contrib.shape[2:]
+    m = math.prod(rest)
+    out = contrib.new_empty(R, nc, m + 16)[..., :m].view(R, nc, *rest)
+    if start is None:
+        out[:, 0].zero_()
+    else:
+        out[:, 0].copy_(start)
+    out[:, 1:].copy_(contrib[:, :-1])
+    out.cumsum_(1)  # in place: [s0, c0, c1, ...] -> [s0, s0 + c0, s0 + c0 + c1, ...]
+    return out, out[:, -1] + contrib[:, -1]
+
+
+def _reverse_chunk_sums(contrib: Tensor, end: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``contrib (R, Nc, ...)`` -> ``end + sum_{c' > c} contrib[:, c']`` ``(R, Nc, ...)`` and the
+    total ``end + sum_c contrib[:, c]`` ``(R, ...)``: :func:`_exclusive_chunk_sums` run backwards."""
+    rev, total = _exclusive_chunk_sums(contrib.flip(1), end)
+    return rev.flip(1), total
+
+
+class _ChunkInputs(NamedTuple):
+    """One tile of ``R`` rows, chunked: ``a, k (R*Nc, C, F)``, ``w (R*Nc, C, E)``, the states
+    before it ``s0 (R, F, E)`` and, for the normaliser, ``z0 (R, F)`` (None for zeros)."""
+
+    a: Tensor
+    k: Tensor
+    w: Tensor
+    s0: Tensor | None
+    z0: Tensor | None
+    R: int
+
+    def states(self) -> tuple[Tensor, Tensor]:
+        """States before each chunk, ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, and the
+        final state ``(R, F, E)``."""
+        Fd, E = self.a.shape[-1], self.w.shape[-1]
+        s_excl, s_final = _exclusive_chunk_sums(
+            torch.bmm(self.k.transpose(1, 2), self.w).view(self.R, -1, Fd, E), self.s0
+        )
+        return s_excl.view(-1, Fd, E), s_final
+
+    def z_states(self) -> tuple[Tensor, Tensor]:
+        """The same for the normaliser, ``w = 1``: ``(R*Nc, F)`` and ``(R, F)``."""
+        z_excl, z_final = _exclusive_chunk_sums(self.k.sum(1).view(self.R, -1, self.a.shape[-1]), self.z0)
+        return z_excl.view(-1, self.a.shape[-1]), z_final
+
+    def scores(self) -> Tensor:
+        """``(R*Nc, C, C)`` intra-chunk scores a_i . k_j for j <= i, zero above the diagonal."""
+        return torch.bmm(self.a, self.k.transpose(1, 2)).tril_()
+
+
+def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
+    """Forward of one tile: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
+    the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)`` and its final state ``(R, F)``
+    (the product with an implicit ones column, kept out of the bmm: a width of 65 instead of 64
+    makes them 10-40% slower). ``out``: where to write o, or None for a new tensor."""
+    s_excl, s_final = x.states()
+    scores = x.scores()
+    o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
+    if not with_den:
+        return o, s_final, None, None
+    z_excl, z_final = x.z_states()
+    d = torch.bmm(x.a, z_excl.unsqueeze(-1)).squeeze(-1).add_(scores.sum(-1))
+    return o, s_final, d, z_final
+
+
+def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Tensor | None,
+                   dz_final: Tensor | None, need: tuple[bool, bool, bool, bool],
+                   outs: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)):
+    """Backward of one tile, given ``do (R*Nc, C, E)`` and, for the normaliser, ``dd (R*Nc, C)``:
+    ``da, dk (R*Nc, C, F)``, ``dw (R*Nc, C, E)``, ``ds0 (R, F, E)`` and ``dz0 (R, F)``, None where
+    ``need`` (for a, k, w, initial state) says not needed. ``outs``: where to write da, dk, dw
+    (views of the final gradients), or None for new tensors.
+
+    Only the inputs are kept from the forward: the C x C scores and the per-chunk states are
+    rebuilt here (two extra bmm), which keeps the saved memory at the inputs alone.
+    """
+    need_a, need_k, need_w, need_s0 = need
+    R, Fd, E = x.R, x.a.shape[-1], x.w.shape[-1]
+    da = dk = dw = ds0 = dz0 = g = gz = dscores = None
+    if need_k or need_w or need_s0:
+        # g[c] = d loss / d (k[c]^T w[c]): that contribution sits in the state of every later
+        # chunk and in the final state. Start from d loss / d s_excl[c] = a^T do.
+        g, ds0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), do).view(R, -1, Fd, E), ds_final)
+        g = g.view(-1, Fd, E)
+        if dd is not None:  # the same for the ones column: a^T dd
+            gz = torch.bmm(x.a.transpose(1, 2), dd.unsqueeze(-1)).view(R, -1, Fd)
+            gz, dz0 = _reverse_chunk_sums(gz, dz_final)
+            gz = gz.view(-1, 1, Fd)
+    if need_a or need_k:
+        dscores = torch.bmm(do, x.w.transpose(1, 2))  # (R*Nc, C, C)
+        if dd is not None:  # d_i = sum_j scores_ij + ...
+            dscores.add_(dd.unsqueeze(-1))
+        dscores.tril_()
+    if need_k:
+        dk = torch.bmm(x.w, g.transpose(1, 2), out=outs[1]).baddbmm_(dscores.transpose(1, 2), x.a)
+        if gz is not None:  # + 1 gz^T
+            dk.add_(gz)
+    if need_w:
+        dw = torch.bmm(x.k, g, out=outs[2]).baddbmm_(x.scores().transpose(1, 2), do)
+    if need_a:
+        s_excl, _ = x.states()
+        da = torch.bmm(dscores, x.k, out=outs[0]).baddbmm_(do, s_excl.transpose(1, 2))
+        if dd is not None:  # + dd z_excl^T
+            z_excl, _ = x.z_states()
+            da.addcmul_(dd.unsqueeze(-1), z_excl.unsqueeze(1))
+    return da, dk, dw, ds0, dz0
 
 
 class _CausalLinearProduct(torch.autograd.Function):
-    # Memory plan (it is what keeps the causal peak below fast-transformers' C++ kernel): only the
-    # inputs are saved. The C x C scores and the per-chunk states are rebuilt in backward, one at a
-    # time, each freed before the next large buffer is made. Two extra bmm buy ~2*N*C floats.
+    """``(a, kf, w, s0) -> (o, s_final)`` of :func:`causal_linear_product`, tile by tile."""
 
     @staticmethod
     def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
         # Autocast would run these bmm in half precision and accumulate the state there; the
         # caller already chose the compute dtype (float32 for half inputs).
         with no_autocast(a.device.type):
-            return _CausalLinearProduct._forward(ctx, a, kf, w, s0, chunk_size)
+            ctx.device_type, ctx.chunk_size = a.device.type, chunk_size
+            lay = _Tiles.of(a, chunk_size)
+            a3, k3, w3, s03 = (_rows_view(t) for t in (a, kf, w, s0))
+            o = w.new_empty(w.shape)
+            s_final = w.new_empty(*a.shape[:2], a.shape[-1], w.shape[-1])
+            o3, sf3 = _rows_view(o), _rows_view(s_final)
+            ctx.starts = []  # the state before every block but a row's first, (R, F, E) each
+            for rows in lay.row_groups():
+                s = None if s03 is None else s03[rows]
+                for i, pos in enumerate(lay.blocks()):
+                    if i:
+                        ctx.starts.append(s)
+                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None,
+                                     rows.stop - rows.start)
+                    into = lay.target(o3[rows], pos)
+                    og, s, _, _ = _rows_forward(x, with_den=False, out=into)
+                    if into is None:
+                        lay.put(o3[rows], pos, og)
+                sf3[rows] = s
+            ctx.save_for_backward(a, kf, w, s0)
+            return o, s_final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
         with no_autocast(ctx.device_type):
-            return _CausalLinearProduct._backward(ctx, do, ds_final)
+            a, kf, w, s0 = ctx.saved_tensors
+            need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
+            lay = _Tiles.of(a, ctx.chunk_size)
+            a3, k3, w3, s03, do3, dsf3 = (_rows_view(t) for t in (a, kf, w, s0, do, ds_final))
+            grads = [_new_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
+            grads3 = [_rows_view(g) for g in grads]
+            starts = iter(reversed(ctx.starts))
+            blocks = lay.blocks()
+            for rows in reversed(lay.row_groups()):
+                ds = None if dsf3 is None else dsf3[rows]  # gradient of the state after the block
+                for i in reversed(range(len(blocks))):
+                    pos = blocks[i]
+                    s = next(starts) if i else (None if s03 is None else s03[rows])
+                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None,
+                                     rows.stop - rows.start)
+                    doc = torch.zeros_like(x.w) if do3 is None else lay.chunks(do3[rows], pos)
+                    outs = tuple(None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3])
+                    *parts, ds, _ = _rows_backward(x, doc, None, ds, None, need, outs)
+                    for g3, part, into in zip(grads3[:3], parts, outs):
+                        if g3 is not None and into is None:
+                            lay.put(g3[rows], pos, part)
+                if grads3[3] is not None:
+                    grads3[3][rows] = ds
+            return (*grads, None)
+
+
+class _CausalLinearAttention(torch.autograd.Function):
+    """Normalised causal kernel attention ``(q, k, v, s0) -> (out, s_final)`` with
+    ``out_i = n_i / d_i``, ``[n_i, d_i] = phi(q_i) . (s0 + sum_{j<=i} phi(k_j) [v_j, 1]^T)``.
+
+    The causal product fused with the normalisation and, for an elementwise feature map ``phi``
+    (a :class:`~linattn.functional.feature_maps.ElementwiseMap`), with the map too. ``[v, 1]``
+    and the normaliser only ever exist one tile at a time, and outputs and gradients are written
+    straight into their final tensors. With ``phi`` None, q and k are already features.
+    Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
+    (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them).
+    A zero normaliser is replaced by 1 (see :func:`_normalise`).
+
+    Features under a fused phi, when a gradient will be needed: the forward writes phi(q) and
+    phi(k) into two tensors that the backward then overwrites, tile by tile, with the gradients of
+    q and k (a tile's features are read only by that tile). Storing them costs no more memory
+    than the gradients themselves, and no page faults beyond theirs (a fresh 32 MiB tensor costs
+    ~6 ms of faults at first touch), while recomputing phi (an exp) would cost ~8% of the call.
+    A second backward through the same graph (retain_graph) finds them consumed and recomputes.
+    """
 
     @staticmethod
-    def _forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
-        ctx.device_type = a.device.type
-        B, H, N, Fd = a.shape
-        E = w.shape[-1]
-        C = min(chunk_size, N)
-        nc = -(-N // C)
-        n_pad = nc * C - N
-        ac, kc, wc = (_chunked(x, n_pad, C) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
-        s_excl, s_final = _chunk_states(kc, wc, s0, B * H)
-        scores = torch.bmm(ac, kc.transpose(1, 2)).tril_()  # (B*H*Nc, C, C): j <= i in a chunk
-        o = torch.bmm(ac, s_excl).baddbmm_(scores, wc)  # inter-chunk + intra-chunk, (.., C, E)
-        ctx.save_for_backward(ac, kc, wc, s0)
-        ctx.meta = (B, H, N)
-        return _unchunk(o, B, H, N), s_final.view(B, H, Fd, E)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, phi):
+        with no_autocast(q.device.type):
+            ctx.device_type, ctx.chunk_size, ctx.phi = q.device.type, chunk_size, phi
+            lay = _Tiles.of(q, chunk_size)
+            dv = v.shape[-1]
+            q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
+            out = v.new_empty(v.shape)
+            inv = v.new_empty(*v.shape[:-1], 1)  # 1 / normaliser, (B, H, N, 1)
+            out3, inv3 = _rows_view(out), _rows_view(inv)
+            keep = phi is not None and any(ctx.needs_input_grad[:4])
+            feats = (_new_like(q), _new_like(k)) if keep else None
+            feats3 = None if feats is None else [_rows_view(f) for f in feats]
+            s_finals = []
+            ctx.starts = []  # the states (S, z) before every block but a row's first
+            for rows in lay.row_groups():
+                s0g = None if s03 is None else s03[rows]
+                s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
+                for i, pos in enumerate(lay.blocks()):
+                    if i:
+                        ctx.starts.append((s, z))
+                    x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
+                                          None if feats3 is None else [f[rows] for f in feats3])
+                    og, s, d, z = _rows_forward(x, with_den=True)
+                    inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
+                    lay.put(inv3[rows], pos, inv_g)
+                    into = lay.target(out3[rows], pos)
+                    if into is None:
+                        lay.put(out3[rows], pos, og.mul_(inv_g))
+                    else:
+                        torch.mul(og, inv_g, out=into)
+                s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1))
+            ctx.feats = feats
+            ctx.save_for_backward(q, k, v, s0, out, inv)
+            s_final = torch.cat(s_finals).view(*q.shape[:2], -1, dv + 1)
+            return out, s_final
 
     @staticmethod
-    def _backward(ctx, do: Tensor | None, ds_final: Tensor | None):
-        ac, kc, wc, s0 = ctx.saved_tensors
-        B, H, N = ctx.meta
-        C, Fd = ac.shape[1], ac.shape[2]
-        E = wc.shape[-1]
-        nc = ac.shape[0] // (B * H)
-        need_a, need_k, need_w, need_s0 = ctx.needs_input_grad[:4]
-        need_g = need_k or need_w or need_s0  # the state gradients g feed dk, dw and ds0
-        if do is None:
-            do = ac.new_zeros(B, H, N, E)
-        doc = _chunked(do, nc * C - N, C)  # (B*H*Nc, C, E)
-        da = dk = dw = ds0 = None
-        if need_g:
-            # g[c] = d loss / d (kc[c]^T wc[c]): that contribution sits in the state of every
-            # later chunk and in the final state. Start from d loss / d s_excl[c] = ac^T doc.
-            g = torch.bmm(ac.transpose(1, 2), doc).view(B * H, nc, Fd, E)
-            ds0 = _reverse_exclusive_prefix_sum_(g, ds_final).view(B, H, Fd, E)
-            g = g.view(-1, Fd, E)
-        if need_a or need_k:
-            dscores = torch.bmm(doc, wc.transpose(1, 2)).tril_()  # (B*H*Nc, C, C)
-        if need_k:
-            dk = _unchunk(torch.bmm(wc, g.transpose(1, 2)).baddbmm_(dscores.transpose(1, 2), ac), B, H, N)
-        if need_w:
-            dw = torch.bmm(kc, g)
-        if need_g:
-            del g
-        if need_w:
-            scores = torch.bmm(ac, kc.transpose(1, 2)).tril_()
-            dw = _unchunk(dw.baddbmm_(scores.transpose(1, 2), doc), B, H, N)
-            del scores
-        if need_a:
-            da = torch.bmm(dscores, kc)
-            del dscores
-            s_excl, _ = _chunk_states(kc, wc, s0, B * H)
-            da = _unchunk(da.baddbmm_(doc, s_excl.transpose(1, 2)), B, H, N)
-        return da, dk, dw, ds0 if (s0 is not None and need_s0) else None, None
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor | None, ds_final: Tensor | None):
+        with no_autocast(ctx.device_type):
+            q, k, v, s0, out, inv = ctx.saved_tensors
+            phi, feats = ctx.phi, ctx.feats
+            ctx.feats = None  # overwritten below: a second backward must recompute them
+            need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
+            lay = _Tiles.of(q, ctx.chunk_size)
+            dv = v.shape[-1]
+            q3, k3, v3, s03, out3, inv3, dout3, dsf3 = (
+                _rows_view(t) for t in (q, k, v, s0, out, inv, dout, ds_final)
+            )
+            grads = [_new_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
+            feats3 = None if feats is None else [_rows_view(f) for f in feats]
+            if feats is not None:  # the features' tensors become the gradients of q and k
+                grads[:2] = [f if n else None for f, n in zip(feats, need)]
+            grads3 = [_rows_view(g) for g in grads]
+            starts = iter(reversed(ctx.starts))
+            blocks = lay.blocks()
+            for rows in reversed(lay.row_groups()):
+                # gradients of the states after the block, carried back from block to block
+                dsf = None if dsf3 is None else dsf3[rows]
+                ds, dz = (None, None) if dsf is None else (dsf[..., :dv], dsf[..., dv])
+                for i in reversed(range(len(blocks))):
+                    pos = blocks[i]
+                    if i:
+                        s, z = next(starts)
+                    else:
+                        s0g = None if s03 is None else s03[rows]
+                        s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
+                    if feats is None:
+                        x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
+                    else:
+                        x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (*feats3, v3)), s, z,
+                                         rows.stop - rows.start)
+                    if dout3 is None:
+                        do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
+                    else:
+                        # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d
+                        g, o_g, inv_g = (lay.chunks(t[rows], pos) for t in (dout3, out3, inv3))
+                        do = g * inv_g
+                        dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_()
+                    # gradients straight into their final tensors where no fill rows are in the
+                    # way: dw always; da, dk when q, k are features (else phi' comes first)
+                    outs = [None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3]]
+                    if phi is not None:
+                        outs[:2] = None, None
+                    da, dk, dw, ds, dz = _rows_backward(x, do, dd, ds, dz, need, tuple(outs))
+                    if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself,
+                        # in place of phi(x), which is the saved feature itself unless there is fill
+                        da = None if da is None else phi.backward_(x.a, da)
+                        dk = None if dk is None else phi.backward_(x.k, dk)
+                        if feats is not None and not lay.fills(pos):
+                            outs[:2] = da, dk
+                    for g3, part, into in zip(grads3[:3], (da, dk, dw), outs):
+                        if g3 is not None and into is None:
+                            lay.put(g3[rows], pos, part)
+                if grads3[3] is not None:
+                    grads3[3][rows] = torch.cat([ds, dz.unsqueeze(-1)], dim=-1)
+            return (*grads, None, None)
 
 
-def _exclusive_prefix_sum_(x: Tensor, start: Tensor | None) -> None:
-    """In place along dim 1 of ``x (BH, Nc, F, E)``: ``x[:, c] <- start + sum_{c' < c} x[:, c']``.
-
-    A loop over chunks writing into the buffer it reads: as fast as torch.cumsum here and it
-    allocates nothing (see the memory note above).
-    """
-    running, spare = x[:, 0].clone(), torch.empty_like(x[:, 0])
-    if start is None:
-        x[:, 0].zero_()
-    else:
-        x[:, 0].copy_(start.reshape(x[:, 0].shape))
-    for c in range(1, x.shape[1]):
-        spare.copy_(x[:, c])
-        torch.add(x[:, c - 1], running, out=x[:, c])
-        running, spare = spare, running
-
-
-def _reverse_exclusive_prefix_sum_(x: Tensor, end: Tensor | None) -> Tensor:
-    """In place along dim 1 of ``x (BH, Nc, F, E)``: ``x[:, c] <- end + sum_{c' > c} x[:, c']``.
-
-    Returns ``end + sum_c x[:, c]`` (the gradient of an initial state that feeds every chunk).
-    """
-    last = x.shape[1] - 1
-    running, spare = x[:, last].clone(), torch.empty_like(x[:, last])
-    if end is None:
-        x[:, last].zero_()
-    else:
-        x[:, last].copy_(end.reshape(x[:, last].shape))
-    for c in range(last - 1, -1, -1):
-        spare.copy_(x[:, c])
-        torch.add(x[:, c + 1], running, out=x[:, c])
-        running, spare = spare, running
-    return x[:, 0] + running
+def _attention_inputs(lay: _Tiles, pos: slice, q: Tensor, k: Tensor, v: Tensor,
+                      s: Tensor | None, z: Tensor | None, phi,
+                      feats: list[Tensor] | None = None) -> _ChunkInputs:
+    """One tile's chunked features and values from a group's ``q, k (R, N, D)``, ``v (R, N, Dv)``
+    (phi applied before the fill rows are added: phi(0) need not be 0), with the states before it.
+    ``feats``: the group's ``(R, N, F)`` tensors to write phi(q), phi(k) into, or None."""
+    q, k = q[:, pos], k[:, pos]
+    if phi is not None:
+        q, k = (phi.forward(t, _new_like(t) if feats is None else f[:, pos])
+                for t, f in zip((q, k), feats or (None, None)))
+    full = slice(0, pos.stop - pos.start)
+    return _ChunkInputs(lay.chunks(q, full), lay.chunks(k, full), lay.chunks(v, pos), s, z, q.shape[0])
 
 
 def causal_linear_product(
@@ -407,10 +656,19 @@ def linear_attention(
 def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state):
     dt = compute_dtype(q.dtype)
     dv = v.shape[-1]
-    qf, kf = _features(fn, feature_map, q, k, key_padding_mask, dt)
+    # Causal sequences longer than one chunk go to the tiled Function, which computes an
+    # elementwise phi itself. One chunk or less (a generation step, a short prompt) takes the
+    # plain quadratic form below: there the tiled machinery's hundred small ops would double the
+    # time of a step.
+    tiled = causal and q.shape[2] > CAUSAL_CHUNK_SIZE
+    fusable = isinstance(feature_map, str) and feature_map in ELEMENTWISE_MAPS and key_padding_mask is None
+    if tiled and fusable:
+        phi, qf, kf = ELEMENTWISE_MAPS[feature_map], q.to(dt), k.to(dt)
+    else:
+        phi, (qf, kf) = None, _features(fn, feature_map, q, k, key_padding_mask, dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
-    w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
     if not causal:
+        w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E)
         return _normalise(qf @ s, dv, q.dtype)
     s0 = None
@@ -418,8 +676,16 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         B, H, _, Fd = qf.shape
         _check_state(fn, initial_state, B, H, Fd, dv, q.device)
         s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
-    o, s_final = causal_linear_product(qf, kf, w, s0)
-    out = _normalise(o, dv, q.dtype)
+    if tiled:
+        out, s_final = _CausalLinearAttention.apply(qf, kf, v, s0, CAUSAL_CHUNK_SIZE, phi)
+        out = out.to(q.dtype)
+    else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
+        w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        o = (qf @ kf.transpose(-1, -2)).tril_() @ w
+        s_final = kf.transpose(-1, -2) @ w
+        if s0 is not None:
+            o, s_final = o + qf @ s0, s_final + s0
+        out = _normalise(o, dv, q.dtype)
     if return_state:
         return out, _state_from(s_final, dv)
     return out
