@@ -264,47 +264,68 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     per_batch = per_head * H
     if per_batch * B <= _TILE_ENTRIES or max(nq, nk) == 0:
         return _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state)
+    # torch.split, not indexing: autograd joins the gradients of all the pieces in one cat, where
+    # each indexed piece would get a zero-filled gradient of the whole input
     if per_batch <= _TILE_ENTRIES:
         step = _TILE_ENTRIES // per_batch
-        groups = [(slice(b, min(b + step, B)), slice(0, H)) for b in range(0, B, step)]
+        tiles = [list(zip(*(x.split(step, dim=0) for x in (q, k, v))))]  # one list of groups of rows
+        masks = [None if mask is None else list(mask.split(step, dim=0))]
     else:
         step = max(1, _TILE_ENTRIES // per_head)
-        groups = [(slice(b, b + 1), slice(h, min(h + step, H))) for b in range(B) for h in range(0, H, step)]
-    block = max(64, _TILE_ENTRIES // Fd // 64 * 64) if causal else nq
-    outs, states = [], []
-    for bs, hs in groups:
-        st = None
-        if initial_state is not None:
-            st = LinearAttentionState(
-                initial_state.S[bs, hs], initial_state.z[bs, hs],
-                None if initial_state.log_scale is None else initial_state.log_scale[bs, hs],
-            )
-        pieces = []
-        for p in range(0, nq, block):
-            ps = slice(p, min(p + block, nq))
-            kp = ps if causal else slice(0, nk)
-            res = _favor(fn, q[bs, hs, ps], k[bs, hs, kp], v[bs, hs, kp], projection, kernel, features, causal,
-                         None if mask is None else mask[bs, kp], scale, st, causal)
-            if causal:
-                res, st = res
-            pieces.append(res)
-        outs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
-        states.append(st)
-    # groups run over heads within a batch row, then over batch rows
-    per_row = -(-len(groups) // B) if per_batch > _TILE_ENTRIES else 1
+        # per batch row (unbind: (H, N, D)), groups of heads, each back to (1, h, N, D)
+        tiles = [
+            [tuple(x[None] for x in t) for t in zip(*(x.split(step, dim=0) for x in row))]
+            for row in zip(q.unbind(0), k.unbind(0), v.unbind(0))
+        ]
+        row_masks = [None] * B if mask is None else [m[None] for m in mask.unbind(0)]  # (1, Nk)
+        masks = [None if m is None else [m] * len(tiles[0]) for m in row_masks]
+    block = max(64, _TILE_ENTRIES // Fd // 64 * 64) if causal else max(nq, 1)
+    states = None if initial_state is None else _split_state(initial_state, per_batch <= _TILE_ENTRIES, step)
+    rows, row_states, i = [], [], 0
+    for row, row_masks in zip(tiles, masks):
+        outs, sts = [], []
+        for j, (qt, kt, vt) in enumerate(row):
+            st = None if states is None else states[i]
+            i += 1
+            mt = None if row_masks is None else row_masks[j]
+            if not causal:
+                outs.append(_favor(fn, qt, kt, vt, projection, kernel, features, False, mt, scale, None, False))
+                continue
+            pieces = []
+            parts = zip(qt.split(block, dim=2), kt.split(block, dim=2), vt.split(block, dim=2),
+                        [None] * -(-nq // block) if mt is None else mt.split(block, dim=1))
+            for qp, kp, vp, mp in parts:
+                o, st = _favor(fn, qp, kp, vp, projection, kernel, features, True, mp, scale, st, True)
+                pieces.append(o)
+            outs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
+            sts.append(st)
+        rows.append(outs)
+        row_states.append(sts)
 
-    def join(parts: list[Tensor]) -> Tensor:
-        if per_row == 1:
-            return torch.cat(parts, dim=0)
-        rows = [torch.cat(parts[i : i + per_row], dim=1) for i in range(0, len(parts), per_row)]
-        return torch.cat(rows, dim=0)
+    def join(parts: list[list[Tensor]]) -> Tensor:
+        """Per-row lists of pieces (heads or groups of rows) -> one tensor."""
+        if per_batch <= _TILE_ENTRIES:
+            return torch.cat(parts[0], dim=0)
+        return torch.cat([torch.cat(p, dim=1) for p in parts], dim=0)
 
-    out = join(outs)
+    out = join(rows)
     if not return_state:
         return out
-    return out, LinearAttentionState(
-        join([s.S for s in states]), join([s.z for s in states]), join([s.log_scale for s in states])
-    )
+    return out, LinearAttentionState(*(join([[st[f] for st in r] for r in row_states]) for f in range(3)))
+
+
+def _split_state(state: LinearAttentionState, by_rows: bool, step: int) -> list[LinearAttentionState]:
+    """The initial state cut like the inputs: groups of ``step`` batch rows, or per batch row
+    groups of ``step`` heads; a missing log_scale is read as 0."""
+    log_scale = state.log_scale if state.log_scale is not None else state.z.new_zeros(state.z.shape[:2])
+    fields = (state.S, state.z, log_scale)
+    if by_rows:
+        return [LinearAttentionState(*p) for p in zip(*(f.split(step, dim=0) for f in fields))]
+    return [
+        LinearAttentionState(*(x[None] for x in p))
+        for row in zip(*(f.unbind(0) for f in fields))
+        for p in zip(*(f.split(step, dim=0) for f in row))
+    ]
 
 
 def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state):
