@@ -98,3 +98,49 @@ def test_family_impls_run_forward_and_backward(impl):
         x = make_inputs(case)
         call(case, x)
         assert x[0].grad is not None and torch.isfinite(x[0].grad).all()
+
+
+def test_sweep_tiny_reports_skips_unsupported_and_crossovers(tmp_path):
+    from linattn.bench.sweep import SweepConfig, run_sweep
+
+    cfg = SweepConfig(impls=("softmax", "linear", "efficient"), ns=(64, 128, 256), repeats=1, heads=2,
+                      head_dim=8, time_budget_s=1e-9, measure_memory=False)
+    result = run_sweep(cfg, out_dir=tmp_path, command="test", quiet=True)
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["rows"] == result["rows"] and saved["command"] == "test"
+    assert {"machine", "config", "contenders", "rows", "crossover", "seconds"} <= set(saved)
+    by = {(r["impl"], r["mode"], r["pass"], r["n"]): r for r in saved["rows"]}
+    assert len(by) == 3 * 2 * 2 * 3  # every (contender, mode, pass, N) has a row, none dropped
+    # the first N runs; with a budget of 1 ns the next one is predicted over budget and skipped
+    first = by[("linear", "causal", "forward", 64)]
+    assert first["status"] == "ok" and first["median_s"] > 0
+    skipped = by[("linear", "causal", "forward", 128)]
+    assert skipped["status"] == "skipped" and "budget" in skipped["reason"]
+    assert by[("efficient", "causal", "forward", 64)]["status"] == "unsupported"
+    md = (tmp_path / "sweep.md").read_text()
+    assert "skip" in md and "overtakes softmax" in md
+    for name in ("sweep_time.png", "sweep_memory.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_measures_memory_and_crossover_logic(tmp_path):
+    from linattn.bench.sweep import SweepConfig, crossovers, run_sweep
+
+    cfg = SweepConfig(impls=("softmax", "linear"), ns=(64,), repeats=1, heads=2, head_dim=8,
+                      modes=("bidirectional",), passes=("forward",))
+    row = run_sweep(cfg, out_dir=tmp_path, quiet=True)["rows"][0]
+    assert row["status"] == "ok" and isinstance(row["peak_memory_bytes"], int)
+    rows = [{"impl": i, "mode": "m", "pass": "p", "n": n, "status": "ok", "median_s": t}
+            for i, n, t in [("softmax", 1, 1.0), ("softmax", 2, 2.0), ("softmax", 4, 8.0),
+                            ("a", 1, 2.0), ("a", 2, 1.0), ("a", 4, 3.0), ("b", 1, 3.0), ("b", 2, 3.0), ("b", 4, 9.0),
+                            ("c", 1, 0.5), ("c", 2, 0.5), ("c", 4, 0.5)]]
+    assert crossovers(rows) == {"m p": {"a": 2, "b": "never", "c": "always"}}
+
+
+def test_cli_bench_without_suite_is_the_sweep(monkeypatch, tmp_path):
+    import linattn.bench.sweep as sweep
+
+    seen = {}
+    monkeypatch.setattr(sweep, "run_sweep", lambda config, **kw: seen.update(config=config, **kw))
+    assert main(["bench"]) == 0
+    assert seen["config"] == sweep.SweepConfig() and seen["out_dir"] == "report"

@@ -24,8 +24,23 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--ns", type=_parse_ns, default=None, help="sequence lengths, e.g. 256,1024")
     demo.add_argument("--out", default="report", help="output folder for demo.json (default: report)")
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="suite", required=True)
+    bench = sub.add_parser("bench", help="benchmarks (no suite: the sweep with its defaults)")
+    bench_sub = bench.add_subparsers(dest="suite", required=False)
+    sweep = bench_sub.add_parser("sweep", help="time and memory of every mechanism vs N, beside softmax and peers")
+    sweep.add_argument("--out", default="report", help="folder for sweep.json/md/png (default: report)")
+    sweep.add_argument("--impls", default=None, help="comma-separated contenders (default: all + installed peers)")
+    sweep.add_argument("--ns", type=_parse_ns, default=None, help="sequence lengths, e.g. 256,1024,4096")
+    sweep.add_argument("--passes", default="forward,forward+backward")
+    sweep.add_argument("--modes", default="causal,bidirectional")
+    sweep.add_argument("--batch", type=int, default=1)
+    sweep.add_argument("--heads", type=int, default=8)
+    sweep.add_argument("--head-dim", type=int, default=64)
+    sweep.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
+    sweep.add_argument("--device", default="cpu")
+    sweep.add_argument("--repeats", type=int, default=3)
+    sweep.add_argument("--time-budget", type=float, default=20.0, help="seconds per call (predicted) before skipping")
+    sweep.add_argument("--memory-budget-gib", type=float, default=8.0)
+    sweep.add_argument("--no-memory", action="store_true", help="skip the per-configuration memory subprocesses")
     core = bench_sub.add_parser("core", help="the core speed/memory claims against fast-transformers")
     core.add_argument("--out", default="docs/benchmarks", help="folder for core.json and core.md")
     core.add_argument("--n", type=int, default=16384, help="sequence length (default 16384)")
@@ -50,6 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.demo import DEFAULT_NS, run_demo
 
         run_demo(args.ns or DEFAULT_NS, out_dir=args.out)
+    elif args.command == "bench" and args.suite in (None, "sweep"):
+        from .bench.sweep import DEFAULT_NS, SweepConfig, run_sweep
+
+        if args.suite is None:  # `linattn bench`: the sweep with its defaults
+            args = parser.parse_args(["bench", "sweep"])
+        split = lambda text: tuple(x for x in text.split(",") if x)  # noqa: E731
+        try:
+            config = SweepConfig(
+                impls=split(args.impls) if args.impls else None, ns=args.ns or DEFAULT_NS,
+                passes=split(args.passes), modes=split(args.modes), batch=args.batch, heads=args.heads,
+                head_dim=args.head_dim, dtype=args.dtype, device=args.device, repeats=args.repeats,
+                time_budget_s=args.time_budget, memory_budget_bytes=int(args.memory_budget_gib * 2**30),
+                measure_memory=not args.no_memory,
+            )
+        except ValueError as e:
+            parser.error(str(e))
+        command = "linattn " + " ".join(argv if argv is not None else sys.argv[1:])
+        run_sweep(config, out_dir=args.out, command=command)
     elif args.command == "bench" and args.suite == "core":
         from .bench.core import run_core
 

@@ -51,6 +51,7 @@ class Case:
     head_dim: int = 64
     dtype: str = "float32"
     backward: bool = True
+    device: str = "cpu"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -196,11 +197,12 @@ def make_inputs(case: Case, *, seed: int = 0, requires_grad: bool | None = None)
     if impl.layout == "bnhd":
         shape = (case.batch, case.n, case.heads, case.head_dim)
     rg = case.backward if requires_grad is None else requires_grad
-    return [torch.randn(shape, generator=g).to(dtype).requires_grad_(rg) for _ in range(3)]
+    return [torch.randn(shape, generator=g).to(dtype=dtype, device=case.device).requires_grad_(rg) for _ in range(3)]
 
 
 def call(case: Case, inputs) -> None:
-    """One forward (and backward when ``case.backward``) of the case's implementation."""
+    """One forward (and backward when ``case.backward``) of the case's implementation; on a GPU it
+    waits for the device, so that wall time measures the work."""
     impl = IMPLS[case.impl]
     for t in inputs:
         t.grad = None
@@ -210,6 +212,8 @@ def call(case: Case, inputs) -> None:
     else:
         with torch.no_grad():
             impl.fn(*inputs, case.causal)
+    if case.device.startswith("cuda"):
+        torch.cuda.synchronize(case.device)
 
 
 def time_calls(fns: dict[str, Callable[[], None]], *, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -244,6 +248,13 @@ def _memory_child(case_json: str) -> None:
     call(case, make_inputs(case))  # warm-up: lazy initialisation is not the call's memory
     for t in inputs:
         t.grad = None
+    if case.device.startswith("cuda"):  # allocator peak above what is allocated now
+        torch.cuda.synchronize(case.device)
+        base = torch.cuda.memory_allocated(case.device)
+        torch.cuda.reset_peak_memory_stats(case.device)
+        call(case, inputs)
+        print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated(case.device) - base}))
+        return
     base = _vm_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset the high-water mark VmHWM to the current RSS
@@ -253,7 +264,8 @@ def _memory_child(case_json: str) -> None:
 
 
 def peak_memory(case: Case, *, env: dict[str, str] | None = None, timeout: float = 600) -> int:
-    """Peak RSS above the baseline for one call of ``case``, in bytes, from a fresh subprocess."""
+    """Peak memory above the baseline for one call of ``case``, in bytes, from a fresh subprocess:
+    resident set size on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU."""
     cmd = [sys.executable, "-m", "linattn.bench.harness", "memory", json.dumps(case.to_dict())]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}

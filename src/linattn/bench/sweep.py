@@ -1,0 +1,290 @@
+"""`linattn bench sweep`: time and memory of every mechanism against N, beside softmax and the peers.
+
+For each mode (causal, bidirectional), pass (forward, forward+backward) and N in the grid, every
+contender that supports the mode is timed (median of the repeats after a warm-up, contenders
+interleaved A B A B at each N) and its peak memory is measured in a fresh subprocess (peak RSS
+above the baseline on a CPU, ``torch.cuda.max_memory_allocated`` on a GPU).
+
+Budgets: before running a configuration, its time and memory are predicted from the contender's
+two largest measured N in the same mode and pass (a power law through them, the exponent held
+between 1 and 2); a configuration predicted to exceed ``time_budget_s`` per call or
+``memory_budget_bytes`` is not run and is recorded as skipped with the prediction, never dropped.
+A contender that fails (e.g. out of memory) is recorded as an error and the sweep goes on.
+
+Writes sweep.json (machine, torch version, threads, every row), sweep.md (tables and the crossover
+N where each mechanism overtakes softmax) and sweep_time.png / sweep_memory.png (log-log, with
+reference slopes 1 and 2) atomically to the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .harness import IMPLS, Case, call, machine_info, make_inputs, median, peak_memory, time_calls, write_atomically
+
+MECHANISMS = ("softmax", "linear", "efficient", "favor", "local", "linformer", "lsh")
+PEERS = ("fast_transformers", "performer_pytorch")
+DEFAULT_NS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+PASSES = {"forward": False, "forward+backward": True}
+MODES = {"causal": True, "bidirectional": False}
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What to sweep. ``impls`` None means every mechanism plus the installed peers."""
+
+    impls: tuple[str, ...] | None = None
+    ns: tuple[int, ...] = DEFAULT_NS
+    passes: tuple[str, ...] = tuple(PASSES)
+    modes: tuple[str, ...] = tuple(MODES)
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    repeats: int = 3
+    time_budget_s: float = 20.0
+    memory_budget_bytes: int = 8 * 2**30
+    measure_memory: bool = True
+
+    def __post_init__(self) -> None:
+        for name, values, known in (("passes", self.passes, PASSES), ("modes", self.modes, MODES)):
+            bad = sorted(set(values) - set(known))
+            if bad:
+                raise ValueError(f"SweepConfig: unknown {name} {bad}; known: {list(known)}")
+        if self.impls is not None:
+            bad = sorted(set(self.impls) - set(IMPLS))
+            if bad:
+                raise ValueError(f"SweepConfig: unknown impls {bad}; known: {sorted(IMPLS)}")
+        if not self.ns or any(n < 1 for n in self.ns):
+            raise ValueError(f"SweepConfig: ns must be positive sequence lengths, got {self.ns}")
+        if self.repeats < 1:
+            raise ValueError(f"SweepConfig: repeats must be >= 1, got {self.repeats}")
+
+    def contenders(self) -> tuple[str, ...]:
+        if self.impls is not None:
+            return self.impls
+        return MECHANISMS + tuple(p for p in PEERS if IMPLS[p].available())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _History:
+    """Measured (N, seconds, bytes) of one contender in one mode and pass, for the predictions."""
+
+    points: list[tuple[int, float, float | None]] = field(default_factory=list)
+
+    def predict(self, n: int) -> tuple[float | None, float | None]:
+        if not self.points:
+            return None, None
+        if len(self.points) == 1:
+            n0, t0, m0 = self.points[0]
+            return t0 * n / n0, None if m0 is None else m0 * n / n0
+        (n0, t0, m0), (n1, t1, m1) = self.points[-2], self.points[-1]
+
+        def extrapolate(y0: float, y1: float) -> float:
+            if y0 <= 0 or y1 <= 0:
+                return y1 * n / n1
+            slope = min(2.0, max(1.0, math.log(y1 / y0) / math.log(n1 / n0)))
+            return y1 * (n / n1) ** slope
+
+        mem = None if m0 is None or m1 is None else extrapolate(max(m0, 1.0), max(m1, 1.0))
+        return extrapolate(t0, t1), mem
+
+
+def run_sweep(config: SweepConfig = SweepConfig(), *, out_dir: str | Path = "report", command: str | None = None,
+              quiet: bool = False) -> dict:
+    """Run the sweep, write its files, return the result (the content of sweep.json)."""
+    contenders = config.contenders()
+    rows: list[dict] = []
+    history: dict[tuple[str, str, str], _History] = {}
+    total = len(config.modes) * len(config.passes) * len(config.ns)
+    done, started = 0, time.perf_counter()
+    for mode in config.modes:
+        causal = MODES[mode]
+        for pass_name in config.passes:
+            backward = PASSES[pass_name]
+            for n in sorted(config.ns):
+                done += 1
+                cases, pending = {}, []
+                for impl in contenders:
+                    row = {"impl": impl, "mode": mode, "pass": pass_name, "n": n}
+                    if not IMPLS[impl].supports(causal):
+                        rows.append({**row, "status": "unsupported", "reason": f"{impl} has no {mode} form"})
+                        continue
+                    t_pred, m_pred = history.setdefault((impl, mode, pass_name), _History()).predict(n)
+                    if t_pred is not None and t_pred > config.time_budget_s:
+                        rows.append({**row, "status": "skipped",
+                                     "reason": f"predicted {t_pred:.1f} s per call > budget {config.time_budget_s} s"})
+                        continue
+                    if m_pred is not None and m_pred > config.memory_budget_bytes:
+                        rows.append({**row, "status": "skipped",
+                                     "reason": f"predicted {m_pred / 2**30:.1f} GiB > budget "
+                                               f"{config.memory_budget_bytes / 2**30:.1f} GiB"})
+                        continue
+                    cases[impl] = Case(impl, causal, n, batch=config.batch, heads=config.heads,
+                                       head_dim=config.head_dim, dtype=config.dtype, backward=backward,
+                                       device=config.device)
+                    pending.append(row)
+                if not quiet:
+                    elapsed = time.perf_counter() - started
+                    print(f"[{done}/{total}] {mode} {pass_name} N={n}: {', '.join(cases) or 'nothing to run'}"
+                          f" ({elapsed:.0f} s so far)", flush=True)
+                rows.extend(_measure(config, cases, pending, history))
+    result = {
+        "command": command or "linattn bench sweep",
+        "machine": machine_info(),
+        "config": config.to_dict(),
+        "contenders": {c: IMPLS[c].note for c in contenders},
+        "rows": rows,
+        "crossover": crossovers(rows),
+        "seconds": time.perf_counter() - started,
+    }
+    write_atomically(out_dir, {"sweep.json": json.dumps(result, indent=2), "sweep.md": format_sweep(result)})
+    plot_sweep(result, Path(out_dir))
+    if not quiet:
+        print(format_sweep(result))
+    return result
+
+
+def _measure(config: SweepConfig, cases: dict[str, Case], rows: list[dict], history) -> list[dict]:
+    """Time the cases interleaved (dropping any that fail), then measure their memory."""
+    inputs, fns, out = {}, {}, {}
+    for (impl, case), row in zip(list(cases.items()), rows):
+        try:
+            inputs[impl] = make_inputs(case)
+            call(case, inputs[impl])  # a first call: fail here rather than inside the timing loop
+            fns[impl] = lambda c=case, x=inputs[impl]: call(c, x)
+            out[impl] = row
+        except (RuntimeError, ValueError, MemoryError) as e:
+            out[impl] = {**row, "status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+            inputs.pop(impl, None)
+    times = time_calls(fns, repeats=config.repeats, warmup=0) if fns else {}
+    inputs.clear()
+    for impl, ts in times.items():
+        row = {**out[impl], "status": "ok", "median_s": median(ts), "all_s": ts, "peak_memory_bytes": None}
+        if config.measure_memory:
+            try:
+                row["peak_memory_bytes"] = peak_memory(cases[impl])
+            except (RuntimeError, OSError) as e:
+                row["memory_error"] = str(e)[-300:]
+        history[(impl, row["mode"], row["pass"])].points.append((row["n"], row["median_s"], row["peak_memory_bytes"]))
+        out[impl] = row
+    return list(out.values())
+
+
+def crossovers(rows: list[dict]) -> dict[str, dict[str, str | int]]:
+    """Per (mode, pass) and contender: the smallest measured N from which it is faster than softmax
+    at every larger N where both were measured ("always", "never", or "n/a" without data)."""
+    result: dict[str, dict[str, str | int]] = {}
+    ok = [r for r in rows if r["status"] == "ok"]
+    for key in sorted({(r["mode"], r["pass"]) for r in ok}):
+        soft = {r["n"]: r["median_s"] for r in ok if (r["mode"], r["pass"]) == key and r["impl"] == "softmax"}
+        per: dict[str, str | int] = {}
+        for impl in sorted({r["impl"] for r in ok if (r["mode"], r["pass"]) == key} - {"softmax"}):
+            mine = {r["n"]: r["median_s"] for r in ok if (r["mode"], r["pass"]) == key and r["impl"] == impl}
+            common = sorted(set(mine) & set(soft))
+            if not common:
+                per[impl] = "n/a"
+                continue
+            faster = [mine[n] < soft[n] for n in common]
+            if all(faster):
+                per[impl] = "always"
+            elif not faster[-1]:
+                per[impl] = "never"
+            else:
+                first = max(i for i, f in enumerate(faster) if not f) + 1
+                per[impl] = common[first]
+        result[f"{key[0]} {key[1]}"] = per
+    return result
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def format_sweep(result: dict) -> str:
+    cfg, m = result["config"], result["machine"]
+    lines = [
+        f"# Sweep: B = {cfg['batch']}, H = {cfg['heads']}, D = {cfg['head_dim']}, {cfg['dtype']}, {cfg['device']}",
+        "",
+        f"Written by `{result['command']}`; do not edit by hand. torch {m['torch']}, {m['threads']} threads, "
+        f"{m['cpu_count']} CPUs. Median of {cfg['repeats']} interleaved repeats; memory = peak above the "
+        "baseline in a fresh process. `skip` = predicted over budget (see the JSON for the prediction), "
+        "`err` = failed, `-` = no such form.",
+        "",
+    ]
+    ns = sorted({r["n"] for r in result["rows"]})
+    impls = list(result["contenders"])
+    for mode in cfg["modes"]:
+        for pass_name in cfg["passes"]:
+            lines += [f"## {mode}, {pass_name}", "", "| contender | " + " | ".join(f"N={n}" for n in ns) + " |",
+                      "| --- |" + " --- |" * len(ns)]
+            for impl in impls:
+                cells = []
+                for n in ns:
+                    r = next((r for r in result["rows"] if (r["impl"], r["mode"], r["pass"], r["n"]) ==
+                              (impl, mode, pass_name, n)), None)
+                    if r is None or r["status"] == "unsupported":
+                        cells.append("-")
+                    elif r["status"] == "ok":
+                        mem = r.get("peak_memory_bytes")
+                        cells.append(_fmt_time(r["median_s"]) + ("" if mem is None else f" / {mem / 2**20:.0f} MiB"))
+                    else:
+                        cells.append("skip" if r["status"] == "skipped" else "err")
+                lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+            lines.append("")
+    lines += ["## Where each contender overtakes softmax", "",
+              "Smallest N from which it is faster than softmax at every larger measured N.", "",
+              "| mode, pass | " + " | ".join(i for i in impls if i != "softmax") + " |",
+              "| --- |" + " --- |" * (len(impls) - 1)]
+    for key, per in result["crossover"].items():
+        lines.append(f"| {key} | " + " | ".join(str(per.get(i, "-")) for i in impls if i != "softmax") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(result: dict, out_dir: Path) -> None:
+    """sweep_time.png and sweep_memory.png: one panel per (mode, pass), log-log, with slopes 1 and 2."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = result["config"]
+    keys = [(mode, p) for mode in cfg["modes"] for p in cfg["passes"]]
+    for what, field_name, unit, scale in (("time", "median_s", "seconds", 1.0),
+                                          ("memory", "peak_memory_bytes", "MiB", 2**20)):
+        fig, axes = plt.subplots(1, len(keys), figsize=(4.8 * len(keys), 4.2), squeeze=False)
+        for ax, (mode, p) in zip(axes[0], keys):
+            anchor = None
+            for impl in result["contenders"]:
+                pts = [(r["n"], r[field_name] / scale) for r in result["rows"]
+                       if (r["impl"], r["mode"], r["pass"]) == (impl, mode, p) and r["status"] == "ok"
+                       and r.get(field_name) is not None and r[field_name] > 0]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+                    anchor = anchor or pts[0]
+            if anchor:
+                n0, y0 = anchor
+                ns = sorted({r["n"] for r in result["rows"]})
+                for slope, style in ((1, ":"), (2, "--")):
+                    ax.plot(ns, [y0 * (n / n0) ** slope for n in ns], "k" + style, lw=0.8, label=f"slope {slope}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{mode}, {p}")
+            ax.set_xlabel("N")
+            ax.set_ylabel(unit)
+            ax.grid(True, which="both", alpha=0.3)
+        if axes[0][-1].get_legend_handles_labels()[1]:  # nothing to label when no memory was measured
+            axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        tmp = out_dir / f"sweep_{what}.tmp.png"
+        fig.savefig(tmp, dpi=110)
+        plt.close(fig)
+        tmp.replace(out_dir / f"sweep_{what}.png")
