@@ -31,7 +31,6 @@ from .registry import (
 )
 
 __all__ = [
-    "MECHANISMS",
     "AttentionConfig",
     "AttentionState",
     "EfficientConfig",
@@ -43,6 +42,7 @@ __all__ = [
     "LinformerAttention",
     "LinformerConfig",
     "LocalConfig",
+    "MECHANISMS",
     "Mechanism",
     "MechanismSpec",
     "MultiHeadAttention",
