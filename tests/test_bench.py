@@ -98,3 +98,16 @@ def test_family_impls_run_forward_and_backward(impl):
         x = make_inputs(case)
         call(case, x)
         assert x[0].grad is not None and torch.isfinite(x[0].grad).all()
+
+
+def test_generate_benchmark_tiny(tmp_path):
+    main(["bench", "generate", "--positions", "5,40", "--steps", "3", "--d-model", "16", "--layers", "2",
+          "--heads", "2", "--vocab", "50", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "generate.json").read_text())
+    assert saved["command"].startswith("linattn bench generate --positions 5,40 --steps 3")
+    assert set(saved["seconds_per_token"]) == {"linear@5", "linear@40", "softmax@5", "softmax@40"}
+    assert all(len(v) == 3 for v in saved["all_seconds"].values())
+    assert saved["claim"]["linear state size independent of position"] is True
+    sizes = saved["state_bytes_after_prefill"]
+    assert sizes["softmax@40"] == 8 * sizes["softmax@5"]  # the KV cache grows with position
+    assert "| linear | 40 |" in (tmp_path / "generate.md").read_text()

@@ -203,9 +203,13 @@ class TransformerLM(_Transformer):
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
-    def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None, return_state: bool = False):
+    def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None, return_state: bool = False,
+                last_only: bool = False):
         """``ids (B, N)`` -> logits ``(B, N, V)``; with ``return_state`` also the :class:`LMState`
         after position N - 1, to continue with :meth:`step` (prefill).
+
+        ``last_only``: logits of the last position only, ``(B, 1, V)`` (a prefill of a long prompt
+        need not build N x V logits: 2 GB at N = 16000, V = 32000 in float32).
 
         ``key_padding_mask``: bool ``(B, N)``, True = a real token, False = padding (not with
         ``return_state`` when a layer is softmax: the KV cache has no padding slots).
@@ -221,6 +225,8 @@ class TransformerLM(_Transformer):
                 states.append(s)
             else:
                 x = block(x, causal=True, key_padding_mask=key_padding_mask)
+        if last_only:
+            x = x[:, -1:]
         logits = self.head(self.norm_f(x))
         if return_state:
             return logits, LMState(tuple(states), ids.shape[1])
@@ -308,7 +314,7 @@ class TransformerLM(_Transformer):
         self._check_recurrent("generate")
         if max_new_tokens == 0:
             return prompt_ids
-        logits, state = self(prompt_ids, return_state=True)
+        logits, state = self(prompt_ids, return_state=True, last_only=True)
         logits = logits[:, -1]  # (B, V)
         out = [prompt_ids]
         for t in range(max_new_tokens):
