@@ -144,3 +144,16 @@ def test_cli_bench_without_suite_is_the_sweep(monkeypatch, tmp_path):
     monkeypatch.setattr(sweep, "run_sweep", lambda config, **kw: seen.update(config=config, **kw))
     assert main(["bench"]) == 0
     assert seen["config"] == sweep.SweepConfig() and seen["out_dir"] == "report"
+
+
+def test_generate_benchmark_tiny(tmp_path):
+    main(["bench", "generate", "--positions", "5,40", "--steps", "3", "--d-model", "16", "--layers", "2",
+          "--heads", "2", "--vocab", "50", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "generate.json").read_text())
+    assert saved["command"].startswith("linattn bench generate --positions 5,40 --steps 3")
+    assert set(saved["seconds_per_token"]) == {"linear@5", "linear@40", "softmax@5", "softmax@40"}
+    assert all(len(v) == 3 for v in saved["all_seconds"].values())
+    assert saved["claim"]["linear state size independent of position"] is True
+    sizes = saved["state_bytes_after_prefill"]
+    assert sizes["softmax@40"] == 8 * sizes["softmax@5"]  # the KV cache grows with position
+    assert "| linear | 40 |" in (tmp_path / "generate.md").read_text()

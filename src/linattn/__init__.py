@@ -5,7 +5,7 @@ Tensors follow ``torch.nn.functional.scaled_dot_product_attention``: ``q (B, H, 
 ``(B, Nk)`` with True = a real key that may be attended.
 """
 
-from . import nn
+from . import models, nn
 from .functional import (
     FEATURE_MAPS,
     LinearAttentionState,
@@ -21,26 +21,71 @@ from .functional import (
     lsh_attention,
     softmax_attention,
 )
-from .nn import FavorAttention, FavorConfig, LinformerAttention
+from .models import (
+    LMState,
+    TransformerConfig,
+    TransformerEncoder,
+    TransformerLM,
+    count_parameters,
+    parameter_table,
+)
+from .nn import (
+    MECHANISMS,
+    AttentionState,
+    EfficientConfig,
+    FavorAttention,
+    FavorConfig,
+    KVCache,
+    LinearConfig,
+    LinformerAttention,
+    LinformerConfig,
+    LocalConfig,
+    LSHConfig,
+    MechanismSpec,
+    MultiHeadAttention,
+    SoftmaxConfig,
+    attention_config,
+    get_mechanism,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionState",
+    "EfficientConfig",
     "FEATURE_MAPS",
     "FavorAttention",
     "FavorConfig",
+    "KVCache",
+    "LMState",
+    "LSHConfig",
     "LinearAttentionState",
+    "LinearConfig",
     "LinformerAttention",
+    "LinformerConfig",
     "LocalAttentionState",
+    "LocalConfig",
+    "MECHANISMS",
+    "MechanismSpec",
+    "MultiHeadAttention",
+    "SoftmaxConfig",
+    "TransformerConfig",
+    "TransformerEncoder",
+    "TransformerLM",
+    "attention_config",
     "causal_linear_product",
+    "count_parameters",
     "efficient_attention",
     "favor_attention",
     "favor_features",
     "favor_projection",
+    "get_mechanism",
     "linear_attention",
     "linformer_attention",
     "local_attention",
     "lsh_attention",
+    "models",
     "nn",
+    "parameter_table",
     "softmax_attention",
 ]

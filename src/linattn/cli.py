@@ -1,4 +1,4 @@
-"""Command line: `linattn demo` and `linattn bench core|favor|family`."""
+"""Command line: `linattn demo` and `linattn bench core|favor|family|generate`."""
 
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     family.add_argument("--n-softmax", type=int, default=4096, help="softmax attention's N (default 4096)")
     family.add_argument("--repeats", type=int, default=3)
 
+    gen = bench_sub.add_parser("generate", help="per-token generation time of a linear vs a softmax (KV cache) LM")
+    gen.add_argument("--out", default="docs/benchmarks", help="folder for generate.json and generate.md")
+    gen.add_argument("--positions", type=_parse_ns, default=(100, 16000), help="decoding positions, e.g. 100,16000")
+    gen.add_argument("--steps", type=int, default=20, help="timed steps per position (default 20)")
+    gen.add_argument("--d-model", type=int, default=512)
+    gen.add_argument("--layers", type=int, default=8)
+    gen.add_argument("--heads", type=int, default=8)
+    gen.add_argument("--vocab", type=int, default=32000)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .bench.demo import DEFAULT_NS, run_demo
@@ -100,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.family import run_family
 
         run_family(out_dir=args.out, n_local=args.n_local, n_softmax=args.n_softmax, repeats=args.repeats)
+    elif args.command == "bench" and args.suite == "generate":
+        from .bench.generate import run_generate
+
+        run_generate(out_dir=args.out, positions=args.positions, steps=args.steps, d_model=args.d_model,
+                     n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab)
     return 0
 
 

@@ -1,10 +1,56 @@
-"""Tier 2: modules that own a mechanism's parameters and buffers and call ``linattn.functional``.
+"""Tier 2: modules that own parameters and buffers and call ``linattn.functional``.
 
-Imports the functional tier only; nothing below imports this package. Modules here never own the
-query/key/value/output projections (those belong to one attention layer that calls any mechanism).
+Imports the functional tier only; nothing below imports this package. Mechanism modules never own
+the query/key/value/output projections: :class:`MultiHeadAttention` does, and calls any mechanism
+registered in :mod:`linattn.nn.registry`.
 """
 
+from .attention import AttentionState, MultiHeadAttention
 from .favor import FavorAttention, FavorConfig
 from .linformer import LinformerAttention
+from .mechanisms import (
+    EfficientConfig,
+    KVCache,
+    LinearConfig,
+    LinformerConfig,
+    LocalConfig,
+    LSHConfig,
+    Mechanism,
+    SoftmaxConfig,
+)
+from .registry import (
+    MECHANISMS,
+    AttentionConfig,
+    MechanismSpec,
+    attention_config,
+    attention_config_from_dict,
+    attention_config_to_dict,
+    build_mechanism,
+    get_mechanism,
+    spec_for,
+)
 
-__all__ = ["FavorAttention", "FavorConfig", "LinformerAttention"]
+__all__ = [
+    "AttentionConfig",
+    "AttentionState",
+    "EfficientConfig",
+    "FavorAttention",
+    "FavorConfig",
+    "KVCache",
+    "LSHConfig",
+    "LinearConfig",
+    "LinformerAttention",
+    "LinformerConfig",
+    "LocalConfig",
+    "MECHANISMS",
+    "Mechanism",
+    "MechanismSpec",
+    "MultiHeadAttention",
+    "SoftmaxConfig",
+    "attention_config",
+    "attention_config_from_dict",
+    "attention_config_to_dict",
+    "build_mechanism",
+    "get_mechanism",
+    "spec_for",
+]

@@ -24,7 +24,9 @@ class FavorConfig:
     """Options of :class:`FavorAttention` (names and defaults as in ``favor_attention``).
 
     Attributes:
-        head_dim: D, the width of q and k.
+        head_dim: D, the width of q and k. None (only in a model's attention config) means "the
+            head width of the layer": ``linattn.MultiHeadAttention`` fills it in; a
+            :class:`FavorAttention` needs it set.
         num_features: m, the number of random features (rows of the projection).
         kernel: ``"softmax"`` or ``"relu"``.
         features: ``"positive"`` or ``"trig"`` (softmax kernel only).
@@ -36,7 +38,7 @@ class FavorConfig:
         scale: logit scale of the softmax kernel; None means 1/sqrt(head_dim).
     """
 
-    head_dim: int
+    head_dim: int | None = None
     num_features: int = 256
     kernel: str = "softmax"
     features: str = "positive"
@@ -48,6 +50,8 @@ class FavorConfig:
     def __post_init__(self) -> None:
         for name in ("head_dim", "num_features"):
             val = getattr(self, name)
+            if name == "head_dim" and val is None:
+                continue
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"FavorConfig: {name} must be an int >= 1, got {val!r}")
         if self.kernel not in FAVOR_KERNELS:
@@ -89,6 +93,10 @@ class FavorAttention(nn.Module):
 
     def __init__(self, config: FavorConfig, *, device=None, dtype=None) -> None:
         super().__init__()
+        if not isinstance(config, FavorConfig):
+            raise TypeError(f"FavorAttention: config must be a FavorConfig, got {type(config).__name__}")
+        if config.head_dim is None:
+            raise ValueError("FavorAttention: config.head_dim must be set (the width D of q and k), got None")
         self.config = config
         self._generator = torch.Generator().manual_seed(config.seed)
         self._forwards_since_redraw = 0

@@ -1,0 +1,345 @@
+"""Transformer encoder and causal language model over any registered attention mechanism.
+
+Dimension legend: B batch, N positions, C = d_model, V vocabulary, P prompt length, T new tokens.
+
+Decoding: every attention layer carries its own state (:class:`linattn.nn.AttentionState`): a KV
+cache for softmax layers (O(position) per token), the sums (S, z) for linear and FAVOR layers and
+a ring buffer of the last ``window`` keys for local layers (O(1) per token whatever the position).
+A prompt is prefilled by one causal forward that returns every layer's state.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..nn.attention import AttentionState, MultiHeadAttention
+from ..nn.positional import sinusoidal_table
+from ..nn.registry import MECHANISMS, spec_for
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import TransformerConfig
+
+__all__ = ["Block", "LMState", "TransformerEncoder", "TransformerLM"]
+
+
+class LMState(NamedTuple):
+    """Decoding state of a :class:`TransformerLM`.
+
+    Attributes:
+        layers: one :class:`linattn.nn.AttentionState` per layer.
+        position: the position of the next token.
+    """
+
+    layers: tuple[AttentionState, ...]
+    position: int
+
+
+def _norm(kind: str, d: int) -> nn.Module:
+    return nn.LayerNorm(d) if kind == "layernorm" else nn.RMSNorm(d)
+
+
+class Block(nn.Module):
+    """Attention then MLP (Linear C->d_ff, GELU, Linear d_ff->C), each with a residual connection,
+    pre-norm ``x + f(norm(x))`` or post-norm ``norm(x + f(x))``."""
+
+    def __init__(self, config: TransformerConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.pre_norm = c.pre_norm
+        self.attn = MultiHeadAttention(c.d_model, c.n_heads, attention=c.attention_for(layer),
+                                       rotary=c.positional == "rotary", max_len=c.max_len)
+        self.norm1 = _norm(c.norm, c.d_model)
+        self.norm2 = _norm(c.norm, c.d_model)
+        self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
+        self.drop = nn.Dropout(c.dropout)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        if self.pre_norm:
+            return x + self.drop(self.ff(self.norm2(x)))
+        return self.norm2(x + self.drop(self.ff(x)))
+
+    def _attend(self, x: Tensor, run) -> tuple[Tensor, object]:
+        """``run(h) -> (attention output, state)`` on the (pre-normed) input; residual and norm."""
+        if self.pre_norm:
+            a, state = run(self.norm1(x))
+            return x + self.drop(a), state
+        a, state = run(x)
+        return self.norm1(x + self.drop(a)), state
+
+    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
+                return_state: bool = False):
+        """``x (B, N, C) -> (B, N, C)``, with ``return_state`` also the layer's AttentionState."""
+
+        def run(h):
+            r = self.attn(h, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
+            return r if return_state else (r, None)
+
+        x, state = self._attend(x, run)
+        x = self._mlp(x)
+        return (x, state) if return_state else x
+
+    def step(self, x_t: Tensor, state: AttentionState) -> tuple[Tensor, AttentionState]:
+        """``x_t (B, 1, C)`` -> ``(B, 1, C)`` and the next state (see MultiHeadAttention.step)."""
+        x_t, state = self._attend(x_t, lambda h: self.attn.step(h, state))
+        return self._mlp(x_t), state
+
+
+class _Transformer(nn.Module):
+    """Embeddings, blocks and the final norm shared by the encoder and the language model."""
+
+    _kind: str
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"{type(self).__name__}: config must be a TransformerConfig, got {type(config).__name__}")
+        self.config = c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        if c.positional == "learned":
+            self.pos_emb = nn.Embedding(c.max_len, c.d_model)
+        elif c.positional == "sinusoidal":
+            # fixed: not a parameter, and not saved (persistent=False): rebuilt from the config
+            self.register_buffer("pos_table", sinusoidal_table(c.max_len, c.d_model), persistent=False)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c, i) for i in range(c.n_layers))
+        # post-norm blocks end in a norm already; pre-norm stacks need one at the end
+        self.norm_f = _norm(c.norm, c.d_model) if c.pre_norm else nn.Identity()
+
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) linear and embedding weights, zero biases. Mechanism parameters and
+        buffers (Linformer's E and F, FAVOR's projection) keep their own initialisation."""
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _check_ids(self, ids: Tensor, start: int, what: str) -> None:
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2:
+            got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+            raise TypeError(f"{type(self).__name__}.{what}: ids must be an integer tensor (B, N), got {got}")
+        end = start + ids.shape[1]
+        if end > self.config.max_len:
+            raise ValueError(
+                f"{type(self).__name__}.{what}: positions {start}..{end - 1} exceed max_len = "
+                f"{self.config.max_len} (ids {tuple(ids.shape)})"
+            )
+
+    def _embed(self, ids: Tensor, start: int) -> Tensor:
+        """Token (+ absolute position) embeddings of ``ids (B, N)`` at positions start.. -> (B, N, C)."""
+        x = self.tok_emb(ids)
+        n = ids.shape[1]
+        if self.config.positional == "learned":
+            x = x + self.pos_emb(torch.arange(start, start + n, device=ids.device))
+        elif self.config.positional == "sinusoidal":
+            x = x + self.pos_table[start : start + n].to(x.dtype)
+        return self.drop(x)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``path/model.safetensors`` and ``path/config.json`` atomically (see
+        :mod:`linattn.models.checkpoint`)."""
+        return save_checkpoint(self, path)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | torch.device = "cpu"):
+        """Build the model from ``path/config.json`` and load its weights, after checking the
+        weights file against the sha256 stored with the config. Raises ValueError for a missing,
+        truncated or corrupted checkpoint, or one saved from another model class."""
+        return load_checkpoint(cls, path, device=device)
+
+
+class TransformerEncoder(_Transformer):
+    """Bidirectional encoder: ``ids (B, N) -> hidden states (B, N, C)``. Any mechanism."""
+
+    _kind = "TransformerEncoder"
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config)
+        self._init_weights()
+
+    def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+        """``ids (B, N)`` integer tokens -> ``(B, N, C)``.
+
+        ``key_padding_mask``: bool ``(B, N)``, True = a real token, False = padding. Padding is
+        attended by no position; outputs at padded positions are computed but meaningless.
+        """
+        self._check_ids(ids, 0, "forward")
+        x = self._embed(ids, 0)
+        for block in self.blocks:
+            x = block(x, key_padding_mask=key_padding_mask)
+        return self.norm_f(x)
+
+
+class TransformerLM(_Transformer):
+    """Causal language model: ``ids (B, N) -> logits (B, N, V)``, with recurrent decoding.
+
+    Every layer's mechanism must have a causal form (not efficient, not linformer). Decoding
+    (:meth:`step`, :meth:`generate`) needs a recurrent form in every layer (softmax, linear, favor,
+    local; LSH layers can be trained and evaluated but not decoded).
+    """
+
+    _kind = "TransformerLM"
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config)
+        for i in range(config.n_layers):
+            spec = spec_for(config.attention_for(i))
+            if not spec.causal:
+                causal = sorted(n for n, s in MECHANISMS.items() if s.causal)
+                raise ValueError(
+                    f"TransformerLM: layer {i} uses {spec.name!r} attention, which has no causal form; "
+                    f"a language model needs one of {causal}"
+                )
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self._init_weights()
+        if config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None, return_state: bool = False,
+                last_only: bool = False):
+        """``ids (B, N)`` -> logits ``(B, N, V)``; with ``return_state`` also the :class:`LMState`
+        after position N - 1, to continue with :meth:`step` (prefill).
+
+        ``last_only``: logits of the last position only, ``(B, 1, V)`` (a prefill of a long prompt
+        need not build N x V logits: 2 GB at N = 16000, V = 32000 in float32).
+
+        ``key_padding_mask``: bool ``(B, N)``, True = a real token, False = padding (not with
+        ``return_state`` when a layer is softmax: the KV cache has no padding slots).
+        """
+        self._check_ids(ids, 0, "forward")
+        if return_state:
+            self._check_recurrent("forward(return_state=True)")
+        x = self._embed(ids, 0)
+        states = []
+        for block in self.blocks:
+            if return_state:
+                x, s = block(x, causal=True, key_padding_mask=key_padding_mask, return_state=True)
+                states.append(s)
+            else:
+                x = block(x, causal=True, key_padding_mask=key_padding_mask)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.head(self.norm_f(x))
+        if return_state:
+            return logits, LMState(tuple(states), ids.shape[1])
+        return logits
+
+    def _check_recurrent(self, what: str) -> None:
+        for i, name in enumerate(self.config.layer_mechanisms()):
+            if not MECHANISMS[name].recurrent:
+                raise ValueError(
+                    f"TransformerLM.{what}: layer {i} uses {name!r} attention, which has no recurrent "
+                    "form; decoding needs softmax, linear, favor or local attention in every layer"
+                )
+
+    def initial_state(self, batch_size: int) -> LMState:
+        """The state before the first token (empty caches, zero sums), on the model's device and
+        in its dtype."""
+        self._check_recurrent("initial_state")
+        return LMState(tuple(b.attn.initial_state(batch_size) for b in self.blocks), 0)
+
+    def step(self, ids_t: Tensor, state: LMState) -> tuple[Tensor, LMState]:
+        """One token per sequence, ``ids_t (B, 1)`` at position ``state.position`` -> logits
+        ``(B, V)`` and the next state. Equals row ``state.position`` of the teacher-forced forward."""
+        if not isinstance(state, LMState):
+            raise TypeError(f"TransformerLM.step: state must be an LMState, got {type(state).__name__}")
+        self._check_ids(ids_t, state.position, "step")
+        if ids_t.shape[1] != 1:
+            raise ValueError(f"TransformerLM.step: ids_t must be (B, 1), got {tuple(ids_t.shape)}")
+        x = self._embed(ids_t, state.position)
+        layers = []
+        for block, s in zip(self.blocks, state.layers, strict=True):
+            x, s = block.step(x, s)
+            layers.append(s)
+        return self.head(self.norm_f(x))[:, 0], LMState(tuple(layers), state.position + 1)
+
+    def forward_steps(self, ids: Tensor, state: LMState | None = None) -> tuple[Tensor, LMState]:
+        """Run :meth:`step` over every position of ``ids (B, N)`` from ``state`` (default: the
+        initial state): logits ``(B, N, V)`` and the final state. The recurrent counterpart of
+        ``forward(ids)``, one token at a time."""
+        state = self.initial_state(ids.shape[0]) if state is None else state
+        out = []
+        for i in range(ids.shape[1]):
+            logits, state = self.step(ids[:, i : i + 1], state)
+            out.append(logits)
+        return torch.stack(out, dim=1), state
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Sample ``max_new_tokens`` continuations of ``prompt_ids (B, P)`` -> ``(B, P + T)``.
+
+        The prompt is prefilled by one causal forward that returns every layer's state, then each
+        new token costs one :meth:`step`. Dropout follows the module's mode: call ``eval()`` first.
+
+        Args:
+            temperature: logits are divided by it; 0 means greedy (argmax).
+            top_k: sample among the k most likely tokens only.
+            top_p: sample from the smallest set of most likely tokens whose probability reaches
+                top_p (nucleus sampling, Holtzman et al., arXiv 1904.09751).
+            generator: for the sampling draws (explicit randomness).
+        """
+        self._check_ids(prompt_ids, 0, "generate")
+        if prompt_ids.shape[1] < 1:
+            raise ValueError("TransformerLM.generate: prompt_ids needs at least one token per sequence")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"TransformerLM.generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if prompt_ids.shape[1] + max_new_tokens > self.config.max_len:
+            raise ValueError(
+                f"TransformerLM.generate: prompt length {prompt_ids.shape[1]} + max_new_tokens "
+                f"{max_new_tokens} exceeds max_len = {self.config.max_len}"
+            )
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"TransformerLM.generate: temperature must be a float >= 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"TransformerLM.generate: top_k must be None or an int >= 1, got {top_k!r}")
+        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+            raise ValueError(f"TransformerLM.generate: top_p must be None or a float in (0, 1], got {top_p!r}")
+        self._check_recurrent("generate")
+        if max_new_tokens == 0:
+            return prompt_ids
+        logits, state = self(prompt_ids, return_state=True, last_only=True)
+        logits = logits[:, -1]  # (B, V)
+        out = [prompt_ids]
+        for t in range(max_new_tokens):
+            nxt = _sample(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            out.append(nxt)
+            if t + 1 < max_new_tokens:
+                logits, state = self.step(nxt, state)
+        return torch.cat(out, dim=1)
+
+
+def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None) -> Tensor:
+    """One token id per row of ``logits (B, V)`` -> ``(B, 1)``."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already reach top_p (the first is always kept)
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)

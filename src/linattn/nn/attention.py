@@ -1,0 +1,194 @@
+"""Multi-head attention: the one module that owns the q/k/v/output projections and calls any
+registered mechanism.
+
+Dimension legend: B batch, N positions, C = d_model, H heads, D = C / H head width.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .mechanisms import SoftmaxConfig
+from .positional import apply_rotary, rotary_angles
+from .registry import MECHANISMS, build_mechanism, spec_for
+
+__all__ = ["AttentionState", "MultiHeadAttention"]
+
+
+class AttentionState(NamedTuple):
+    """Decoding state of one :class:`MultiHeadAttention` layer.
+
+    Attributes:
+        mechanism: the mechanism's own state: ``KVCache`` (softmax), ``LinearAttentionState``
+            (linear, favor) or ``LocalAttentionState`` (local).
+        position: the position of the next token (the number of tokens seen so far).
+    """
+
+    mechanism: Any
+    position: int
+
+
+def _check_int(name: str, value, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"MultiHeadAttention: {name} must be an int >= {minimum}, got {value!r}")
+
+
+class MultiHeadAttention(nn.Module):
+    """Projections ``x (B, N, C) -> q, k, v (B, H, N, D)``, a mechanism, merged heads ``-> (B, N, C)``.
+
+    Args:
+        d_model: C.
+        n_heads: H; must divide d_model.
+        attention: a mechanism config (``SoftmaxConfig()``, ``LinearConfig(...)``, ...; see
+            ``linattn.nn.registry``). The mechanism module (``self.mechanism``) owns any buffers
+            or parameters of its own (FAVOR's projection, Linformer's E and F).
+        rotary: apply rotary position embeddings to q and k (positions 0..N-1, or the state's
+            position in :meth:`step`); only for mechanisms whose spec allows it.
+        max_len: the longest sequence; needed by Linformer (columns of E and F).
+        bias: biases in the projections.
+
+    LSH attention gets one shared query-key projection ``qk_proj`` instead of ``q_proj`` and
+    ``k_proj``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        attention=None,
+        rotary: bool = False,
+        max_len: int | None = None,
+        bias: bool = True,
+        rotary_base: float = 10000.0,
+    ) -> None:
+        super().__init__()
+        _check_int("d_model", d_model)
+        _check_int("n_heads", n_heads)
+        if d_model % n_heads:
+            raise ValueError(
+                f"MultiHeadAttention: n_heads = {n_heads} must divide d_model = {d_model} "
+                f"(each head gets d_model / n_heads features)"
+            )
+        attention = SoftmaxConfig() if attention is None else attention
+        self.spec = spec_for(attention)
+        self.config = attention
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
+        if rotary and not self.spec.rotary:
+            raise ValueError(
+                f"MultiHeadAttention: rotary positions are not supported with {self.spec.name!r} "
+                "attention (its scores are not dot products of q and k at two positions); use "
+                "learned or sinusoidal positions"
+            )
+        if rotary and self.head_dim % 2:
+            raise ValueError(f"MultiHeadAttention: rotary needs an even head width, got d_model / n_heads = {self.head_dim}")
+        self.rotary = bool(rotary)
+        self.rotary_base = float(rotary_base)
+        if self.spec.shared_qk:
+            self.qk_proj = nn.Linear(d_model, d_model, bias=bias)
+        else:
+            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.mechanism = build_mechanism(attention, n_heads=n_heads, head_dim=self.head_dim, max_len=max_len)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _heads(self, x: Tensor) -> Tensor:
+        B, N, _ = x.shape
+        return x.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
+
+    def _qkv(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``(B, H, N, D)`` for positions ``start .. start + N - 1`` (rotary applied)."""
+        if self.spec.shared_qk:
+            q = k = self._heads(self.qk_proj(x))
+        else:
+            q, k = self._heads(self.q_proj(x)), self._heads(self.k_proj(x))
+        v = self._heads(self.v_proj(x))
+        if self.rotary:
+            pos = torch.arange(start, start + x.shape[1], device=x.device)
+            cos, sin = rotary_angles(pos, self.head_dim, base=self.rotary_base)
+            q = apply_rotary(q, cos, sin)
+            k = q if self.spec.shared_qk else apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def _merge(self, o: Tensor) -> Tensor:
+        B, H, N, D = o.shape
+        return self.out_proj(o.transpose(1, 2).reshape(B, N, H * D))  # (B, N, C)
+
+    def _check_x(self, x: Tensor, what: str) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"MultiHeadAttention.{what}: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"MultiHeadAttention.{what}: x must have shape (B, N, d_model = {self.d_model}), "
+                f"got {tuple(x.shape)}"
+            )
+
+    # -- public --------------------------------------------------------------------------------
+
+    def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
+                return_state: bool = False):
+        """Attention over ``x (B, N, C)`` -> ``(B, N, C)``.
+
+        Args:
+            causal: position i attends positions j <= i (mechanisms with a causal form only).
+            key_padding_mask: bool ``(B, N)``, True = a real token that may be attended, False =
+                padding.
+            return_state: also return the :class:`AttentionState` after the last position, to
+                continue with :meth:`step` (needs ``causal`` and a recurrent mechanism).
+        """
+        self._check_x(x, "forward")
+        if causal and not self.spec.causal:
+            raise ValueError(
+                f"MultiHeadAttention: {self.spec.name!r} attention has no causal form; causal "
+                "mechanisms: " + ", ".join(sorted(n for n, s in MECHANISMS.items() if s.causal))
+            )
+        if return_state and not (causal and self.spec.recurrent):
+            raise ValueError(
+                f"MultiHeadAttention: return_state needs causal=True and a recurrent mechanism, got "
+                f"causal={causal} with {self.spec.name!r}"
+            )
+        q, k, v = self._qkv(x, 0)
+        res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
+        if return_state:
+            o, state = res
+            return self._merge(o), AttentionState(state, x.shape[1])
+        return self._merge(res)
+
+    def initial_state(self, batch_size: int, *, device=None, dtype=None) -> AttentionState:
+        """The state before the first token (an empty KV cache, zero sums, an empty ring buffer).
+
+        ``device`` and ``dtype`` default to those of the projection weights."""
+        w = self.v_proj.weight
+        return AttentionState(
+            self.mechanism.initial_state(batch_size, device=device or w.device, dtype=dtype or w.dtype), 0
+        )
+
+    def step(self, x_t: Tensor, state: AttentionState) -> tuple[Tensor, AttentionState]:
+        """One causal decoding step: ``x_t (B, 1, C)`` at position ``state.position`` ->
+        ``(B, 1, C)`` and the next state. Equals the matching row of ``forward(x, causal=True)``.
+
+        Raises ValueError for mechanisms without a recurrent form (efficient, linformer, lsh).
+        """
+        self._check_x(x_t, "step")
+        if x_t.shape[1] != 1:
+            raise ValueError(f"MultiHeadAttention.step: x_t must hold one position (B, 1, {self.d_model}), got {tuple(x_t.shape)}")
+        if not self.spec.recurrent:
+            return self.mechanism.step(None, None, None, None)  # raises, naming the mechanism
+        if not isinstance(state, AttentionState):
+            raise TypeError(
+                f"MultiHeadAttention.step: state must be an AttentionState (from initial_state() or "
+                f"forward(..., return_state=True)), got {type(state).__name__}"
+            )
+        q, k, v = self._qkv(x_t, state.position)
+        o, inner = self.mechanism.step(q, k, v, state.mechanism)
+        return self._merge(o), AttentionState(inner, state.position + 1)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.spec.name!r}, rotary={self.rotary}"
+

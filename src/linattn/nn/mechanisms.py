@@ -1,0 +1,459 @@
+"""Attention mechanisms behind one interface, each with its frozen config dataclass.
+
+A mechanism module takes per-head queries, keys and values and owns whatever the mechanism itself
+needs (FAVOR's projection, Linformer's E and F, LSH's rotation seed) but never the q/k/v/output
+projections: those belong to :class:`linattn.nn.MultiHeadAttention`, which calls any mechanism.
+
+Dimension legend: B batch, H heads, N positions, D head width (of q, k and v), F feature width,
+W local window, L cached positions, Lmax KV-cache capacity.
+
+Every mechanism module has
+
+- ``forward(q, k, v, *, causal, key_padding_mask, return_state)``: ``q, k, v (B, H, N, D)`` ->
+  ``(B, H, N, D)``, and with ``return_state`` (causal only) also the state after position N - 1;
+- ``initial_state(batch_size, *, device, dtype)``: the state before any position (recurrent ones);
+- ``step(q, k, v, state)``: one position, ``(B, H, 1, D)`` each -> ``(B, H, 1, D)`` and the next
+  state. Equal to the matching row of the causal forward.
+
+``key_padding_mask`` is bool ``(B, N)``, True = a real key that may be attended, False = padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..functional.efficient import efficient_attention
+from ..functional.feature_maps import FEATURE_MAPS, resolve_feature_map
+from ..functional.linear import LinearAttentionState, linear_attention
+from ..functional.local import LocalAttentionState, local_attention
+from ..functional.lsh import lsh_attention
+from ..functional.softmax import softmax_attention
+from .favor import FavorAttention, FavorConfig
+from .linformer import LinformerAttention
+
+__all__ = [
+    "EfficientConfig",
+    "EfficientMechanism",
+    "FavorConfig",
+    "FavorMechanism",
+    "KVCache",
+    "LSHConfig",
+    "LSHMechanism",
+    "LinearConfig",
+    "LinearMechanism",
+    "LinformerConfig",
+    "LinformerMechanism",
+    "LocalConfig",
+    "LocalMechanism",
+    "Mechanism",
+    "SoftmaxConfig",
+    "SoftmaxMechanism",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs: one frozen dataclass per mechanism. FavorConfig is linattn.nn.FavorConfig itself.
+# ---------------------------------------------------------------------------------------------
+
+
+def _positive_int(owner: str, name: str, value, *, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = " or None" if allow_none else ""
+        raise ValueError(f"{owner}: {name} must be an int >= 1{extra}, got {value!r}")
+
+
+class _ConfigDict:
+    """``to_dict``/``from_dict`` for the flat configs below (unknown keys raise, listing known)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}.from_dict: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class SoftmaxConfig(_ConfigDict):
+    """Exact softmax attention (:func:`linattn.softmax_attention`); no options."""
+
+
+@dataclass(frozen=True)
+class LinearConfig(_ConfigDict):
+    """Kernel attention (:func:`linattn.linear_attention`).
+
+    Attributes:
+        feature_map: a name in ``linattn.FEATURE_MAPS`` (``"elu"``, ``"relu"``, ``"cos"``,
+            ``"softmax"``). Callables are not accepted here: a config must serialise.
+    """
+
+    feature_map: str = "elu"
+
+    def __post_init__(self) -> None:
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(
+                f"LinearConfig: unknown feature_map {self.feature_map!r}; known: {sorted(FEATURE_MAPS)}"
+            )
+
+
+@dataclass(frozen=True)
+class EfficientConfig(_ConfigDict):
+    """Efficient Attention (:func:`linattn.efficient_attention`); no options, no causal form."""
+
+
+@dataclass(frozen=True)
+class LocalConfig(_ConfigDict):
+    """Sliding-window softmax attention (:func:`linattn.local_attention`).
+
+    Attributes:
+        window: the largest distance |i - j| attended (causal: i - window <= j <= i).
+    """
+
+    window: int = 128
+
+    def __post_init__(self) -> None:
+        _positive_int("LocalConfig", "window", self.window)
+
+
+@dataclass(frozen=True)
+class LinformerConfig(_ConfigDict):
+    """Linformer attention (:class:`linattn.LinformerAttention`); bidirectional only.
+
+    Attributes:
+        proj_len: P, the projected length.
+        max_len: the largest number of keys (columns of E and F); None means the model's max_len.
+        share_kv: one matrix for E and F.
+        seed: seeds the generator that draws the initial E and F.
+    """
+
+    proj_len: int = 64
+    max_len: int | None = None
+    share_kv: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("LinformerConfig", "proj_len", self.proj_len)
+        _positive_int("LinformerConfig", "max_len", self.max_len, allow_none=True)
+
+
+@dataclass(frozen=True)
+class LSHConfig(_ConfigDict):
+    """Reformer LSH attention (:func:`linattn.lsh_attention`), shared query-key projection.
+
+    Attributes:
+        n_hashes: hash rounds.
+        bucket_size: chunk length; must divide every sequence length the layer sees.
+        seed: seeds the rotations. Every forward draws them from a generator seeded with this, so
+            the buckets are a fixed function of the inputs (repeatable, no hidden counter).
+    """
+
+    n_hashes: int = 4
+    bucket_size: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("LSHConfig", "n_hashes", self.n_hashes)
+        _positive_int("LSHConfig", "bucket_size", self.bucket_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# States
+# ---------------------------------------------------------------------------------------------
+
+
+class KVCache(NamedTuple):
+    """Decoding state of softmax attention: the keys and values of every position so far.
+
+    Attributes:
+        k: ``(B, H, Lmax, D)`` keys; positions ``0 .. length - 1`` are filled, the rest is spare
+            capacity (grown by doubling, so appending costs amortised O(1) copies per position).
+        v: ``(B, H, Lmax, D)`` values, same slots.
+        length: L, the number of positions cached.
+
+    Without autograd, :meth:`SoftmaxMechanism.step` writes the new position into spare capacity in
+    place: the returned cache may share storage with the one passed in. The old cache still reads
+    correctly (it ignores slots at and after its ``length``), but two branches decoded from the
+    same cache would overwrite each other's slot: ``clone()`` a cache before branching.
+    """
+
+    k: Tensor
+    v: Tensor
+    length: int
+
+    def keys(self) -> Tensor:
+        """``(B, H, L, D)``: the cached keys."""
+        return self.k[:, :, : self.length]
+
+    def values(self) -> Tensor:
+        """``(B, H, L, D)``: the cached values."""
+        return self.v[:, :, : self.length]
+
+    def clone(self) -> "KVCache":
+        return KVCache(self.k.clone(), self.v.clone(), self.length)
+
+
+def _check_state_type(name: str, state, expected: type) -> None:
+    if not isinstance(state, expected):
+        raise TypeError(
+            f"{name}.step: state must be a {expected.__name__} (from initial_state() or a forward "
+            f"with return_state=True), got {type(state).__name__}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Mechanism modules
+# ---------------------------------------------------------------------------------------------
+
+
+class Mechanism(nn.Module):
+    """Base class: one attention mechanism for ``n_heads`` heads of width ``head_dim``.
+
+    Subclasses implement :meth:`forward`; recurrent ones also :meth:`initial_state`, :meth:`step`.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, *, n_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+                key_padding_mask: Tensor | None = None, return_state: bool = False):
+        raise NotImplementedError
+
+    def _no_recurrent(self, what: str):
+        return ValueError(
+            f"{type(self).__name__}: {self.name!r} attention has no recurrent form, so it has no "
+            f"{what}; mechanisms with one: softmax (KV cache), linear, favor, local"
+        )
+
+    def initial_state(self, batch_size: int, *, device=None, dtype=None):
+        raise self._no_recurrent("decoding state")
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, state):
+        raise self._no_recurrent("step()")
+
+    def extra_repr(self) -> str:
+        return f"n_heads={self.n_heads}, head_dim={self.head_dim}"
+
+
+class SoftmaxMechanism(Mechanism):
+    name = "softmax"
+
+    def __init__(self, config: SoftmaxConfig, *, n_heads: int, head_dim: int) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        self.config = config
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        out = softmax_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        if not return_state:
+            return out
+        if not causal:
+            raise ValueError("SoftmaxMechanism: return_state needs causal=True (a decoding state)")
+        if key_padding_mask is not None:
+            raise ValueError(
+                "SoftmaxMechanism: return_state with a key_padding_mask is not supported (the KV "
+                "cache has no padding slots); decode unpadded prompts"
+            )
+        return out, KVCache(k, v, k.shape[2])
+
+    def initial_state(self, batch_size: int, *, device=None, dtype=None, capacity: int = 16) -> KVCache:
+        """An empty cache with room for ``capacity`` positions: k, v ``(B, H, capacity, D)``."""
+        shape = (batch_size, self.n_heads, capacity, self.head_dim)
+        return KVCache(torch.zeros(shape, device=device, dtype=dtype),
+                       torch.zeros(shape, device=device, dtype=dtype), 0)
+
+    def step(self, q, k, v, state):
+        _check_state_type(type(self).__name__, state, KVCache)
+        L = state.length
+        ck, cv = state.k, state.v
+        if torch.is_grad_enabled() and (ck.requires_grad or k.requires_grad or v.requires_grad):
+            # functional append: keeps every earlier graph intact
+            ck = torch.cat([state.keys(), k], dim=2)  # (B, H, L + 1, D)
+            cv = torch.cat([state.values(), v], dim=2)
+        else:
+            if L == ck.shape[2]:  # full: double the capacity
+                grow = max(L, 16)
+                ck = torch.cat([ck, ck.new_zeros(*ck.shape[:2], grow, ck.shape[3])], dim=2)
+                cv = torch.cat([cv, cv.new_zeros(*cv.shape[:2], grow, cv.shape[3])], dim=2)
+            ck[:, :, L : L + 1] = k
+            cv[:, :, L : L + 1] = v
+        new = KVCache(ck, cv, L + 1)
+        # the newest position sees every cached one: no mask needed
+        return softmax_attention(q, new.keys(), new.values()), new
+
+
+class LinearMechanism(Mechanism):
+    name = "linear"
+
+    def __init__(self, config: LinearConfig, *, n_heads: int, head_dim: int) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        self.config = config
+        phi = resolve_feature_map("LinearMechanism", config.feature_map)
+        self.feature_dim = phi(torch.zeros(1, head_dim)).shape[-1]  # F ("cos" adds one)
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        return linear_attention(q, k, v, feature_map=self.config.feature_map, causal=causal,
+                                key_padding_mask=key_padding_mask, return_state=return_state)
+
+    def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LinearAttentionState:
+        """Zero sums: S ``(B, H, F, D)``, z ``(B, H, F)`` (what no key at all contributes)."""
+        B, H, F, D = batch_size, self.n_heads, self.feature_dim, self.head_dim
+        return LinearAttentionState(torch.zeros(B, H, F, D, device=device, dtype=dtype),
+                                    torch.zeros(B, H, F, device=device, dtype=dtype))
+
+    def step(self, q, k, v, state):
+        _check_state_type(type(self).__name__, state, LinearAttentionState)
+        return linear_attention(q, k, v, feature_map=self.config.feature_map, causal=True,
+                                initial_state=state, return_state=True)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, feature_map={self.config.feature_map!r}"
+
+
+class EfficientMechanism(Mechanism):
+    name = "efficient"
+
+    def __init__(self, config: EfficientConfig, *, n_heads: int, head_dim: int) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        self.config = config
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        if return_state:
+            raise self._no_recurrent("state to return")
+        return efficient_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+
+class FavorMechanism(Mechanism):
+    """FAVOR+ through :class:`linattn.nn.FavorAttention` (``self.favor``), which owns the
+    projection buffer ``(m, D)``."""
+
+    name = "favor"
+
+    def __init__(self, config: FavorConfig, *, n_heads: int, head_dim: int) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        if config.head_dim is None:
+            config = dataclasses.replace(config, head_dim=head_dim)
+        elif config.head_dim != head_dim:
+            raise ValueError(
+                f"FavorMechanism: FavorConfig.head_dim = {config.head_dim} but the layer's head width "
+                f"is {head_dim} (d_model / n_heads); leave head_dim None to take the layer's"
+            )
+        self.config = config
+        self.favor = FavorAttention(config)
+        m = config.num_features
+        self.feature_dim = 2 * m if config.features == "trig" else m
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        return self.favor(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
+
+    def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LinearAttentionState:
+        """Zero sums at the lowest finite scale (below every key's log-magnitude, so the first key
+        sets the scale exactly as without a state). Float32 for half dtypes, as the sums are."""
+        dtype = dtype or torch.get_default_dtype()
+        dt = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        B, H, F, D = batch_size, self.n_heads, self.feature_dim, self.head_dim
+        return LinearAttentionState(
+            torch.zeros(B, H, F, D, device=device, dtype=dt),
+            torch.zeros(B, H, F, device=device, dtype=dt),
+            torch.full((B, H), torch.finfo(dt).min, device=device, dtype=dt),
+        )
+
+    def step(self, q, k, v, state):
+        _check_state_type(type(self).__name__, state, LinearAttentionState)
+        return self.favor(q, k, v, causal=True, initial_state=state, return_state=True)
+
+
+class LocalMechanism(Mechanism):
+    name = "local"
+
+    def __init__(self, config: LocalConfig, *, n_heads: int, head_dim: int) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        self.config = config
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        return local_attention(q, k, v, window=self.config.window, causal=causal,
+                               key_padding_mask=key_padding_mask, return_state=return_state)
+
+    def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LocalAttentionState:
+        """An empty ring buffer: k, v ``(B, H, W, D)`` zeros, valid ``(B, W)`` all False, pos 0."""
+        shape = (batch_size, self.n_heads, self.config.window, self.head_dim)
+        return LocalAttentionState(
+            torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(batch_size, self.config.window, device=device, dtype=torch.bool), 0,
+        )
+
+    def step(self, q, k, v, state):
+        _check_state_type(type(self).__name__, state, LocalAttentionState)
+        return local_attention(q, k, v, window=self.config.window, causal=True, initial_state=state,
+                               return_state=True)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.config.window}"
+
+
+class LinformerMechanism(Mechanism):
+    """Linformer through :class:`linattn.LinformerAttention` (``self.linformer``, owns E, F)."""
+
+    name = "linformer"
+
+    def __init__(self, config: LinformerConfig, *, n_heads: int, head_dim: int, max_len: int | None) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        n = config.max_len if config.max_len is not None else max_len
+        if n is None:
+            raise ValueError(
+                "LinformerMechanism: the number of columns of E and F is unknown: set "
+                "LinformerConfig.max_len or pass max_len to MultiHeadAttention"
+            )
+        if max_len is not None and n < max_len:
+            raise ValueError(
+                f"LinformerMechanism: LinformerConfig.max_len = {n} is below the model's max_len = "
+                f"{max_len}; longer inputs would have no columns of E and F"
+            )
+        self.config = config
+        g = torch.Generator().manual_seed(config.seed)
+        self.linformer = LinformerAttention(n, config.proj_len, share_kv=config.share_kv, generator=g)
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        if causal or return_state:
+            raise ValueError(
+                "LinformerMechanism: Linformer has no causal (or recurrent) form: E and F mix all "
+                "positions into each projected key"
+            )
+        return self.linformer(q, k, v, key_padding_mask=key_padding_mask)
+
+
+class LSHMechanism(Mechanism):
+    """Reformer LSH attention. Called with ``q is k`` (the shared query-key projection)."""
+
+    name = "lsh"
+
+    def __init__(self, config: LSHConfig, *, n_heads: int, head_dim: int) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        self.config = config
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        if return_state:
+            raise self._no_recurrent("state to return")
+        if q is not k:
+            raise ValueError("LSHMechanism: LSH attention shares queries and keys; pass the same tensor as q and k")
+        c = self.config
+        g = torch.Generator().manual_seed(c.seed)
+        return lsh_attention(q, v, n_hashes=c.n_hashes, bucket_size=c.bucket_size, causal=causal,
+                             key_padding_mask=key_padding_mask, generator=g)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"{super().extra_repr()}, n_hashes={c.n_hashes}, bucket_size={c.bucket_size}"

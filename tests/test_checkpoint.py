@@ -1,0 +1,127 @@
+"""Checkpoints: bitwise round trip, and damaged files raise instead of loading garbage."""
+
+import json
+
+import pytest
+import torch
+
+from linattn import (
+    FavorConfig,
+    LinearConfig,
+    LinformerConfig,
+    LocalConfig,
+    SoftmaxConfig,
+    TransformerConfig,
+    TransformerEncoder,
+    TransformerLM,
+)
+from linattn.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+
+SMALL = dict(vocab_size=31, max_len=16, d_model=16, n_layers=3, n_heads=2, d_ff=32)
+
+
+def _lm(**kw):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(**SMALL, attention=LinearConfig(), positional="rotary",
+                            layer_attention={0: SoftmaxConfig(), 1: FavorConfig(num_features=8, seed=3)}, **kw)
+    return TransformerLM(cfg).eval()
+
+
+def _ids():
+    return torch.randint(0, 31, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_lm_round_trip_is_bitwise(tmp_path, tie):
+    lm = _lm(tie_embeddings=tie)
+    lm.save_pretrained(tmp_path / "ck")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]  # no .tmp left
+    loaded = TransformerLM.from_pretrained(tmp_path / "ck").eval()
+    assert loaded.config == lm.config
+    assert (loaded.head.weight is loaded.tok_emb.weight) == tie
+    # the FAVOR projection is a buffer, saved too
+    assert torch.equal(loaded.blocks[1].attn.mechanism.favor.projection, lm.blocks[1].attn.mechanism.favor.projection)
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), lm(ids))
+    assert torch.equal(loaded.generate(ids[:, :3], 5, temperature=0), lm.generate(ids[:, :3], 5, temperature=0))
+
+
+def test_encoder_round_trip_float64_with_linformer(tmp_path):
+    torch.manual_seed(0)
+    enc = TransformerEncoder(TransformerConfig(**SMALL, attention=LinformerConfig(proj_len=4, seed=7),
+                                               layer_attention={2: LocalConfig(window=2)},
+                                               positional="sinusoidal")).double()
+    enc.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert meta["model"] == "TransformerEncoder" and meta["dtype"] == "float64"
+    loaded = TransformerEncoder.from_pretrained(tmp_path)
+    assert next(loaded.parameters()).dtype == torch.float64
+    with torch.no_grad():
+        assert torch.equal(loaded(_ids()), enc(_ids()))
+    with pytest.raises(ValueError, match="holds a TransformerEncoder checkpoint, not a TransformerLM"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_truncated_weights_raise(tmp_path):
+    _lm().save_pretrained(tmp_path)
+    w = tmp_path / WEIGHTS_FILE
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupted or truncated checkpoint: sha256"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_flipped_byte_raises(tmp_path):
+    _lm().save_pretrained(tmp_path)
+    w = tmp_path / WEIGHTS_FILE
+    data = bytearray(w.read_bytes())
+    data[-5] ^= 0x01  # inside some weight: a silent change of a value without the hash
+    w.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="corrupted or truncated checkpoint"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_unreadable_safetensors_with_matching_hash_raises(tmp_path):
+    import hashlib
+
+    _lm().save_pretrained(tmp_path)
+    junk = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"
+    (tmp_path / WEIGHTS_FILE).write_bytes(junk)
+    meta = json.loads((tmp_path / CONFIG_FILE).read_text())
+    meta["weights_sha256"] = hashlib.sha256(junk).hexdigest()
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_damaged_or_missing_config_raises(tmp_path):
+    with pytest.raises(ValueError, match="not a linattn checkpoint"):
+        TransformerLM.from_pretrained(tmp_path)
+    _lm().save_pretrained(tmp_path)
+    cfg = tmp_path / CONFIG_FILE
+    text = cfg.read_text()
+    cfg.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        TransformerLM.from_pretrained(tmp_path)
+    (tmp_path / WEIGHTS_FILE).unlink()
+    cfg.write_text(text)
+    with pytest.raises(ValueError, match="weights file .* does not exist"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_config_that_does_not_match_the_weights_raises(tmp_path):
+    _lm().save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_FILE).read_text())
+    meta["config"]["n_layers"] = 4
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"does not match its config: missing tensors \['blocks.3"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_save_overwrites_atomically(tmp_path):
+    a, b = _lm(), _lm(init_std=0.05)
+    a.save_pretrained(tmp_path)
+    b.save_pretrained(tmp_path)
+    loaded = TransformerLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.tok_emb.weight, b.tok_emb.weight)
