@@ -418,3 +418,16 @@ def test_causal_product_argument_errors():
         causal_linear_product(a, a, torch.rand(1, 2, 6, 3))
     with pytest.raises(ValueError, match=r"s0 must be \(B, H, F, E\) = \(1, 2, 3, 3\)"):
         causal_linear_product(a, a, a, torch.rand(1, 2, 3, 4))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_elu_features_stay_exact_for_very_negative_inputs(causal):
+    """elu(x) + 1 = exp(x) for x <= 0; computed as (exp(x) - 1) + 1 it is exactly 0 in float32 below
+    x = -17, and every query would see no key. At x = -30 all keys weigh the same: the mean of v."""
+    q = torch.full((1, 2, 7, 4), -30.0)
+    k = torch.full((1, 2, 7, 4), -30.0)
+    v = torch.randn(1, 2, 7, 3, generator=torch.Generator().manual_seed(0))
+    out = linattn.linear_attention(q, k, v, causal=causal)
+    n = torch.arange(1, 8, dtype=torch.float32)[:, None]
+    want = v.cumsum(2) / n if causal else v.mean(2, keepdim=True).expand_as(v)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)

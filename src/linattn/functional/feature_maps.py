@@ -22,8 +22,12 @@ __all__ = ["ELEMENTWISE_MAPS", "FEATURE_MAPS", "ElementwiseMap", "FeatureMap", "
 FeatureMap = Callable[[Tensor], Tensor]
 
 
-def _elu_plus_one(x: Tensor) -> Tensor:
-    return F.elu(x).add_(1.0)
+def _elu_plus_one(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """exp(min(x, 0)) + max(x, 0), which is elu(x) + 1 without the cancellation of
+    (exp(x) - 1) + 1: that returns exactly 0 in float32 for x < -17, and a key whose features are
+    all 0 would then count as no key at all."""
+    y = torch.clamp(x, max=0.0, out=out).exp_()
+    return y.add_(torch.clamp(x, min=0.0))
 
 
 def _elu_plus_one_grad(y: Tensor, g: Tensor) -> Tensor:
@@ -80,7 +84,7 @@ class ElementwiseMap(NamedTuple):
 
 # relu's derivative is taken as 0 at 0, as autograd does for F.relu.
 ELEMENTWISE_MAPS: dict[str, ElementwiseMap] = {
-    "elu": ElementwiseMap(lambda x, out: torch.add(F.elu(x), 1.0, out=out),
+    "elu": ElementwiseMap(_elu_plus_one,
                           lambda y, g: y.clamp_(max=1.0).mul_(g)),
     "relu": ElementwiseMap(lambda x, out: torch.clamp(x, min=0.0, out=out),
                            lambda y, g: y.gt_(0.0).mul_(g)),
