@@ -12,17 +12,24 @@ from linattn.bench.harness import Case, call, make_inputs, time_calls
 from linattn.cli import main
 
 
+TINY_LM = {"d_model": 16, "n_layers": 2, "n_heads": 2, "vocab_size": 50}
+
+
 def test_demo_tiny(tmp_path):
-    result = run_demo((16, 40), out_dir=tmp_path, quiet=True)
+    result = run_demo((64, 128), out_dir=tmp_path, quiet=True, generate_positions=(4, 8), generate_model=TINY_LM,
+                      measure_memory=False)
     saved = json.loads((tmp_path / "demo.json").read_text())
-    assert saved["command"] == f"linattn demo --ns 16,40 --out {tmp_path}"
-    assert "linear causal" in (tmp_path / "demo.md").read_text()
-    assert [r["n"] for r in saved["rows"]] == [16, 40]
-    for row in saved["rows"]:
-        assert set(row["seconds"]) == {"softmax", "linear", "efficient", "softmax causal", "linear causal"}
-        assert all(t > 0 for t in row["seconds"].values())
+    assert saved["command"] == f"linattn demo --ns 64,128 --out {tmp_path}"
+    for name in saved["files"]:  # the parts' own files are there too
+        assert (tmp_path / name).exists(), name
+    big = saved["sweep"]["largest_n"]
+    assert big["n"] == 128 and big["causal"]["linear"]["status"] == "ok"
+    assert big["causal"]["efficient"]["status"] == "unsupported"
+    md = (tmp_path / "demo.md").read_text()
+    assert "| linear |" in md and "overtakes softmax" in md and "favor causal" in md
     errors = result["max_error_vs_reference"]["errors"]
-    assert len(errors) == 6 and all(e < 1e-4 for e in errors.values()), errors
+    assert len(errors) == 8 and all(e < 1e-4 for e in errors.values()), errors
+    assert set(saved["generate"]["seconds_per_token"]) == {"linear@4", "linear@8", "softmax@4", "softmax@8"}
 
 
 def test_errors_detect_a_wrong_fast_form(monkeypatch):
@@ -38,10 +45,14 @@ def test_errors_detect_a_wrong_fast_form(monkeypatch):
     assert errors["linear"] > 1e-3 and errors["softmax (SDPA)"] < 1e-4
 
 
-def test_cli_demo(tmp_path, capsys):
-    assert main(["demo", "--ns", "8", "--out", str(tmp_path)]) == 0
-    assert "linear causal" in capsys.readouterr().out
-    assert (tmp_path / "demo.json").exists()
+def test_cli_demo_passes_its_options(monkeypatch, tmp_path):
+    import linattn.bench.demo as demo
+
+    seen = {}
+    monkeypatch.setattr(demo, "run_demo", lambda ns, **kw: seen.update(ns=ns, **kw))
+    assert main(["demo", "--ns", "8,16", "--out", str(tmp_path)]) == 0
+    assert seen == {"ns": (8, 16), "out_dir": str(tmp_path)}
+    assert main(["demo"]) == 0 and seen["ns"] == demo.DEFAULT_NS and seen["out_dir"] == "report"
 
 
 def test_harness_times_and_resets_grads():

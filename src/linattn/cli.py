@@ -1,4 +1,4 @@
-"""Command line: `linattn demo` and `linattn bench core|favor|family|generate`."""
+"""Command line: `linattn demo` (the main job) and `linattn bench [sweep|core|favor|family|generate]`."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="time every mechanism against softmax and check each fast form")
+    demo = sub.add_parser("demo", help="quick sweep, fast-vs-reference errors and generation timing (~5 min)")
     demo.add_argument("--ns", type=_parse_ns, default=None, help="sequence lengths, e.g. 256,1024")
-    demo.add_argument("--out", default="report", help="output folder for demo.json (default: report)")
+    demo.add_argument("--out", default="report", help="output folder for demo.json/md and the parts' files")
 
     bench = sub.add_parser("bench", help="benchmarks (no suite: the sweep with its defaults)")
     bench_sub = bench.add_subparsers(dest="suite", required=False)
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .bench.demo import DEFAULT_NS, run_demo
+        from .bench import demo
 
-        run_demo(args.ns or DEFAULT_NS, out_dir=args.out)
+        demo.run_demo(args.ns or demo.DEFAULT_NS, out_dir=args.out)
     elif args.command == "bench" and args.suite in (None, "sweep"):
         from .bench.sweep import DEFAULT_NS, SweepConfig, run_sweep
 

@@ -1,7 +1,14 @@
-"""`linattn demo`: forward+backward time of every mechanism against exact softmax for N = 256..16384,
-and the largest error of each fast form against its reference form.
+"""`linattn demo`, the main job (`make demo`): the scaling and generation evidence in a few minutes.
 
-Writes ``report/demo.json`` (machine, torch version, threads, the command) and prints the table.
+Three parts, all written to ``report/`` (or ``--out``):
+1. a quick sweep (``bench/sweep.py``): forward+backward time and peak memory of every mechanism and
+   installed peer, causal and bidirectional, N = 256 ... 16384, B = 1, H = 8, D = 64, float32;
+   configurations predicted over 10 s per call are skipped and marked (sweep.json/md/png);
+2. the largest error of each fast form against its reference form (float32 vs float64);
+3. per-token generation time of linear vs softmax + KV cache language models at two positions
+   (``bench/generate.py``, generate.json/md).
+demo.json and demo.md hold the summary (crossover N per mechanism, the table at the largest N, the
+errors, the generation claims); the summary table is printed.
 """
 
 from __future__ import annotations
@@ -17,20 +24,17 @@ import torch
 import linattn
 from linattn.functional import (
     efficient_attention_reference,
+    favor_attention_reference,
     linear_attention_reference,
+    local_attention_reference,
     softmax_attention_reference,
 )
 
-from .harness import Case, call, machine_info, make_inputs, median, time_calls, write_atomically
+from .harness import machine_info, write_atomically
 
-DEFAULT_NS = (256, 512, 1024, 2048, 4096, 8192, 16384)
-COLUMNS = [  # (impl, causal, label)
-    ("softmax", False, "softmax"),
-    ("linear", False, "linear"),
-    ("efficient", False, "efficient"),
-    ("softmax", True, "softmax causal"),
-    ("linear", True, "linear causal"),
-]
+DEFAULT_NS = (256, 1024, 4096, 16384)
+GENERATE_POSITIONS = (100, 4096)
+TIME_BUDGET_S = 10.0
 
 
 def _max_err(fast, ref, inputs) -> float:
@@ -49,6 +53,7 @@ def fast_vs_reference_errors(n: int = 1000, d: int = 64, seed: int = 0) -> dict[
     g = torch.Generator().manual_seed(seed)
     base = [torch.randn(1, 2, n, d, generator=g) for _ in range(3)]
     mask = torch.rand(1, n, generator=g) > 0.2
+    W = linattn.favor_projection(128, d, generator=g)  # FAVOR features for the favor form
 
     def pair():
         f32 = [t.clone().requires_grad_() for t in base]
@@ -68,6 +73,13 @@ def fast_vs_reference_errors(n: int = 1000, d: int = 64, seed: int = 0) -> dict[
             lambda q, k, v: linear_attention_reference(q, k, v, causal=True, key_padding_mask=mask)),
         "efficient": (lambda q, k, v: linattn.efficient_attention(q, k, v, key_padding_mask=mask),
                       lambda q, k, v: efficient_attention_reference(q, k, v, key_padding_mask=mask)),
+        "favor causal (log-scaled chunks)": (
+            lambda q, k, v: linattn.favor_attention(q * 0.5, k * 0.5, v, W, causal=True, key_padding_mask=mask),
+            lambda q, k, v: favor_attention_reference(q * 0.5, k * 0.5, v, W.double(), causal=True,
+                                                      key_padding_mask=mask)),
+        "local causal (blocked)": (
+            lambda q, k, v: linattn.local_attention(q, k, v, window=100, causal=True, key_padding_mask=mask),
+            lambda q, k, v: local_attention_reference(q, k, v, window=100, causal=True, key_padding_mask=mask)),
     }
     for name, (fast_fn, ref_fn) in forms.items():
         f32, f64 = pair()
@@ -92,64 +104,100 @@ def _fmt_time(t: float | None) -> str:
     return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
 
 
-def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = False) -> dict:
+def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = False,
+             generate_positions: tuple[int, ...] = GENERATE_POSITIONS, generate_model: dict | None = None,
+             measure_memory: bool = True) -> dict:
+    """Run the three parts, write demo.json/md (and the parts' own files), print the summary."""
+    from .generate import run_generate
+    from .sweep import SweepConfig, run_sweep
+
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     say = (lambda *a, **k: None) if quiet else (lambda *a, **k: print(*a, **k, flush=True))
-    say(f"linattn demo: B=1 H=8 D=64 float32, forward+backward, {torch.get_num_threads()} threads")
-    rows = []
+    command = ("linattn demo" + ("" if tuple(ns) == DEFAULT_NS else " --ns " + ",".join(map(str, ns)))
+               + ("" if str(out_dir) == "report" else f" --out {out_dir}"))
     t_start = time.perf_counter()
-    for i, n in enumerate(ns):
-        t_n = time.perf_counter()
-        cases = {label: Case(impl, causal, n) for impl, causal, label in COLUMNS}
-        inputs = {label: make_inputs(c) for label, c in cases.items()}
-        fns = {label: (lambda c=c, x=inputs[label]: call(c, x)) for label, c in cases.items()}
-        repeats = 5 if n <= 2048 else 3
-        times = time_calls(fns, repeats=repeats, warmup=1)
-        rows.append({"n": n, "seconds": {label: median(ts) for label, ts in times.items()},
-                     "repeats": repeats})
-        say(f"  [{i + 1}/{len(ns)}] N = {n} timed ({time.perf_counter() - t_n:.1f} s)")
-    say("  checking each fast form against its reference form ...")
+    say(f"linattn demo [1/3]: sweep, forward+backward, N = {list(ns)}, B=1 H=8 D=64 float32, "
+        f"{torch.get_num_threads()} threads")
+    sweep = run_sweep(SweepConfig(ns=tuple(ns), passes=("forward+backward",), repeats=2,
+                                  time_budget_s=TIME_BUDGET_S, measure_memory=measure_memory),
+                      out_dir=out_dir, command=command + " (sweep part)", quiet=True)
+    say(f"linattn demo [2/3]: each fast form against its reference form ({time.perf_counter() - t_start:.0f} s)")
     errors = fast_vs_reference_errors()
+    say(f"linattn demo [3/3]: generation at positions {list(generate_positions)} "
+        f"({time.perf_counter() - t_start:.0f} s)")
+    gen = run_generate(out_dir=out_dir, positions=tuple(generate_positions), steps=10, quiet=True,
+                       **(generate_model or {}))
     result = {
-        "command": "linattn demo" + ("" if tuple(ns) == DEFAULT_NS else " --ns " + ",".join(map(str, ns)))
-                   + ("" if str(out_dir) == "report" else f" --out {out_dir}"),
+        "command": command,
         "machine": machine_info(),
-        "config": {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "pass": "forward+backward",
-                   "timing": "median of interleaved repeats after one warm-up"},
-        "rows": rows,
+        "files": ["sweep.json", "sweep.md", "sweep_time.png", "sweep_memory.png", "generate.json", "generate.md"],
+        "sweep": {"config": sweep["config"], "crossover": sweep["crossover"], "largest_n": _largest_n(sweep)},
         "max_error_vs_reference": {"n": 1000, "dtype": "float32 vs float64 reference",
-                                   "what": "max |diff| over output and q, k, v gradients",
-                                   "errors": errors},
+                                   "what": "max |diff| over output and q, k, v gradients", "errors": errors},
+        "generate": {"config": gen["config"], "seconds_per_token": gen["seconds_per_token"], "claim": gen["claim"]},
         "elapsed_seconds": time.perf_counter() - t_start,
     }
-    m = result["machine"]
-    md = (f"# linattn demo\n\nWritten by `{result['command']}` on {m['processor']}, {m['cpu_count']} CPUs, "
-          f"torch {m['torch']}, {m['threads']} threads; do not edit by hand.\n"
-          "Forward+backward, B = 1, H = 8, D = 64, float32; median of interleaved repeats.\n\n"
-          + format_table(result) + "\n")
+    md = format_summary(result)
     out_dir = write_atomically(out_dir, {"demo.json": json.dumps(result, indent=2), "demo.md": md})
-    say(format_table(result))
-    say(f"\nwritten: {out_dir / 'demo.json'} and demo.md  ({result['elapsed_seconds']:.0f} s)")
+    say(md)
+    say(f"written: {out_dir}/demo.json, demo.md and the parts' files ({result['elapsed_seconds']:.0f} s)")
     return result
 
 
-def format_table(result: dict) -> str:
-    labels = [label for _, _, label in COLUMNS]
-    head = ["N"] + labels + ["speed-up linear", "speed-up linear causal"]
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for row in result["rows"]:
-        s = row["seconds"]
-        cells = [str(row["n"])] + [_fmt_time(s.get(label)) for label in labels]
-        cells.append(f"{s['softmax'] / s['linear']:.1f}x")
-        cells.append(f"{s['softmax causal'] / s['linear causal']:.1f}x")
-        lines.append(" | ".join(cells))
-    lines.append("(speed-up = softmax time / linear time, same direction; > 1 means linear is faster)")
-    lines.append("")
-    lines.append("Largest error of each fast form against its reference form "
-                 "(float32 vs float64, N = 1000, output and all gradients):")
-    for name, err in result["max_error_vs_reference"]["errors"].items():
-        lines.append(f"  {name:<34s} {err:.2e}")
-    return "\n".join(lines)
+def _largest_n(sweep: dict) -> dict:
+    """Per mode: each contender's status, time and memory at the largest N of the sweep."""
+    n = max(r["n"] for r in sweep["rows"])
+    out: dict = {"n": n}
+    for r in sweep["rows"]:
+        if r["n"] == n:
+            out.setdefault(r["mode"], {})[r["impl"]] = {
+                "status": r["status"], "median_s": r.get("median_s"), "peak_memory_bytes": r.get("peak_memory_bytes"),
+                "reason": r.get("reason")}
+    return out
+
+
+def format_summary(result: dict) -> str:
+    m = result["machine"]
+    big = result["sweep"]["largest_n"]
+    lines = [
+        "# linattn demo", "",
+        f"Written by `{result['command']}` on {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}, "
+        f"{m['threads']} threads, in {result['elapsed_seconds']:.0f} s; do not edit by hand. Full tables: "
+        "sweep.md (and the PNG plots), generate.md.", "",
+        f"## At N = {big['n']} (forward+backward, B = 1, H = 8, D = 64, float32)", "",
+        "| contender | causal | vs softmax | peak memory | bidirectional | vs softmax | peak memory |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    impls = list(dict.fromkeys([*big.get("causal", {}), *big.get("bidirectional", {})]))
+    for impl in impls:
+        cells = []
+        for mode in ("causal", "bidirectional"):
+            r = big.get(mode, {}).get(impl)
+            soft = big.get(mode, {}).get("softmax", {})
+            if r is None or r["status"] == "unsupported":
+                cells += ["-", "-", "-"]
+            elif r["status"] != "ok":
+                cells += [r["status"], "", ""]
+            else:
+                ratio = (f"{soft['median_s'] / r['median_s']:.1f}x" if soft.get("status") == "ok"
+                         else f"softmax {soft.get('status', '-')}")
+                mem = r["peak_memory_bytes"]
+                cells += [_fmt_time(r["median_s"]), ratio, "-" if mem is None else f"{mem / 2**20:.0f} MiB"]
+        lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    lines += ["", "`vs softmax` = softmax time / this time (> 1: faster than softmax). `skipped`: predicted "
+              "over the demo's time budget.", "", "## Where each contender overtakes softmax", ""]
+    for key, per in result["sweep"]["crossover"].items():
+        lines.append(f"- {key}: " + ", ".join(f"{i} {v}" for i, v in per.items()))
+    lines += ["", "## Largest error of each fast form against its reference form (float32 vs float64, N = 1000, "
+              "output and all gradients)", ""]
+    lines += [f"- {name}: {err:.2e}" for name, err in result["max_error_vs_reference"]["errors"].items()]
+    gen = result["generate"]
+    c = gen["config"]
+    lines += ["", f"## Generation (TransformerLM d_model {c['d_model']}, {c['n_layers']} layers, vocab "
+              f"{c['vocab_size']}, batch 1): ms per token at each position", ""]
+    lines += [f"- {k}: {v * 1e3:.2f} ms" for k, v in gen["seconds_per_token"].items()]
+    lines += [f"- {k}: {v:.2f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in gen["claim"].items()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -263,12 +263,12 @@ def plot_sweep(result: dict, out_dir: Path) -> None:
         fig, axes = plt.subplots(1, len(keys), figsize=(4.8 * len(keys), 4.2), squeeze=False)
         for ax, (mode, p) in zip(axes[0], keys):
             anchor = None
-            for impl in result["contenders"]:
+            for idx, impl in enumerate(result["contenders"]):  # one colour per contender in every panel
                 pts = [(r["n"], r[field_name] / scale) for r in result["rows"]
                        if (r["impl"], r["mode"], r["pass"]) == (impl, mode, p) and r["status"] == "ok"
                        and r.get(field_name) is not None and r[field_name] > 0]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl)
+                    ax.plot(*zip(*pts), marker="o", color=f"C{idx % 10}", label=impl)
                     anchor = anchor or pts[0]
             if anchor:
                 n0, y0 = anchor
