@@ -331,6 +331,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
             raise ValueError(f"config file {path}: expected a .json or .toml file")
         if not isinstance(d, dict):
             raise ValueError(f"config file {path} must hold an object/table, got {type(d).__name__}")
-    base = TrainConfig.from_dict(d).to_dict()  # validates the file alone, fills the defaults
-    overrides = list(overrides)
-    return TrainConfig.from_dict(apply_overrides(base, overrides)) if overrides else TrainConfig.from_dict(base)
+    # Overrides edit the file's dict before validation, so they can repair or complete it; a file
+    # without a model table gets the default model's dict for them to edit.
+    d = dict(d)
+    d.setdefault("model", _default_model().to_dict())
+    return TrainConfig.from_dict(apply_overrides(d, overrides))

@@ -160,6 +160,14 @@ def _micro_slices(batch: list[int], accum: int, info: DistInfo) -> list[list[int
             for a in range(accum)]
 
 
+def _loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of ``logits (B, T, V)`` against ``targets (B, T)``, in float32 at least
+    (bf16 logits under autocast are upcast; float64 stays float64)."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
 def _autocast(config: TrainConfig, device: torch.device):
     if not config.bf16:
         return contextlib.nullcontext()
@@ -183,7 +191,7 @@ def _evaluate(model: nn.Module, data: TokenData, config: TrainConfig, info: Dist
             x, y = x.to(info.device), y.to(info.device)
             with _autocast(config, info.device):
                 logits = model(x)
-            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            total += _loss(logits, y, "sum").item()
             count += y.numel()
     model.train(was_training)
     mean_total, mean_count = reducer.mean([total, float(count)])
@@ -331,7 +339,7 @@ def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool
                 with sync:
                     with _autocast(c, info.device):
                         logits = model(x)  # (b, T, V)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                    loss = _loss(logits, y)
                     (loss / c.grad_accum).backward()
                 loss_sum += loss.item()
             if c.grad_clip:
