@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -143,7 +144,7 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         result = train(config, resume=args.resume, quiet=args.quiet)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         parser.error(str(e))
-    if result.stopped_by_signal:
+    if result.stopped_by_signal and os.environ.get("RANK", "0") == "0":
         print(f"stopped at step {result.step}; continue with: linattn train --resume --out-dir {config.out_dir}",
               file=sys.stderr)
     return 0

@@ -267,6 +267,10 @@ def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool
         if info.is_main:
             _truncate_metrics(metrics_path, step)
         log(f"[linattn train] resumed from {existing} at step {step}")
+        saved_steps = meta["train_config"]["max_steps"]
+        if c.decay_steps is None and saved_steps != c.max_steps:
+            log(f"[linattn train] note: max_steps changed from {saved_steps} to {c.max_steps} with decay_steps unset, "
+                f"so the cosine schedule now ends at step {c.max_steps} (set decay_steps to keep it)")
     elif existing is not None:
         raise FileExistsError(
             f"{out} already holds checkpoints ({existing}); pass --resume to continue, or choose another out_dir"
