@@ -269,6 +269,9 @@ def test_cli_train_and_resume(tmp_path, capsys):
     # resume without --config reads the run's own train_config.json; max_steps may change
     assert main(["train", "--resume", "--out-dir", cfg.out_dir, "--max-steps", "3", "--quiet"]) == 0
     assert [s for s, _ in _records(cfg)] == [1, 2, 3]
+    assert main(["train", "--config", str(path), "--out-dir", "2024", "--data-dtype", "uint8", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["out_dir"], printed["data"]["dtype"], printed["max_steps"]) == ("2024", "uint8", 4)
     with pytest.raises(SystemExit):
         main(["train", "--config", str(path), "--set", "model.bogus=1"])
     assert "unknown keys ['bogus']" in capsys.readouterr().err

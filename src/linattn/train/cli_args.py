@@ -3,7 +3,7 @@
 Every scalar field gets a flag: ``TrainConfig.max_steps`` -> ``--max-steps``,
 ``DataConfig.path`` -> ``--data-path``, ``TransformerConfig.d_model`` -> ``--model-d-model``;
 its help is the field's line in the class docstring. A flag's value is read like a ``--set``
-value (JSON when it parses, else a string) and applied as the override ``section.field=value``,
+value (JSON when it parses, else a string; string fields always keep the text) and applied as the override ``section.field=value``,
 after the config file and before validation. ``--set`` reaches everything else
 (``--set 'model.attention={"name": "local", "window": 64}'``).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def _flags():
                 continue
             key = f"{section}.{f.name}" if section else f.name
             flag = "--" + key.replace(".", "-").replace("_", "-")
-            yield flag, key, helps.get(f.name, "")
+            yield flag, key, helps.get(f.name, ""), f.type in ("str", "str | None")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,17 +55,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     group = parser.add_argument_group("config fields (each is --set section.field=VALUE)")
-    for flag, key, text in _flags():
+    for flag, key, text, _ in _flags():
         group.add_argument(flag, dest="field:" + key, default=None, metavar="VALUE", help=text)
 
 
 def overrides_from_args(args: argparse.Namespace) -> list[str]:
     """``--set`` values, then the generated flags, as ``key=value`` strings."""
     out = list(args.overrides)
-    for _, key, _ in _flags():
+    for _, key, _, is_str in _flags():
         val = getattr(args, "field:" + key)
         if val is not None:
-            out.append(f"{key}={val}")
+            # a string field keeps its text as given (--out-dir 2024 is a folder, not a number)
+            out.append(f"{key}={json.dumps(val)}" if is_str else f"{key}={val}")
     return out
 
 
