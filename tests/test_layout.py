@@ -4,6 +4,7 @@ import ast
 from pathlib import Path
 
 import linattn
+import linattn.train
 
 SRC = Path(linattn.__file__).parent
 HIGHER = {"functional": {"nn", "models", "bench", "cli", "train"}, "nn": {"models", "bench", "cli", "train"},
@@ -40,7 +41,7 @@ def test_tiers_import_downwards():
 
 
 def test_public_names_sorted_and_present():
-    for module in (linattn, linattn.nn, linattn.models):
+    for module in (linattn, linattn.nn, linattn.models, linattn.train):
         assert list(module.__all__) == sorted(module.__all__), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"

@@ -1,8 +1,10 @@
-"""Command line: `linattn demo` (the main job) and `linattn bench [sweep|core|favor|family|generate]`."""
+"""Command line: `linattn demo` (the main job), `linattn bench [sweep|core|favor|family|generate]` and
+`linattn train`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -69,7 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--heads", type=int, default=8)
     gen.add_argument("--vocab", type=int, default=32000)
 
+    from .train.cli_args import add_train_arguments
+
+    tr = sub.add_parser("train", help="train a TransformerLM (config file + overrides; torchrun for DDP)",
+                        description="Train a TransformerLM. Under `torchrun --nproc_per_node N` every process "
+                        "runs this command and DistributedDataParallel splits each global batch.")
+    add_train_arguments(tr)
+
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(tr, args)
     if args.command == "demo":
         from .bench import demo
 
@@ -114,6 +125,29 @@ def main(argv: list[str] | None = None) -> int:
 
         run_generate(out_dir=args.out, positions=args.positions, steps=args.steps, d_model=args.d_model,
                      n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab)
+    return 0
+
+
+def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import json
+
+    from .train import train
+    from .train.cli_args import resolve_config
+
+    try:
+        config = resolve_config(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        parser.error(str(e))
+    if args.print_config:
+        print(json.dumps(config.to_dict(), indent=2))
+        return 0
+    try:
+        result = train(config, resume=args.resume, quiet=args.quiet)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        parser.error(str(e))
+    if result.stopped_by_signal and os.environ.get("RANK", "0") == "0":
+        print(f"stopped at step {result.step}; continue with: linattn train --resume --out-dir {config.out_dir}",
+              file=sys.stderr)
     return 0
 
 

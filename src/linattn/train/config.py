@@ -1,0 +1,338 @@
+"""Training configuration: :class:`DataConfig` and :class:`TrainConfig`, files and overrides.
+
+A config file (JSON or TOML) holds ``TrainConfig.to_dict()``, or any part of it: top-level fields,
+a ``[model]`` table (a whole :class:`linattn.TransformerConfig`; ``vocab_size`` and ``max_len``
+are required there) and a ``[data]`` table. Missing fields take their defaults.
+
+Overrides are ``dotted.key=value`` strings applied to the dict form before it is validated:
+``lr=3e-4``, ``model.d_model=128``, ``data.path=tokens.npy``,
+``model.attention={"name": "local", "window": 64}``. A value is read as JSON when it parses
+(numbers, true/false, null, lists, objects) and as a plain string otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..models import TransformerConfig
+from ..nn import LinearConfig, MECHANISMS
+
+__all__ = [
+    "DATA_SOURCES",
+    "RESUMABLE_CHANGES",
+    "DataConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+DATA_SOURCES = ("recall", "file")
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
+PARAM_DTYPES = ("float32", "float64")
+
+# Fields that may differ between a checkpoint's config and the config a run resumes with; any
+# other difference would make the resumed run a different run, so resuming refuses it.
+RESUMABLE_CHANGES = ("max_steps", "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_every",
+                     "out_dir", "device")
+
+
+def _int(owner: str, name: str, val: Any, lo: int) -> None:
+    if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+        raise ValueError(f"{owner}: {name} must be an int >= {lo}, got {val!r}")
+
+
+def _float(owner: str, name: str, val: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    ok = not isinstance(val, bool) and isinstance(val, (int, float)) and math.isfinite(val)
+    ok = ok and (val > lo if lo_open else val >= lo) and val <= hi
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{owner}: {name} must be a number in {bracket}{lo}, {hi}], got {val!r}")
+
+
+def _check_unknown(cls, d: Mapping[str, Any]) -> None:
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{cls.__name__}.from_dict: expected a dict, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {unknown}; known: {sorted(known)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from.
+
+    Attributes:
+        source: ``"recall"``, the built-in synthetic associative-recall stream (see
+            :func:`linattn.train.data.recall_tokens`; identical on every machine), or ``"file"``,
+            a token file read through a numpy memmap.
+        path: the token file (``source="file"``): ``.npy`` (a 1-D integer array saved by
+            ``numpy.save``) or ``.bin`` (raw little-endian integers of ``dtype``, no header).
+        val_path: a separate validation token file; when None the last ``val_fraction`` of
+            ``path`` is held out.
+        dtype: element type of a ``.bin`` file (``uint16`` suits vocabularies up to 65536;
+            ``uint8`` reads any file as bytes).
+        val_fraction: share of ``path`` held out for validation when there is no ``val_path``.
+        recall_pairs: key-value pairs per recall episode.
+        recall_queries: queries per recall episode (each a key from the episode and its value).
+        recall_tokens: length of the recall training stream.
+        recall_val_tokens: length of the recall validation stream (a different stream).
+    """
+
+    source: str = "recall"
+    path: str | None = None
+    val_path: str | None = None
+    dtype: str = "uint16"
+    val_fraction: float = 0.05
+    recall_pairs: int = 8
+    recall_queries: int = 8
+    recall_tokens: int = 1 << 20
+    recall_val_tokens: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        o = "DataConfig"
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"{o}: unknown source {self.source!r}; known: {list(DATA_SOURCES)}")
+        for name in ("path", "val_path"):
+            val = getattr(self, name)
+            if val is not None and not isinstance(val, str):
+                raise TypeError(f"{o}: {name} must be a string path or None, got {val!r}")
+        if self.source == "file" and not self.path:
+            raise ValueError(f"{o}: source='file' needs path (a .npy or .bin token file)")
+        if self.source == "recall" and (self.path or self.val_path):
+            raise ValueError(f"{o}: path/val_path are read only with source='file', got source='recall'")
+        if self.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"{o}: unknown dtype {self.dtype!r}; known: {list(TOKEN_DTYPES)}")
+        _float(o, "val_fraction", self.val_fraction, 0.0, 0.5, lo_open=True)
+        for name in ("recall_pairs", "recall_queries"):
+            _int(o, name, getattr(self, name), 1)
+        for name in ("recall_tokens", "recall_val_tokens"):
+            _int(o, name, getattr(self, name), 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DataConfig":
+        _check_unknown(cls, d)
+        return cls(**d)
+
+
+def _default_model() -> TransformerConfig:
+    return TransformerConfig(vocab_size=64, max_len=128, d_model=128, n_layers=2, n_heads=4, d_ff=512,
+                             attention=LinearConfig())
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run of a :class:`linattn.TransformerLM`.
+
+    Attributes:
+        model: the language model.
+        data: the token source.
+        seed: seeds the initial weights (same on every rank), the data order and dropout.
+        batch_size: sequences per optimiser step, over all ranks and accumulation steps (the
+            global batch); each micro-batch has ``batch_size / (grad_accum * world_size)``.
+        seq_len: tokens per sequence (the model sees ``seq_len`` inputs and predicts ``seq_len``
+            next tokens); at most ``model.max_len``.
+        grad_accum: micro-batches accumulated per optimiser step on each rank.
+        max_steps: optimiser steps of the run.
+        lr: peak learning rate.
+        min_lr_ratio: the cosine decays from ``lr`` to ``lr * min_lr_ratio``.
+        warmup_steps: linear warm-up from ``lr / warmup_steps`` to ``lr``.
+        decay_steps: the step where the cosine reaches its floor; None means ``max_steps``
+            (set it to extend ``max_steps`` on resume without changing the schedule so far).
+        weight_decay: AdamW decoupled weight decay, on matrices and embeddings (parameters with
+            2 or more dimensions) only, not on biases and norm gains.
+        betas: AdamW (beta1, beta2).
+        eps: AdamW epsilon.
+        grad_clip: clip the global gradient norm to this; None or 0 disables clipping.
+        bf16: run forward and loss under ``torch.autocast(dtype=torch.bfloat16)``; parameters,
+            gradients and optimiser state stay in ``dtype``.
+        dtype: parameter dtype, ``"float32"`` or ``"float64"``.
+        device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"`` or ``"cuda"``; under
+            ``torchrun`` each rank takes ``cuda:LOCAL_RANK``.
+        eval_every: evaluate the validation loss every this many steps and at the end; 0: never.
+        eval_batches: validation batches of ``batch_size`` sequences per evaluation (always the
+            same leading windows of the validation stream).
+        ckpt_every: checkpoint every this many steps; 0: only at the end and on SIGINT/SIGTERM.
+        keep_last: checkpoints kept in ``out_dir/checkpoints`` (older ones are deleted).
+        log_every: print a progress line and append a ``metrics.jsonl`` record every this many
+            steps (and at the last step).
+        out_dir: folder of ``train_config.json``, ``metrics.jsonl`` and ``checkpoints/``.
+    """
+
+    model: TransformerConfig = field(default_factory=_default_model)
+    data: DataConfig = field(default_factory=DataConfig)
+    seed: int = 0
+    batch_size: int = 32
+    seq_len: int = 128
+    grad_accum: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    bf16: bool = False
+    dtype: str = "float32"
+    device: str = "auto"
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 500
+    keep_last: int = 2
+    log_every: int = 10
+    out_dir: str = "runs/train"
+
+    def __post_init__(self) -> None:
+        o = "TrainConfig"
+        if not isinstance(self.model, TransformerConfig):
+            raise TypeError(f"{o}: model must be a TransformerConfig, got {type(self.model).__name__}")
+        if not isinstance(self.data, DataConfig):
+            raise TypeError(f"{o}: data must be a DataConfig, got {type(self.data).__name__}")
+        # A language model needs a causal form in every layer; say so before building anything.
+        for i, name in enumerate(self.model.layer_mechanisms()):
+            if not MECHANISMS[name].causal:
+                causal = sorted(n for n, s in MECHANISMS.items() if s.causal)
+                raise ValueError(
+                    f"{o}: model layer {i} uses {name!r} attention, which has no causal form; "
+                    f"a language model needs one of {causal}"
+                )
+        _int(o, "seed", self.seed, 0)
+        for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "keep_last", "log_every"):
+            _int(o, name, getattr(self, name), 1)
+        for name in ("warmup_steps", "eval_every", "ckpt_every"):
+            _int(o, name, getattr(self, name), 0)
+        if self.decay_steps is not None:
+            _int(o, "decay_steps", self.decay_steps, 1)
+        if self.seq_len > self.model.max_len:
+            raise ValueError(f"{o}: seq_len = {self.seq_len} exceeds model.max_len = {self.model.max_len}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"{o}: grad_accum = {self.grad_accum} must divide batch_size = {self.batch_size}")
+        _float(o, "lr", self.lr, 0.0, math.inf, lo_open=True)
+        _float(o, "min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _float(o, "weight_decay", self.weight_decay, 0.0, math.inf)
+        _float(o, "eps", self.eps, 0.0, math.inf, lo_open=True)
+        if isinstance(self.betas, list):
+            object.__setattr__(self, "betas", tuple(self.betas))
+        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
+            raise ValueError(f"{o}: betas must be two numbers (beta1, beta2), got {self.betas!r}")
+        for i, b in enumerate(self.betas):
+            _float(o, f"betas[{i}]", b, 0.0, 1.0)
+            if b == 1.0:
+                raise ValueError(f"{o}: betas[{i}] must be < 1, got {b!r}")
+        if self.grad_clip is not None:
+            _float(o, "grad_clip", self.grad_clip, 0.0, math.inf)
+        if not isinstance(self.bf16, bool):
+            raise TypeError(f"{o}: bf16 must be a bool, got {self.bf16!r}")
+        if self.dtype not in PARAM_DTYPES:
+            raise ValueError(f"{o}: unknown dtype {self.dtype!r}; known: {list(PARAM_DTYPES)}")
+        if self.bf16 and self.dtype != "float32":
+            raise ValueError(f"{o}: bf16 autocast needs dtype='float32' parameters, got dtype={self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"{o}: device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise ValueError(f"{o}: out_dir must be a non-empty path string, got {self.out_dir!r}")
+        if self.data.source == "recall":
+            n_keys = (self.model.vocab_size - 2) // 2
+            if n_keys < self.data.recall_pairs:
+                raise ValueError(
+                    f"{o}: the recall task with recall_pairs = {self.data.recall_pairs} needs "
+                    f"model.vocab_size >= {2 + 2 * self.data.recall_pairs}, got {self.model.vocab_size}"
+                )
+
+    @property
+    def schedule_steps(self) -> int:
+        """The step where the cosine reaches its floor."""
+        return self.max_steps if self.decay_steps is None else self.decay_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable (``betas`` becomes a list)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["model"] = self.model.to_dict()
+        d["data"] = self.data.to_dict()
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
+        _check_unknown(cls, d)
+        d = dict(d)
+        if "model" in d:
+            if not isinstance(d["model"], Mapping):
+                raise TypeError(f"TrainConfig: model must be a dict (a TransformerConfig), got {d['model']!r}")
+            d["model"] = TransformerConfig.from_dict(d["model"])
+        if "data" in d:
+            d["data"] = DataConfig.from_dict(d["data"])
+        return cls(**d)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(d: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A deep copy of ``d`` with every ``"dotted.key=value"`` of ``overrides`` applied in order.
+
+    Setting a key inside a section the dict lacks creates the section. Raises ValueError for a
+    malformed override or one that descends into a value that is not a section.
+    """
+    out = json.loads(json.dumps(d))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ValueError(f"override {item!r} is not of the form dotted.key=value (e.g. model.d_model=128)")
+        *parents, leaf = key.split(".")
+        node = out
+        for i, p in enumerate(parents):
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(parents[: i + 1])} is {nxt!r}, not a section")
+            node = nxt
+        node[leaf] = _parse_value(raw)
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
+    """A :class:`TrainConfig` from a ``.json`` or ``.toml`` file (None: the defaults), with
+    ``overrides`` (see :func:`apply_overrides`) applied on top. A file's ``model`` table is a whole
+    model config; without one, the default model is kept and overrides edit it."""
+    if path is None:
+        d: dict[str, Any] = {}
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        if path.suffix == ".json":
+            try:
+                d = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"config file {path} is not valid JSON: {e}") from None
+        elif path.suffix == ".toml":
+            import tomllib
+
+            try:
+                d = tomllib.loads(path.read_text())
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+        else:
+            raise ValueError(f"config file {path}: expected a .json or .toml file")
+        if not isinstance(d, dict):
+            raise ValueError(f"config file {path} must hold an object/table, got {type(d).__name__}")
+    # Overrides edit the file's dict before validation, so they can repair or complete it; a file
+    # without a model table gets the default model's dict for them to edit.
+    d = dict(d)
+    d.setdefault("model", _default_model().to_dict())
+    return TrainConfig.from_dict(apply_overrides(d, overrides))

@@ -1,0 +1,277 @@
+"""Training: exact resume after a signal or a crash, DDP = single process, configs, data, CLI."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from linattn import TransformerLM
+from linattn.cli import main
+from linattn.train import (
+    DataConfig,
+    TrainConfig,
+    WindowSampler,
+    apply_overrides,
+    launch_local,
+    load_config,
+    load_token_file,
+    lr_at,
+    recall_tokens,
+    train,
+)
+
+TINY_MODEL = dict(vocab_size=20, max_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32,
+                  attention={"name": "linear", "feature_map": "elu"})
+
+
+def _config(tmp_path, name="run", **kw):
+    d = dict(model=dict(TINY_MODEL, dropout=0.1), data=dict(recall_pairs=4, recall_queries=2, recall_tokens=4000,
+                                                            recall_val_tokens=400),
+             batch_size=4, seq_len=16, max_steps=8, warmup_steps=2, lr=3e-3, log_every=1, eval_every=4,
+             eval_batches=1, ckpt_every=0, out_dir=str(tmp_path / name))
+    d.update(kw)
+    return TrainConfig.from_dict(d)
+
+
+def _records(cfg, kind="train"):
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return [(r["step"], r.get("loss", r.get("val_loss"))) for r in recs if r["kind"] == kind]
+
+
+def _final(cfg, step):
+    return TransformerLM.from_pretrained(os.path.join(cfg.out_dir, "checkpoints", f"step_{step:08d}")).state_dict()
+
+
+def _assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_signal_then_resume_is_bitwise_identical(tmp_path):
+    straight = _config(tmp_path, "straight")
+    train(straight, quiet=True)
+
+    cut = _config(tmp_path, "cut")
+
+    def interrupt(step, rec):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the real handler: stop at the next step boundary
+
+    r = train(cut, quiet=True, on_step=interrupt)
+    assert r.stopped_by_signal and r.step == 3
+    assert r.checkpoint.name == "step_00000003"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    r = train(cut, resume=True, quiet=True)
+    assert r.step == 8 and not r.stopped_by_signal
+    assert _records(cut) == _records(straight)
+    assert [s for s, _ in _records(cut)] == list(range(1, 9))
+    assert _records(cut, "eval") == _records(straight, "eval")
+    _assert_bitwise(_final(cut, 8), _final(straight, 8))
+
+
+def test_crash_then_resume_drops_unsaved_records(tmp_path):
+    straight = _config(tmp_path, "straight", ckpt_every=2, max_steps=7)
+    train(straight, quiet=True)
+    crash = _config(tmp_path, "crash", ckpt_every=2, max_steps=7)
+
+    def boom(step, rec):
+        if step == 6:  # after the step-4 checkpoint and step 5's metrics record; before step 6's
+            raise RuntimeError("simulated crash")
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(crash, quiet=True, on_step=boom)
+    assert [s for s, _ in _records(crash)] == [1, 2, 3, 4, 5]
+    # keep_last = 2: step_2 was deleted when step_4 was written
+    assert sorted(p.name for p in (tmp_path / "crash" / "checkpoints").iterdir()) == [
+        "latest.json", "step_00000002", "step_00000004"]
+    train(crash, resume=True, quiet=True)  # from step 4: records 5.. are rewritten
+    assert _records(crash) == _records(straight)
+    _assert_bitwise(_final(crash, 7), _final(straight, 7))
+
+
+def test_extending_max_steps_with_fixed_decay_steps_continues_exactly(tmp_path):
+    full = _config(tmp_path, "full", max_steps=6, decay_steps=6)
+    train(full, quiet=True)
+    part = _config(tmp_path, "part", max_steps=3, decay_steps=6)
+    train(part, quiet=True)
+    train(_config(tmp_path, "part", max_steps=6, decay_steps=6), resume=True, quiet=True)
+    assert _records(part) == _records(full)
+    _assert_bitwise(_final(part, 6), _final(full, 6))
+
+
+def test_resume_refusals(tmp_path):
+    cfg = _config(tmp_path, max_steps=2, eval_every=0)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(cfg, resume=True, quiet=True)
+    train(cfg, quiet=True)
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(cfg, quiet=True)
+    with pytest.raises(ValueError, match=r"\['lr'\].*only \['max_steps'"):
+        train(_config(tmp_path, max_steps=2, eval_every=0, lr=1e-2), resume=True, quiet=True)
+    # a damaged optimiser file is reported, not loaded
+    blob = tmp_path / "run" / "checkpoints" / "step_00000002" / "trainer.pt"
+    blob.write_bytes(blob.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="corrupted or truncated"):
+        train(_config(tmp_path, max_steps=4, eval_every=0), resume=True, quiet=True)
+
+
+def test_grad_accum_matches_one_big_batch(tmp_path):
+    kw = dict(model=TINY_MODEL, dtype="float64", max_steps=3, eval_every=0)
+    a = _config(tmp_path, "a", **kw)
+    b = _config(tmp_path, "b", grad_accum=2, **kw)
+    train(a, quiet=True)
+    train(b, quiet=True)
+    for (sa, la), (sb, lb) in zip(_records(a), _records(b)):
+        assert sa == sb and la == pytest.approx(lb, rel=1e-12)
+    wa, wb = _final(a, 3), _final(b, 3)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-10, atol=1e-12)
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path):
+    kw = dict(model=TINY_MODEL, dtype="float64", max_steps=3, eval_every=3, device="cpu")
+    single = _config(tmp_path, "single", **kw)
+    train(single, quiet=True)
+    ddp = _config(tmp_path, "ddp", **kw)
+    launch_local(ddp, 2)
+    w1, w2 = _final(single, 3), _final(ddp, 3)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-10, atol=1e-12)
+    torch.manual_seed(single.seed)  # sanity: training moved the weights
+    init = TransformerLM(single.model).to(torch.float64).state_dict()
+    changed = any(not torch.allclose(init[k], w1[k]) for k in w1)
+    assert changed
+    for kind in ("train", "eval"):
+        (r1, r2) = _records(single, kind), _records(ddp, kind)
+        assert [s for s, _ in r1] == [s for s, _ in r2]
+        np.testing.assert_allclose([v for _, v in r2], [v for _, v in r1], rtol=1e-10)
+
+
+def test_loss_goes_down_on_recall_data(tmp_path):
+    cfg = TrainConfig.from_dict(dict(
+        model=dict(vocab_size=20, max_len=32, d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                   attention={"name": "linear"}),
+        data=dict(recall_pairs=4, recall_queries=4, recall_tokens=20000, recall_val_tokens=2000),
+        batch_size=16, seq_len=32, max_steps=60, warmup_steps=5, lr=1e-2, eval_every=60, eval_batches=2,
+        log_every=10, out_dir=str(tmp_path / "run")))
+    r = train(cfg, quiet=True)
+    first = _records(cfg)[0][1]
+    assert r.last_val_loss < np.log(20) - 0.5 and r.last_loss < first - 0.5
+
+
+def test_bf16_autocast_runs(tmp_path):
+    r = train(_config(tmp_path, bf16=True, max_steps=2, eval_every=2), quiet=True)
+    assert np.isfinite(r.last_loss) and np.isfinite(r.last_val_loss)
+
+
+def test_lr_schedule():
+    c = TrainConfig(lr=1.0, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    assert [lr_at(c, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(c, 9) == pytest.approx(0.55)  # halfway down the cosine
+    assert lr_at(c, 14) == pytest.approx(0.1) and lr_at(c, 100) == pytest.approx(0.1)
+
+
+def test_config_round_trip_files_and_overrides(tmp_path):
+    cfg = _config(tmp_path, betas=[0.8, 0.9], grad_clip=None)
+    assert cfg.betas == (0.8, 0.9)
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    (tmp_path / "c.toml").write_text(
+        'lr = 3e-4\nmax_steps = 5\nseq_len = 64\n[model]\nvocab_size = 50\nmax_len = 64\n'
+        '[model.attention]\nname = "local"\nwindow = 8\n[data]\nrecall_pairs = 3\n')
+    c = load_config(tmp_path / "c.toml", ["model.d_model=64", "data.recall_queries=5", "betas=[0.9, 0.99]"])
+    assert (c.lr, c.max_steps, c.model.vocab_size, c.model.d_model, c.model.attention.window) == (3e-4, 5, 50, 64, 8)
+    assert (c.data.recall_pairs, c.data.recall_queries, c.betas) == (3, 5, (0.9, 0.99))
+    (tmp_path / "c.json").write_text(json.dumps(c.to_dict()))
+    assert load_config(tmp_path / "c.json") == c
+    with pytest.raises(ValueError, match="seq_len = 128 exceeds model.max_len = 64"):
+        load_config(tmp_path / "c.toml", ["seq_len=128"])
+    assert load_config(tmp_path / "c.toml", ["model.max_len=128", "seq_len=128"]).seq_len == 128
+    assert apply_overrides({"a": {"b": 1}}, ["a.c=x y", "d=null"]) == {"a": {"b": 1, "c": "x y"}, "d": None}
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"lr": 1e-3, "learning_rate": 1, "bogus": 2}, r"unknown fields \['bogus', 'learning_rate'\]"),
+    ({"data": {"sorce": "file"}}, r"DataConfig: unknown fields \['sorce'\]"),
+    ({"model": {"vocab_size": 20, "max_len": 16, "attention": {"name": "efficient"}}}, "no causal form"),
+    ({"model": {"vocab_size": 20, "max_len": 16, "d_mdoel": 8}}, r"unknown keys \['d_mdoel'\]"),
+    ({"seq_len": 200}, "exceeds model.max_len"),
+    ({"batch_size": 6, "grad_accum": 4}, "must divide batch_size"),
+    ({"bf16": True, "dtype": "float64"}, "bf16 autocast needs"),
+    ({"data": {"source": "file"}}, "needs path"),
+    ({"betas": [0.9, 1.0]}, r"betas\[1\] must be < 1"),
+    ({"model": {"vocab_size": 8, "max_len": 128}}, "recall_pairs = 8 needs model.vocab_size >= 18"),
+])
+def test_bad_configs_raise_clearly(d, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        TrainConfig.from_dict(d)
+
+
+def test_recall_stream_is_fixed_and_well_formed():
+    t = recall_tokens(30, vocab_size=20, pairs=3, queries=2)
+    # golden values: the stream is a pure function of its arguments on every machine
+    assert t[:15].tolist() == _GOLDEN
+    ep = t[:12]  # [0, k, v, k, v, k, v, 1, q, w, q, w]
+    assert ep[0] == 0 and ep[7] == 1
+    keys, vals = ep[1:7:2], ep[2:7:2]
+    assert len(set(keys.tolist())) == 3 and all(2 <= k < 11 for k in keys) and all(11 <= v < 20 for v in vals)
+    pairs = dict(zip(keys.tolist(), vals.tolist()))
+    for q, w in zip(ep[8::2], ep[9::2]):
+        assert pairs[int(q)] == w
+    assert not np.array_equal(recall_tokens(30, vocab_size=20, pairs=3, queries=2, stream=1), t)
+
+
+_GOLDEN = [0, 6, 18, 8, 15, 3, 15, 1, 8, 15, 6, 18, 0, 9, 17]
+
+
+def test_sampler_visits_every_window_once_per_epoch_and_resumes():
+    s = WindowSampler(10, seed=3)
+    first = s.take(7) + s.take(3)
+    assert sorted(first) == list(range(10)) and s.state_dict()["epoch"] == 1
+    a = WindowSampler(10, seed=3)
+    a.take(13)
+    b = WindowSampler(10, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert a.take(9) == b.take(9)
+    with pytest.raises(ValueError, match="11 windows"):
+        WindowSampler(11, seed=3).load_state_dict(a.state_dict())
+
+
+def test_token_files(tmp_path):
+    toks = (np.arange(1000) % 20).astype(np.uint16)
+    np.save(tmp_path / "t.npy", toks)
+    toks.tofile(tmp_path / "t.bin")
+    assert np.array_equal(load_token_file(tmp_path / "t.npy"), toks)
+    assert np.array_equal(load_token_file(tmp_path / "t.bin", "uint16"), toks)
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    with pytest.raises(ValueError, match="3 bytes is not a whole number of uint16"):
+        load_token_file(tmp_path / "odd.bin", "uint16")
+    cfg = _config(tmp_path, data={"source": "file", "path": str(tmp_path / "t.bin")}, max_steps=2, eval_every=2)
+    r = train(cfg, quiet=True)
+    assert np.isfinite(r.last_val_loss)
+    bad = (np.arange(1000) % 30).astype(np.uint16)
+    np.save(tmp_path / "bad.npy", bad)
+    with pytest.raises(ValueError, match=r"outside \[0, model.vocab_size = 20\)"):
+        train(_config(tmp_path, "bad", data={"source": "file", "path": str(tmp_path / "bad.npy")}), quiet=True)
+
+
+def test_cli_train_and_resume(tmp_path, capsys):
+    cfg = _config(tmp_path, max_steps=4, eval_every=2)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert main(["train", "--config", str(path), "--max-steps", "2", "--set", "log_every=1"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2/2 | loss" in out and "tok/s" in out and "val_loss" in out
+    # resume without --config reads the run's own train_config.json; max_steps may change
+    assert main(["train", "--resume", "--out-dir", cfg.out_dir, "--max-steps", "3", "--quiet"]) == 0
+    assert [s for s, _ in _records(cfg)] == [1, 2, 3]
+    assert main(["train", "--config", str(path), "--out-dir", "2024", "--data-dtype", "uint8", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["out_dir"], printed["data"]["dtype"], printed["max_steps"]) == ("2024", "uint8", 4)
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(path), "--set", "model.bogus=1"])
+    assert "unknown keys ['bogus']" in capsys.readouterr().err
