@@ -431,3 +431,16 @@ def test_elu_features_stay_exact_for_very_negative_inputs(causal):
     n = torch.arange(1, 8, dtype=torch.float32)[:, None]
     want = v.cumsum(2) / n if causal else v.mean(2, keepdim=True).expand_as(v)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_underflowed_normaliser_gives_finite_outputs_and_gradients(causal):
+    """At x = -50 every elu+1 feature is exp(-50) and each q.k product a float32 denormal: the
+    normaliser's reciprocal would be inf. It counts as no key instead (outputs ~0, all finite)."""
+    q = torch.full((1, 2, 9, 4), -50.0, requires_grad=True)
+    k = torch.full((1, 2, 9, 4), -50.0, requires_grad=True)
+    v = torch.randn(1, 2, 9, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    out = linattn.linear_attention(q, k, v, causal=causal)
+    assert torch.isfinite(out).all() and out.abs().max() < 1e-6
+    for g in torch.autograd.grad(out.sum(), (q, k, v)):
+        assert torch.isfinite(g).all()

@@ -47,6 +47,7 @@ from .linear import (
     LinearAttentionState,
     _check_state,
     _check_state_args,
+    _normalise,
     causal_linear_product,
 )
 from .softmax import _check_scale
@@ -424,18 +425,14 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
 def _finish(o: Tensor, dv: int, features: str, out_dtype: torch.dtype) -> Tensor:
     """Numerator / normaliser of ``o (..., Dv+1)``.
 
-    Trig: the normaliser is clamped (see ``TRIG_NORMALISER_FLOOR``). Positive: the normaliser is
-    >= 0, and with the stabiliser the heaviest visible key and a query's largest feature both
-    have weight 1, so a normaliser below sqrt(finfo.tiny) (1e-19 in float32) means every
-    query-key overlap has underflowed (huge inputs whose features are nearly one-hot in different
-    directions): such a row, like a row with no key, gets zeros. Dividing instead would return
-    inf from a denormal normaliser, or gradients near 1/tiny.
+    Trig: the normaliser is clamped (see ``TRIG_NORMALISER_FLOOR``). Positive and relu: the
+    normaliser is >= 0, divided as in kernel attention (``linear._normalise``), where one that has
+    underflowed (huge inputs whose features are nearly one-hot in different directions) counts as
+    no key rather than returning inf.
     """
-    num, den = o[..., :dv], o[..., dv:]
     if features == "trig":
-        return (num / den.clamp_min(TRIG_NORMALISER_FLOOR)).to(out_dtype)
-    ok = den >= torch.finfo(den.dtype).tiny ** 0.5
-    return torch.where(ok, num / torch.where(ok, den, 1.0), 0.0).to(out_dtype)
+        return (o[..., :dv] / o[..., dv:].clamp_min(TRIG_NORMALISER_FLOOR)).to(out_dtype)
+    return _normalise(o, dv, out_dtype)
 
 
 def _state(s: Tensor, dv: int, log_scale: Tensor) -> LinearAttentionState:

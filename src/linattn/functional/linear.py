@@ -366,7 +366,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                     x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
                                           None if feats3 is None else [f[rows] for f in feats3])
                     og, s, d, z = _rows_forward(x, with_den=True)
-                    inv_g = torch.where(d != 0, d, torch.ones_like(d)).reciprocal_().unsqueeze(-1)
+                    inv_g = _inverse_normaliser(d).unsqueeze(-1)
                     lay.put(inv3[rows], pos, inv_g)
                     into = lay.target(out3[rows], pos)
                     if into is None:
@@ -573,8 +573,20 @@ def _check_state_args(fn: str, causal: bool, initial_state, return_state: bool) 
         )
 
 
+def _inverse_normaliser(den: Tensor) -> Tensor:
+    """``1 / den``, with a normaliser below finfo.tiny in magnitude (zero or denormal) replaced by 1.
+
+    Such a normaliser has underflowed (no key, or features like exp(-50) whose products are
+    denormal): its reciprocal would be inf. With non-negative features
+    the numerator is at most the normaliser times max |v|, so the row comes out (near) zero with
+    finite gradients, as a row with no key does.
+    """
+    ok = den.abs() >= torch.finfo(den.dtype).tiny
+    return torch.where(ok, den, torch.ones_like(den)).reciprocal_()
+
+
 class _Normalise(torch.autograd.Function):
-    """``o (..., Dv+1) -> o[..., :Dv] / o[..., Dv]`` with a zero normaliser replaced by 1.
+    """``o (..., Dv+1) -> o[..., :Dv] / o[..., Dv]`` with an underflowed normaliser replaced by 1.
 
     Its own backward writes the gradient of numerator and normaliser into one buffer instead of
     autograd's two zero-filled slice gradients (a measurable cost at long N on CPU).
@@ -583,7 +595,7 @@ class _Normalise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o: Tensor, dv: int):
         den = o[..., dv:]  # (..., 1)
-        inv = torch.where(den != 0, den, torch.ones_like(den)).reciprocal_()  # (..., 1)
+        inv = _inverse_normaliser(den)  # (..., 1)
         out = o[..., :dv] * inv
         ctx.save_for_backward(out, inv)
         return out
@@ -604,7 +616,8 @@ def _normalise(o: Tensor, dv: int, out_dtype: torch.dtype) -> Tensor:
 
     A zero normaliser means no key with positive similarity (all padding, or disjoint relu
     supports); with non-negative features the numerator is then zero too, so dividing by 1
-    returns zeros and keeps every gradient finite instead of producing 0/0.
+    returns zeros and keeps every gradient finite instead of producing 0/0. Normalisers that have
+    underflowed to denormals are treated the same way (:func:`_inverse_normaliser`).
     """
     return _Normalise.apply(o, dv).to(out_dtype)
 
