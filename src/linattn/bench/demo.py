@@ -30,7 +30,7 @@ from linattn.functional import (
     softmax_attention_reference,
 )
 
-from .harness import machine_info, write_atomically
+from .harness import format_seconds, machine_info, write_atomically
 
 DEFAULT_NS = (256, 1024, 4096, 16384)
 GENERATE_POSITIONS = (100, 4096)
@@ -96,12 +96,6 @@ def fast_vs_reference_errors(n: int = 1000, d: int = 64, seed: int = 0) -> dict[
     ref = linear_attention_reference(*(t[:, :, :m] for t in f64), causal=True)
     out["linear recurrent (step by step)"] = _max_err(torch.cat(steps, 2), ref, (f32, f64))
     return out
-
-
-def _fmt_time(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
 
 
 def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = False,
@@ -182,7 +176,7 @@ def format_summary(result: dict) -> str:
                 ratio = (f"{soft['median_s'] / r['median_s']:.1f}x" if soft.get("status") == "ok"
                          else f"softmax {soft.get('status', '-')}")
                 mem = r["peak_memory_bytes"]
-                cells += [_fmt_time(r["median_s"]), ratio, "-" if mem is None else f"{mem / 2**20:.0f} MiB"]
+                cells += [format_seconds(r["median_s"]), ratio, "-" if mem is None else f"{mem / 2**20:.0f} MiB"]
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
     lines += ["", "`vs softmax` = softmax time / this time (> 1: faster than softmax). `skipped`: predicted "
               "over the demo's time budget.", "", "## Where each contender overtakes softmax", ""]

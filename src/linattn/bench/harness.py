@@ -28,7 +28,7 @@ import torch
 
 import linattn
 
-__all__ = ["Case", "Impl", "IMPLS", "machine_info", "peak_memory", "time_calls", "write_atomically"]
+__all__ = ["Case", "IMPLS", "Impl", "format_seconds", "machine_info", "peak_memory", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -228,6 +228,13 @@ def time_calls(fns: dict[str, Callable[[], None]], *, repeats: int, warmup: int 
             f()
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def format_seconds(t: float | None) -> str:
+    """``12.3 ms`` below a second, ``1.23 s`` above; ``-`` for no measurement."""
+    if t is None:
+        return "-"
+    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
 
 
 def median(xs: list[float]) -> float:

@@ -24,7 +24,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .harness import IMPLS, Case, call, machine_info, make_inputs, median, peak_memory, time_calls, write_atomically
+from .harness import (
+    IMPLS,
+    Case,
+    call,
+    format_seconds,
+    machine_info,
+    make_inputs,
+    median,
+    peak_memory,
+    time_calls,
+    write_atomically,
+)
 
 MECHANISMS = ("softmax", "linear", "efficient", "favor", "local", "linformer", "lsh")
 PEERS = ("fast_transformers", "performer_pytorch")
@@ -205,10 +216,6 @@ def crossovers(rows: list[dict]) -> dict[str, dict[str, str | int]]:
     return result
 
 
-def _fmt_time(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
-
-
 def format_sweep(result: dict) -> str:
     cfg, m = result["config"], result["machine"]
     lines = [
@@ -235,7 +242,7 @@ def format_sweep(result: dict) -> str:
                         cells.append("-")
                     elif r["status"] == "ok":
                         mem = r.get("peak_memory_bytes")
-                        cells.append(_fmt_time(r["median_s"]) + ("" if mem is None else f" / {mem / 2**20:.0f} MiB"))
+                        cells.append(format_seconds(r["median_s"]) + ("" if mem is None else f" / {mem / 2**20:.0f} MiB"))
                     else:
                         cells.append("skip" if r["status"] == "skipped" else "err")
                 lines.append(f"| {impl} | " + " | ".join(cells) + " |")
