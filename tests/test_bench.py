@@ -29,7 +29,8 @@ def test_demo_tiny(tmp_path):
     assert "| linear |" in md and "overtakes softmax" in md and "favor causal" in md
     errors = result["max_error_vs_reference"]["errors"]
     assert len(errors) == 8 and all(e < 1e-4 for e in errors.values()), errors
-    assert set(saved["generate"]["seconds_per_token"]) == {"linear@4", "linear@8", "softmax@4", "softmax@8"}
+    assert set(saved["generate"]["seconds_per_token"]) == {"linear@4", "linear@8", "softmax@4", "softmax@8",
+                                                           "softmax-recompute@4", "softmax-recompute@8"}
 
 
 def test_errors_detect_a_wrong_fast_form(monkeypatch):
@@ -159,12 +160,67 @@ def test_cli_bench_without_suite_is_the_sweep(monkeypatch, tmp_path):
 
 def test_generate_benchmark_tiny(tmp_path):
     main(["bench", "generate", "--positions", "5,40", "--steps", "3", "--d-model", "16", "--layers", "2",
-          "--heads", "2", "--vocab", "50", "--out", str(tmp_path)])
+          "--heads", "2", "--vocab", "50", "--images", "2", "--image-d-model", "16", "--image-layers", "1",
+          "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "generate.json").read_text())
     assert saved["command"].startswith("linattn bench generate --positions 5,40 --steps 3")
-    assert set(saved["seconds_per_token"]) == {"linear@5", "linear@40", "softmax@5", "softmax@40"}
-    assert all(len(v) == 3 for v in saved["all_seconds"].values())
+    decoders = {f"{m}@{p}" for m in ("linear", "favor", "local", "softmax", "softmax-recompute") for p in (5, 40)}
+    assert set(saved["seconds_per_token"]) == decoders
+    assert all(len(v) == 3 for k, v in saved["all_seconds"].items() if "recompute" not in k)
     assert saved["claim"]["linear state size independent of position"] is True
     sizes = saved["state_bytes_after_prefill"]
     assert sizes["softmax@40"] == 8 * sizes["softmax@5"]  # the KV cache grows with position
-    assert "| linear | 40 |" in (tmp_path / "generate.md").read_text()
+    assert sizes["favor@40"] == sizes["favor@5"]  # a recurrent state does not
+    images = saved["images"]
+    assert set(images["images_per_second"]) == {"linear (recurrent)", "favor (recurrent)", "softmax (KV cache)",
+                                                "softmax (recompute prefix)"}
+    assert images["config"]["pixels"] == 784 and images["config"]["batch"] == 2
+    md = (tmp_path / "generate.md").read_text()
+    assert "| linear | 40 |" in md and "| softmax-recompute | 40 |" in md and "softmax (recompute prefix)" in md
+
+
+def test_generate_recompute_matches_generate():
+    """The recompute-prefix baseline samples the same tokens as cached decoding (same draws)."""
+    from linattn.bench.generate import generate_recompute
+    from linattn.models import TransformerConfig, TransformerLM
+    from linattn.nn import SoftmaxConfig
+
+    torch.manual_seed(0)
+    lm = TransformerLM(TransformerConfig(vocab_size=20, max_len=40, d_model=16, n_layers=2, n_heads=2,
+                                         attention=SoftmaxConfig(), positional="sinusoidal")).eval()
+    prompt = torch.randint(0, 20, (3, 4))
+    a = lm.generate(prompt, 12, generator=torch.Generator().manual_seed(1))
+    b = generate_recompute(lm, prompt, 12, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+
+
+def test_generate_benchmark_rejects_bad_mechanisms(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "generate", "--mechanisms", "favor,softmax", "--positions", "5", "--steps", "1"])
+    assert "must include 'linear'" in capsys.readouterr().err
+
+
+def test_full_writes_the_document_from_its_own_files(tmp_path):
+    """`linattn bench full` on a tiny grid: sweep and generation files, then the document built
+    from them; `--doc-only` rebuilds the same document without measuring."""
+    from linattn.bench.full import run_full
+    from linattn.bench.sweep import SweepConfig
+
+    out, doc = tmp_path / "full", tmp_path / "benchmarks.md"
+    config = SweepConfig(impls=("softmax", "linear", "efficient"), ns=(32, 64), repeats=1, measure_memory=False)
+    text = run_full(out_dir=out, doc=doc, sweep_config=config, quiet=True,
+                    generate_kwargs={"positions": (3, 6), "steps": 2, "d_model": 16, "n_layers": 1, "n_heads": 2,
+                                     "vocab_size": 30, "image_batch": 1, "image_d_model": 16, "image_layers": 1})
+    assert doc.read_text() == text
+    for name in ("sweep.json", "sweep.md", "sweep_time.png", "generate.json", "generate.md"):
+        assert (out / name).exists(), name
+    sweep = json.loads((out / "sweep.json").read_text())
+    linear64 = next(r for r in sweep["rows"] if (r["impl"], r["mode"], r["pass"], r["n"]) ==
+                    ("linear", "causal", "forward", 64))
+    assert f"{linear64['median_s'] * 1e3:.1f} ms" in text  # the tables come from the files
+    assert "![time against N](full/sweep_time.png)" in text
+    assert "| efficient | - | - |" in text  # no causal form: shown, not dropped
+    assert "### Images per second" in text and "Where linear attention loses" in text
+    assert run_full(out_dir=out, doc=doc, doc_only=True, quiet=True) == text
+    with pytest.raises(FileNotFoundError, match="sweep.json"):
+        run_full(out_dir=tmp_path / "empty", doc=doc, doc_only=True, quiet=True)

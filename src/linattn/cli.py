@@ -1,4 +1,4 @@
-"""Command line: `linattn demo` (the main job), `linattn bench [sweep|core|favor|family|generate]` and
+"""Command line: `linattn demo` (the main job), `linattn bench [sweep|core|favor|family|generate|full]` and
 `linattn train`."""
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     family.add_argument("--n-softmax", type=int, default=4096, help="softmax attention's N (default 4096)")
     family.add_argument("--repeats", type=int, default=3)
 
+    full = bench_sub.add_parser("full", help="the full sweep and generation benchmark, and docs/benchmarks.md")
+    full.add_argument("--out", default="docs/benchmarks/full", help="folder for the sweep and generation files")
+    full.add_argument("--doc", default="docs/benchmarks.md", help="the Markdown document to write")
+    full.add_argument("--doc-only", action="store_true", help="rebuild the document from the files in --out")
+
     gen = bench_sub.add_parser("generate", help="per-token generation time of a linear vs a softmax (KV cache) LM")
     gen.add_argument("--out", default="docs/benchmarks", help="folder for generate.json and generate.md")
     gen.add_argument("--positions", type=_parse_ns, default=(100, 16000), help="decoding positions, e.g. 100,16000")
@@ -70,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--layers", type=int, default=8)
     gen.add_argument("--heads", type=int, default=8)
     gen.add_argument("--vocab", type=int, default=32000)
+    gen.add_argument("--mechanisms", default="linear,favor,local,softmax",
+                     help="decoders to time (linear and softmax required; default: linear,favor,local,softmax)")
+    gen.add_argument("--no-recompute", action="store_true", help="skip softmax recomputing the prefix")
+    gen.add_argument("--images", type=int, default=8,
+                     help="batch of 784-pixel images to generate for images/s (0: skip; default 8)")
+    gen.add_argument("--image-d-model", type=int, default=256)
+    gen.add_argument("--image-layers", type=int, default=8)
 
     from .train.cli_args import add_train_arguments
 
@@ -120,11 +132,24 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.family import run_family
 
         run_family(out_dir=args.out, n_local=args.n_local, n_softmax=args.n_softmax, repeats=args.repeats)
+    elif args.command == "bench" and args.suite == "full":
+        from .bench.full import run_full
+
+        try:
+            run_full(out_dir=args.out, doc=args.doc, doc_only=args.doc_only)
+        except FileNotFoundError as e:
+            parser.error(str(e))
     elif args.command == "bench" and args.suite == "generate":
         from .bench.generate import run_generate
 
-        run_generate(out_dir=args.out, positions=args.positions, steps=args.steps, d_model=args.d_model,
-                     n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab)
+        try:
+            run_generate(out_dir=args.out, positions=args.positions, steps=args.steps, d_model=args.d_model,
+                         n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab,
+                         mechanisms=tuple(x for x in args.mechanisms.split(",") if x),
+                         recompute=not args.no_recompute, image_batch=args.images,
+                         image_d_model=args.image_d_model, image_layers=args.image_layers)
+        except ValueError as e:
+            parser.error(str(e))
     return 0
 
 

@@ -120,6 +120,7 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
     say(f"linattn demo [3/3]: generation at positions {list(generate_positions)} "
         f"({time.perf_counter() - t_start:.0f} s)")
     gen = run_generate(out_dir=out_dir, positions=tuple(generate_positions), steps=10, quiet=True,
+                       mechanisms=("linear", "softmax"),
                        **(generate_model or {}))
     result = {
         "command": command,
