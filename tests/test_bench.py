@@ -224,3 +224,30 @@ def test_full_writes_the_document_from_its_own_files(tmp_path):
     assert run_full(out_dir=out, doc=doc, doc_only=True, quiet=True) == text
     with pytest.raises(FileNotFoundError, match="sweep.json"):
         run_full(out_dir=tmp_path / "empty", doc=doc, doc_only=True, quiet=True)
+
+
+def test_other_load_separates_our_cpu_time_from_other_processes():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from linattn.bench.harness import OtherLoad, describe_load
+
+    load = OtherLoad()
+    # A process we do not reap before finish() is "other"; our own busy loop is not. Both spin for
+    # CPU time, not wall time, so that a busy machine cannot shorten them.
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.5:
+        pass
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, but not reaped: not our child time yet
+    r = load.finish()
+    child.wait()
+    assert r["own_cpu_seconds"] >= 0.4
+    assert r["other_cpu_seconds"] >= 0.8  # the child's busy second (plus whatever else ran)
+    assert 0 < r["other_cpu_share"] <= 1
+    assert "busy" in describe_load({"other_cpu_share": 0.5})
+    assert "quiet" in describe_load({"other_cpu_share": 0.01})
+    assert "not recorded" in describe_load(None)

@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from .harness import format_seconds, write_atomically
+from .harness import describe_load, format_seconds, write_atomically
 from .sweep import SweepConfig, format_sweep, run_sweep
 
 __all__ = ["format_doc", "run_full"]
@@ -119,6 +119,8 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
         f"{m['platform']}, Python {m['python']}, torch {m['torch']}, {m['threads']} threads, linattn "
         f"{m['linattn']}, peers: {', '.join(c for c in sweep['contenders'] if c in ('fast_transformers', 'performer_pytorch')) or 'none installed'}."
         f" Sweep wall time {sweep['seconds'] / 60:.0f} min, generation {gen['wall_seconds'] / 60:.0f} min.",
+        "",
+        f"Sweep: {describe_load(sweep.get('load'))} Generation: {describe_load(gen.get('load'))}",
         "",
         "The raw data (every repeat, predictions for skipped configurations, machine details) is in "
         f"[{link}/sweep.json]({link}/sweep.json) and [{link}/generate.json]({link}/generate.json).",

@@ -51,7 +51,7 @@ import torch
 
 from ..models import TransformerConfig, TransformerLM, count_parameters
 from ..nn import FavorConfig, LinearConfig, LocalConfig, SoftmaxConfig
-from .harness import machine_info, write_atomically
+from .harness import OtherLoad, describe_load, machine_info, write_atomically
 
 __all__ = ["IMAGE_PIXELS", "MECHANISMS", "generate_recompute", "run_generate", "state_bytes"]
 
@@ -114,6 +114,7 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t_start = time.perf_counter()
+    load = OtherLoad()
     max_len = max(positions) + warmup + steps + 1
     say(f"linattn bench generate: d_model {d_model}, {n_layers} layers, {n_heads} heads, vocab {vocab_size}, "
         f"float32, batch 1, positions {list(positions)}, {steps} timed steps, mechanisms {list(mechanisms)}, "
@@ -201,6 +202,7 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
             f"({time.perf_counter() - t_start:.0f} s so far)")
         result["images"] = _images(image_batch, image_d_model, image_layers, n_heads, say)
     result["wall_seconds"] = time.perf_counter() - t_start
+    result["load"] = load.finish()
     md = _markdown(result)
     write_atomically(out_dir, {"generate.json": json.dumps(result, indent=2), "generate.md": md})
     say(md)
@@ -247,7 +249,7 @@ def _markdown(r: dict) -> str:
     lines = [
         "# Generation speed: recurrent decoding vs softmax with a KV cache vs softmax recomputing the prefix",
         "",
-        f"Written by `{r['command']}`; do not edit by hand.",
+        f"Written by `{r['command']}`; do not edit by hand. " + describe_load(r.get("load")),
         "",
         "## Time per token against position",
         "",

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,7 +29,8 @@ import torch
 
 import linattn
 
-__all__ = ["Case", "IMPLS", "Impl", "format_seconds", "machine_info", "peak_memory", "time_calls", "write_atomically"]
+__all__ = ["Case", "IMPLS", "Impl", "OtherLoad", "describe_load", "format_seconds", "machine_info", "peak_memory", "time_calls",
+           "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -280,6 +282,55 @@ def peak_memory(case: Case, *, env: dict[str, str] | None = None, timeout: float
     if proc.returncode != 0:
         raise RuntimeError(f"memory measurement of {case} failed:\n{proc.stderr[-2000:]}")
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+class OtherLoad:
+    """How much of the machine's CPU other processes used while a benchmark ran.
+
+    Timings on a shared machine are only as good as the machine was quiet, so every benchmark
+    records this beside its numbers instead of trusting that it was. Created at the start of a
+    run; :meth:`finish` returns ``{"other_cpu_share": f, ...}`` where f is the fraction of all
+    CPUs' time spent busy on processes other than this one and its waited-for children (memory
+    measurement subprocesses), from ``/proc/stat`` and ``getrusage``; ``None`` off Linux.
+    """
+
+    QUIET = 0.10  # above this share the docs flag the timings as taken on a busy machine
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:9]]  # user .. steal (guest is in user)
+        except (OSError, ValueError):
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (sum(fields) - fields[3] - fields[4]) / hz  # all but idle and iowait
+        own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for f in ("ru_utime", "ru_stime"))
+        return busy, sum(fields) / hz, own, time.perf_counter()
+
+    def finish(self) -> dict:
+        end = self._read()
+        if self._start is None or end is None:
+            return {"other_cpu_share": None}
+        busy, total, own, wall = (e - s for e, s in zip(end, self._start))
+        other = max(0.0, busy - own)
+        return {"other_cpu_share": other / total if total > 0 else None, "other_cpu_seconds": other,
+                "own_cpu_seconds": own, "wall_seconds": wall, "cpus": os.cpu_count()}
+
+
+def describe_load(load: dict | None) -> str:
+    """One sentence for a results document: how busy the machine was (see :class:`OtherLoad`)."""
+    share = (load or {}).get("other_cpu_share")
+    if share is None:
+        return "Load from other processes during the run: not recorded."
+    text = f"Other processes used {share:.0%} of the machine's CPU time during the run"
+    if share > OtherLoad.QUIET:
+        return text + ": the machine was busy, so these timings are inflated and noisy; rerun on a quiet machine."
+    return text + " (a quiet machine)."
 
 
 def machine_info() -> dict:

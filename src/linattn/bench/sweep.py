@@ -27,7 +27,9 @@ from pathlib import Path
 from .harness import (
     IMPLS,
     Case,
+    OtherLoad,
     call,
+    describe_load,
     format_seconds,
     machine_info,
     make_inputs,
@@ -117,6 +119,7 @@ def run_sweep(config: SweepConfig = SweepConfig(), *, out_dir: str | Path = "rep
     history: dict[tuple[str, str, str], _History] = {}
     total = len(config.modes) * len(config.passes) * len(config.ns)
     done, started = 0, time.perf_counter()
+    load = OtherLoad()
     for mode in config.modes:
         causal = MODES[mode]
         for pass_name in config.passes:
@@ -156,6 +159,7 @@ def run_sweep(config: SweepConfig = SweepConfig(), *, out_dir: str | Path = "rep
         "rows": rows,
         "crossover": crossovers(rows),
         "seconds": time.perf_counter() - started,
+        "load": load.finish(),
     }
     write_atomically(out_dir, {"sweep.json": json.dumps(result, indent=2), "sweep.md": format_sweep(result)})
     plot_sweep(result, Path(out_dir))
@@ -224,7 +228,7 @@ def format_sweep(result: dict) -> str:
         f"Written by `{result['command']}`; do not edit by hand. torch {m['torch']}, {m['threads']} threads, "
         f"{m['cpu_count']} CPUs. Median of {cfg['repeats']} interleaved repeats; memory = peak above the "
         "baseline in a fresh process. `skip` = predicted over budget (see the JSON for the prediction), "
-        "`err` = failed, `-` = no such form.",
+        "`err` = failed, `-` = no such form. " + describe_load(result.get("load")),
         "",
     ]
     ns = sorted({r["n"] for r in result["rows"]})
