@@ -17,6 +17,7 @@ from linattn.nn import (
     MECHANISMS,
     EfficientConfig,
     FavorConfig,
+    HedgehogConfig,
     KVCache,
     LinearConfig,
     LinformerConfig,
@@ -38,14 +39,15 @@ ALL_CONFIGS = [
     LocalConfig(window=3),
     LinformerConfig(proj_len=4, max_len=16),
     LSHConfig(n_hashes=2, bucket_size=4),
+    HedgehogConfig(window=2),
 ]
 
 
 def test_registry_names_and_specs():
-    assert sorted(MECHANISMS) == ["efficient", "favor", "linear", "linformer", "local", "lsh", "softmax"]
+    assert sorted(MECHANISMS) == ["efficient", "favor", "hedgehog", "linear", "linformer", "local", "lsh", "softmax"]
     assert {n for n, s in MECHANISMS.items() if s.causal} == {"softmax", "linear", "favor", "local", "lsh"}
     assert {n for n, s in MECHANISMS.items() if s.recurrent} == {"softmax", "linear", "favor", "local"}
-    assert {n for n, s in MECHANISMS.items() if not s.rotary} == {"efficient", "linformer"}
+    assert {n for n, s in MECHANISMS.items() if not s.rotary} == {"efficient", "hedgehog", "linformer"}
     assert get_mechanism("lsh").shared_qk and get_mechanism("softmax").state_type is KVCache
     assert {type(c) for c in ALL_CONFIGS} == {s.config_type for s in MECHANISMS.values()}
 

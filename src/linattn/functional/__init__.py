@@ -13,6 +13,7 @@ from .favor import (
     favor_projection,
 )
 from .feature_maps import FEATURE_MAPS
+from .hedgehog import HedgehogMaps, hedgehog_attention, hedgehog_attention_reference
 from .linear import (
     LinearAttentionState,
     causal_linear_product,
@@ -28,6 +29,7 @@ __all__ = [
     "FAVOR_FEATURES",
     "FAVOR_KERNELS",
     "FEATURE_MAPS",
+    "HedgehogMaps",
     "LinearAttentionState",
     "LocalAttentionState",
     "causal_linear_product",
@@ -37,6 +39,8 @@ __all__ = [
     "favor_attention_reference",
     "favor_features",
     "favor_projection",
+    "hedgehog_attention",
+    "hedgehog_attention_reference",
     "linear_attention",
     "linear_attention_reference",
     "linformer_attention",

@@ -10,6 +10,7 @@ from .favor import FavorAttention, FavorConfig
 from .linformer import LinformerAttention
 from .mechanisms import (
     EfficientConfig,
+    HedgehogConfig,
     KVCache,
     LinearConfig,
     LinformerConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "EfficientConfig",
     "FavorAttention",
     "FavorConfig",
+    "HedgehogConfig",
     "KVCache",
     "LSHConfig",
     "LinearConfig",

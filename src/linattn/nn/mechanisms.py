@@ -21,6 +21,7 @@ Every mechanism module has
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from ..functional.efficient import efficient_attention
 from ..functional.feature_maps import FEATURE_MAPS, resolve_feature_map
+from ..functional.hedgehog import HedgehogMaps, hedgehog_attention, hedgehog_attention_weights
 from ..functional.linear import LinearAttentionState, linear_attention
 from ..functional.local import LocalAttentionState, local_attention
 from ..functional.lsh import lsh_attention
@@ -41,6 +43,8 @@ __all__ = [
     "EfficientMechanism",
     "FavorConfig",
     "FavorMechanism",
+    "HedgehogConfig",
+    "HedgehogMechanism",
     "KVCache",
     "LSHConfig",
     "LSHMechanism",
@@ -145,6 +149,30 @@ class LinformerConfig(_ConfigDict):
     def __post_init__(self) -> None:
         _positive_int("LinformerConfig", "proj_len", self.proj_len)
         _positive_int("LinformerConfig", "max_len", self.max_len, allow_none=True)
+
+
+@dataclass(frozen=True)
+class HedgehogConfig(_ConfigDict):
+    """Hedgehog attention (:func:`linattn.functional.hedgehog.hedgehog_attention`): learnable
+    softmax feature maps (arXiv 2402.04347), optionally beside a sliding softmax window (LoLCATs,
+    arXiv 2410.10254). Bidirectional only. Meant to be trained: distilled toward softmax attention.
+
+    Attributes:
+        feature_dim: F, features per half (phi has 2F); None means the head width D, and then the
+            maps start as the identity (phi(x) = [softmax(x), softmax(-x)]), as in the paper.
+        window: the largest distance |i - j| weighed by exact softmax; 0 (default) for none, plain
+            Hedgehog. A window at least as long as the inputs is exact softmax, not linear attention.
+        seed: seeds the initial maps when F != D (random projections then).
+    """
+
+    feature_dim: int | None = None
+    window: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("HedgehogConfig", "feature_dim", self.feature_dim, allow_none=True)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"HedgehogConfig: window must be an int >= 0 (0: no window), got {self.window!r}")
 
 
 @dataclass(frozen=True)
@@ -457,3 +485,43 @@ class LSHMechanism(Mechanism):
     def extra_repr(self) -> str:
         c = self.config
         return f"{super().extra_repr()}, n_hashes={c.n_hashes}, bucket_size={c.bucket_size}"
+
+
+class HedgehogMechanism(Mechanism):
+    """Hedgehog attention with trainable per-head feature maps (parameters ``q_weight``,
+    ``k_weight`` ``(H, D, F)``, ``q_bias``, ``k_bias`` ``(H, F)``, ``log_gain`` ``(H,)``)."""
+
+    name = "hedgehog"
+
+    def __init__(self, config: HedgehogConfig, *, n_heads: int, head_dim: int) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim)
+        self.config = config
+        H, D = n_heads, head_dim
+        Fdim = config.feature_dim or D
+        if Fdim == D:
+            # identity start: phi(q).phi(k) is then already large where q and k align
+            w = torch.eye(D).expand(H, D, D).clone()
+        else:
+            g = torch.Generator().manual_seed(config.seed)
+            w = torch.randn(H, D, Fdim, generator=g) / math.sqrt(D)
+        self.q_weight = nn.Parameter(w.clone())
+        self.k_weight = nn.Parameter(w.clone())
+        self.q_bias = nn.Parameter(torch.zeros(H, Fdim))
+        self.k_bias = nn.Parameter(torch.zeros(H, Fdim))
+        self.log_gain = nn.Parameter(torch.zeros(H))
+
+    def maps(self) -> HedgehogMaps:
+        return HedgehogMaps(self.q_weight, self.q_bias, self.k_weight, self.k_bias, self.log_gain)
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+        if causal or return_state:
+            raise ValueError("HedgehogMechanism: hedgehog attention is bidirectional only (no causal or recurrent form)")
+        return hedgehog_attention(q, k, v, self.maps(), window=self.config.window, key_padding_mask=key_padding_mask)
+
+    def attention_weights(self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
+        """The explicit ``(B, H, N, N)`` weights (O(N^2)), for distilling toward softmax weights."""
+        return hedgehog_attention_weights(q, k, self.maps(), window=self.config.window,
+                                          key_padding_mask=key_padding_mask)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, feature_dim={self.q_weight.shape[2]}, window={self.config.window}"

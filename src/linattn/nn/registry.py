@@ -13,6 +13,8 @@ Rotary positions are applied to q and k before the mechanism (before any feature
 - efficient, linformer: rejected. Efficient Attention takes a softmax over q's features and
   Linformer mixes keys of all positions before any dot product, so a rotation of q and k has no
   positional meaning there.
+- hedgehog: rejected. Its feature maps are learned for q and k as the pretrained model produced
+  them (conversion of BERT-family encoders, which have absolute positions, not rotary ones).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from .mechanisms import (
     EfficientMechanism,
     FavorConfig,
     FavorMechanism,
+    HedgehogConfig,
+    HedgehogMechanism,
     KVCache,
     LinearConfig,
     LinearMechanism,
@@ -55,7 +59,7 @@ __all__ = [
 ]
 
 AttentionConfig = Union[
-    SoftmaxConfig, LinearConfig, EfficientConfig, FavorConfig, LocalConfig, LinformerConfig, LSHConfig
+    SoftmaxConfig, LinearConfig, EfficientConfig, FavorConfig, LocalConfig, LinformerConfig, LSHConfig, HedgehogConfig
 ]
 
 
@@ -116,6 +120,9 @@ MECHANISMS: dict[str, MechanismSpec] = {
         MechanismSpec("lsh", LSHConfig, causal=True, recurrent=False, rotary=True, shared_qk=True,
                       state_type=None, build=_plain(LSHMechanism),
                       summary="Reformer LSH attention with shared query-key projection"),
+        MechanismSpec("hedgehog", HedgehogConfig, causal=False, recurrent=False, rotary=False, shared_qk=False,
+                      state_type=None, build=_plain(HedgehogMechanism),
+                      summary="Hedgehog learnable softmax feature maps (+ optional softmax window); bidirectional"),
     )
 }
 
