@@ -4,11 +4,13 @@ import ast
 from pathlib import Path
 
 import linattn
+import linattn.convert
 import linattn.train
 
 SRC = Path(linattn.__file__).parent
-HIGHER = {"functional": {"nn", "models", "bench", "cli", "train"}, "nn": {"models", "bench", "cli", "train"},
-          "models": {"bench", "cli", "train"}}
+HIGHER = {"functional": {"nn", "models", "bench", "cli", "train", "convert"},
+          "nn": {"models", "bench", "cli", "train", "convert"},
+          "models": {"bench", "cli", "train", "convert"}}
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -41,7 +43,7 @@ def test_tiers_import_downwards():
 
 
 def test_public_names_sorted_and_present():
-    for module in (linattn, linattn.nn, linattn.models, linattn.train):
+    for module in (linattn, linattn.nn, linattn.models, linattn.train, linattn.convert):
         assert list(module.__all__) == sorted(module.__all__), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
