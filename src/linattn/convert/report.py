@@ -1,0 +1,1 @@
+"""Writes docs/convert.md from the run files (placeholder until the runs exist)."""
