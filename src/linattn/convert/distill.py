@@ -72,7 +72,7 @@ class DistillConfig:
 
     attention: dict
     minutes: float = 15.0
-    stage1_fraction: float = 0.3
+    stage1_fraction: float = 0.2
     batch_sentences: int = 32
     batch_passages: int = 2
     passage_every: int = 2
