@@ -4,10 +4,18 @@ MiniLM has 512 learned positions; :func:`linattn.convert.extend_positions` tiles
 row p mod 512, Longformer's initialisation) for every model timed here, the original included, so
 that all read the same inputs: the held-out Shakespeare text, tokenised, cut to N tokens, batch 1.
 
-Each (model, N) runs in a fresh subprocess: load, convert, extend, one warm-up forward, then the
-timed forwards (inference, no grad); peak memory is the resident set's high-water mark during the
-first timed forward above the resident set just before it (``/proc/self/clear_refs``), so model
-weights and the warm-up are not counted. Threads: ``--threads`` (default 1) in every subprocess.
+Each (model, N) runs in two fresh subprocesses (inference, no grad), after loading, converting and
+extending:
+
+- time: one warm-up forward at N, then the timed forwards (median reported);
+- memory: a warm-up forward at 128 tokens (lazy initialisation), then one forward at N; peak memory
+  is the resident set's high-water mark during it above the resident set just before it
+  (``/proc/self/clear_refs``), so the weights are not counted. This subprocess runs with
+  ``MALLOC_MMAP_THRESHOLD_=65536`` and ``MALLOC_TRIM_THRESHOLD_=0`` so that freed blocks go back to
+  the system at once and the resident set follows the live tensors (with glibc's defaults, memory
+  freed by the warm-up stays resident and hides part of the peak).
+
+Threads: ``--threads`` (default 1) in every subprocess.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ LONG_MODELS: dict[str, dict | None] = {
     "hedgehog w=64": {"name": "hedgehog", "window": 64},
     "local w=64": {"name": "local", "window": 64},
 }
+
+
+# glibc: every block of 64 KiB or more is its own mapping, returned to the system when freed
+MEMORY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def add_long_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,19 +94,21 @@ def _child(spec: dict) -> dict:
     ids = torch.tensor([[tok.cls_token_id, *ids[: n - 2], tok.sep_token_id]])
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)  # warm-up
-        times, peak = [], None
-        for r in range(spec["repeats"]):
+        if spec["mode"] == "memory":
+            model(input_ids=ids[:, :128], attention_mask=mask[:, :128])  # lazy initialisation only
             base = _vm_kib("VmRSS")
             with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
+                fh.write("5")  # reset the high-water mark VmHWM to the current RSS
+            model(input_ids=ids, attention_mask=mask)
+            return {"peak_bytes": (_vm_kib("VmHWM") - base) * 1024}
+        model(input_ids=ids, attention_mask=mask)  # warm-up
+        times = []
+        for _ in range(spec["repeats"]):
             t = time.perf_counter()
             out = model(input_ids=ids, attention_mask=mask)
             times.append(time.perf_counter() - t)
-            if r == 0:
-                peak = (_vm_kib("VmHWM") - base) * 1024
         emb = mean_pool(out.last_hidden_state, mask)
-    return {"seconds": sorted(times)[len(times) // 2], "all_seconds": times, "peak_bytes": peak,
+    return {"seconds": sorted(times)[len(times) // 2], "all_seconds": times,
             "finite": bool(torch.isfinite(out.last_hidden_state).all()), "embedding": emb[0].tolist()}
 
 
@@ -122,12 +136,18 @@ def run_long(args: argparse.Namespace, *, command: str = "") -> dict:
         for name, base in specs:
             spec = {**base, "n": n, "threads": args.threads, "repeats": args.repeats,
                     "position_method": args.position_method}
-            proc = subprocess.run([sys.executable, "-m", "linattn.convert.long", json.dumps(spec)],
-                                  capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            if proc.returncode != 0:
-                row = {"model": name, "n": n, "error": proc.stderr.strip().splitlines()[-1:]}
+            res, error = {}, None
+            for mode, env in (("time", {}), ("memory", MEMORY_MALLOC_ENV)):
+                proc = subprocess.run([sys.executable, "-m", "linattn.convert.long", json.dumps({**spec, "mode": mode})],
+                                      capture_output=True, text=True,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+                if proc.returncode != 0:
+                    error = proc.stderr.strip().splitlines()[-1:]
+                    break
+                res.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+            if error is not None:
+                row = {"model": name, "n": n, "error": error}
             else:
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
                 emb = torch.tensor(res.pop("embedding"))
                 if name == "original (eager)":
                     ref_emb[n] = emb
