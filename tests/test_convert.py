@@ -162,3 +162,28 @@ def test_distill_checkpoints_and_resumes(tmp_path):
     second = distill(longer, tmp_path, resume=True, quiet=True, model_and_tokenizer=(teacher, tok))
     assert second["resumed"] == 1 and second["steps"] > first["steps"]
     assert second["before"] == first["before"]  # measured once, before any training
+
+
+def test_report_flags_windows_that_cover_the_input(tmp_path):
+    import json
+
+    from linattn.convert.cli_args import normalise_argv
+    from linattn.convert.report import write_report
+
+    assert normalise_argv(["convert", "--distill", "--out", "x"]) == ["convert", "distill", "--out", "x"]
+    cos = lambda c: {"mean_cosine": c, "p10_cosine": c - 0.01, "min_cosine": c - 0.1}  # noqa: E731
+    sets = {"sentences": {"count": 2, "mean_tokens": 12.0, "min_tokens": 8, "max_tokens": 20},
+            "passages": {"count": 1, "mean_tokens": 330.0, "min_tokens": 330, "max_tokens": 330}}
+    fid = {"command": "linattn convert fidelity", "model": "m", "eval_sets": sets, "results": [
+        {"attention": {"name": "local", "window": 64}, "label": "local w=64",
+         "sentences": cos(1.0), "passages": cos(0.84)}]}
+    run = {"command": "linattn convert distill", "config": {"attention": {"name": "hedgehog", "window": 64}},
+           "label": "hedgehog w=64", "steps": 10, "stage1_steps": 2, "training_minutes": 15.0,
+           "before": {"sentences": cos(1.0), "passages": cos(0.6)},
+           "after": {"sentences": cos(1.0), "passages": cos(0.98)}, "eval_sets": sets}
+    (tmp_path / "fidelity.json").write_text(json.dumps(fid))
+    (tmp_path / "distill_x.json").write_text(json.dumps(run))
+    text = write_report(tmp_path, tmp_path / "convert.md").read_text()
+    assert "| local w=64 | 1.0000 (0.990) [window covers input] | 0.8400 (0.830) |" in text
+    assert "hedgehog w=64 on held-out passages" in text and "**target met**" in text
+    assert "hedgehog w=64 on held-out sentences" not in text  # exact softmax there: never counted
