@@ -192,7 +192,23 @@ def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
               "the input is not counted (it is exact softmax there); windowed mechanisms are judged on the "
               "passages, which are longer than their window.", ""]
     lines += verdicts or ["- No distillation run recorded."]
-    lines += ["", "## Reproduce", "", "```sh"]
+    lines += [
+        "",
+        "## Notes and limits",
+        "",
+        "- sentence-transformers truncates this model's inputs at 256 tokens; here the passages (over 320 tokens) "
+        "are embedded whole by the original and the converted models alike (BERT has 512 positions), so the "
+        "comparison is like for like, but it is beyond the length the sentence model was tuned on.",
+        "- FAVOR+ rows are one random draw each (seed 0 + layer index); other draws move them by a few "
+        "hundredths, which is also about the difference between orthogonal and i.i.d. features here.",
+        "- Linformer and Hedgehog have parameters that only mean something after training (random E/F, identity "
+        "feature maps); their rows without training are lower bounds, not the mechanisms' quality.",
+        "- The attention-probability dropout of BERT is not applied by converted layers (linear attention never "
+        "forms the weights it would drop); converted models are meant for inference and distillation in eval mode.",
+        "- Only self-attention over a padding mask is converted: causal/packed/sliding masks and cross-attention "
+        "raise instead of being approximated; LSH (shared query-key projection) is rejected for BERT weights.",
+        "",
+        "## Reproduce", "", "```sh"]
     lines.append(fid["command"])
     lines += [d["command"] for d in distills]
     if long_path.is_file():
