@@ -4,11 +4,14 @@ import ast
 from pathlib import Path
 
 import linattn
+import linattn.datasets
+import linattn.experiments
 import linattn.train
 
 SRC = Path(linattn.__file__).parent
-HIGHER = {"functional": {"nn", "models", "bench", "cli", "train"}, "nn": {"models", "bench", "cli", "train"},
-          "models": {"bench", "cli", "train"}}
+TOP = {"bench", "cli", "train", "experiments"}
+HIGHER = {"functional": {"nn", "models"} | TOP, "nn": {"models"} | TOP, "models": TOP,
+          "datasets": {"functional", "nn", "models"} | TOP}
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -41,7 +44,13 @@ def test_tiers_import_downwards():
 
 
 def test_public_names_sorted_and_present():
-    for module in (linattn, linattn.nn, linattn.models, linattn.train):
+    for module in (linattn, linattn.nn, linattn.models, linattn.train, linattn.datasets, linattn.experiments):
         assert list(module.__all__) == sorted(module.__all__), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_nothing_imports_experiments():
+    for tier in ("bench", "train", "datasets"):
+        for path in (SRC / tier).glob("*.py"):
+            assert "experiments" not in _imported_packages(path), f"{path.relative_to(SRC)} imports experiments"

@@ -1,5 +1,6 @@
 """Command line: `linattn demo` (the main job), `linattn bench [sweep|core|favor|family|generate|full]` and
-`linattn train`."""
+`linattn train`
+and `linattn experiment NAME|report`."""
 
 from __future__ import annotations
 
@@ -90,9 +91,27 @@ def main(argv: list[str] | None = None) -> int:
                         "runs this command and DistributedDataParallel splits each global batch.")
     add_train_arguments(tr)
 
-    args = parser.parse_args(argv)
+    from .experiments.cli_args import add_experiment_arguments
+
+    ex = sub.add_parser("experiment", help="the papers' experiments on real data: copy, mnist, shakespeare, "
+                        "proteins; `report` writes docs/results.md",
+                        description="Run an experiment (runs/NAME/: config, metrics, plots, samples, summary) "
+                        "or write docs/results.md from the runs' files.")
+    add_experiment_arguments(ex)
+
+    # key=value overrides of an experiment may come after its options (`copy --quick steps=50`),
+    # which argparse leaves unparsed once the positional list has matched; they are collected here.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (args.command == "experiment" and all("=" in x and not x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "experiment":
+        args.overrides = [*args.overrides, *extra]
     if args.command == "train":
         return _train(tr, args)
+    if args.command == "experiment":
+        from .experiments.cli_args import run_experiment_command
+
+        return run_experiment_command(ex, args, "linattn " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.command == "demo":
         from .bench import demo
 
