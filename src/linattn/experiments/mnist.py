@@ -74,7 +74,7 @@ class MnistConfig(ExperimentConfig):
             return cls(dataset="digits", d_model=32, n_layers=2, n_heads=2, d_ff=64, steps=60, batch_size=16,
                        lr=3e-3, warmup_steps=5, log_every=10, test_images=200, eval_batch=100, gen_batch=4,
                        samples=4)
-        return cls(d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=1200, batch_size=16, lr=2e-3,
+        return cls(d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=800, batch_size=16, lr=2e-3,
                    warmup_steps=100, log_every=25, test_images=2000, eval_batch=50, gen_batch=16, samples=16)
 
 
