@@ -73,6 +73,16 @@ def test_copy_quick(tmp_path):
         assert (out / f"metrics_{name}.jsonl").read_text().count("\n") >= 6
     assert (out / "loss.png").stat().st_size > 1000 and (out / "config.json").exists()
     assert "linear reaches the softmax final loss" in s["targets"]
+    # the report is written from these files, and says which experiments have no run
+    doc = tmp_path / "results.md"
+    assert main(["experiment", "report", "--runs", str(tmp_path), "--out", str(doc)]) == 0
+    text = doc.read_text()
+    acc = s["contenders"]["lsh"]["eval"]["copy_accuracy"]
+    assert "## Copy task" in text and f"| lsh | " in text and f"{acc:.4f}" in text and "--quick settings" in text
+    assert "No run found" in text and "(copy/loss.png)" in text
+    assert text.rstrip().endswith("See also docs/convert.md for the pretrained-model conversion results.")
+    with pytest.raises(SystemExit):
+        main(["experiment", "report", "--runs", str(tmp_path / "none"), "--out", str(doc)])
 
 
 def test_mnist_quick_on_digits(tmp_path):
