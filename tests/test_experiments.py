@@ -103,7 +103,7 @@ def test_mnist_quick_on_digits(tmp_path):
 def test_shakespeare_and_proteins_quick(tmp_path):
     sh, pr = tmp_path / "shakespeare", tmp_path / "proteins"
     assert main(["experiment", "shakespeare", "--quick", "steps=20", "contenders=softmax,hybrid",
-                 "eval_chars=1024", f"out={sh}"]) == 0
+                 "eval_tokens=1024", f"out={sh}"]) == 0
     s = _summary(sh)
     for name in ("softmax", "hybrid"):
         _trained(s["contenders"][name])

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..datasets import PROTEIN_VOCAB, protein_tokens
-from .common import ExperimentConfig, finish_run, plot_curves, start_run, train_contender
-from .shakespeare import _contexts
-from .stream import StreamBatches, evaluate_stream, measure_steps
+from .common import finish_run, start_run
+from .stream import StreamConfig, train_on_stream
 
 __all__ = ["ProteinsConfig", "run_proteins"]
 
@@ -28,40 +27,13 @@ SEPARATOR = 0  # PROTEIN_VOCAB[0]
 
 
 @dataclass(frozen=True)
-class ProteinsConfig(ExperimentConfig):
-    """Options of the protein experiment (see :class:`ExperimentConfig` for the shared ones).
-
-    Attributes:
-        seq_len: training and evaluation context (residues and separators).
-        eval_tokens: held-out tokens evaluated at the end (0: all ~918,000).
-        eval_batch: windows per evaluation forward.
-        eval_every: also evaluate every this many steps on the first 4 windows.
-        speed_contexts: contexts of the step time and memory measurement (empty: skip it).
-        speed_tokens: tokens per measured step (batch = max(1, speed_tokens // context)).
-        step_time_budget_s: a context predicted to take longer per step is skipped.
-        step_memory_budget_gib: a context predicted to need more memory per step is skipped.
-    """
+class ProteinsConfig(StreamConfig):
+    """Options of the protein experiment (see :class:`StreamConfig`); tokens are residues and separators."""
 
     contenders: tuple[str, ...] = ("softmax", "linear", "favor", "favor-relu")
     seq_len: int = 1024
-    eval_tokens: int = 0
     eval_batch: int = 4
-    eval_every: int = 0
     speed_contexts: str = "1024,2048,4096,8192"
-    speed_tokens: int = 8192
-    step_time_budget_s: float = 60.0
-    step_memory_budget_gib: float = 8.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("seq_len", "eval_batch", "speed_tokens"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"ProteinsConfig: {key} must be >= 1, got {getattr(self, key)}")
-        if self.eval_tokens < 0 or self.eval_every < 0:
-            raise ValueError("ProteinsConfig: eval_tokens and eval_every must be >= 0")
-        if not self.step_time_budget_s > 0 or not self.step_memory_budget_gib > 0:
-            raise ValueError("ProteinsConfig: step_time_budget_s and step_memory_budget_gib must be > 0")
-        _contexts(self.speed_contexts)
 
     @classmethod
     def preset(cls, quick: bool) -> "ProteinsConfig":
@@ -79,35 +51,11 @@ def run_proteins(config: ProteinsConfig, *, quick: bool = False, command: str = 
     against context; write the run folder."""
     run, load, t0 = start_run("proteins", config, quick=quick, command=command)
     train, held = protein_tokens("train"), protein_tokens("held_out")
-    vocab = len(PROTEIN_VOCAB)
-    say(f"proteins: {len(train)} training / {len(held)} held-out tokens, vocab {vocab}, {config.steps} steps x "
-        f"{config.batch_size} x {config.seq_len}, d_model {config.d_model}, {config.n_layers} layers -> {run.path}")
-    batches = StreamBatches(train, seq_len=config.seq_len, batch_size=config.batch_size, steps=config.steps,
-                            seed=config.seed)
-    results = {}
-    for name in config.contenders:
-        mc = config.model_config(name, vocab_size=vocab, max_len=config.seq_len)
-        periodic = lambda m: evaluate_stream(m, held, seq_len=config.seq_len, batch_size=config.eval_batch,  # noqa: E731
-                                             max_tokens=4 * config.seq_len + 1, ignore=SEPARATOR)
-        model, rec = train_contender(name, mc, config, batches, run, evaluate=periodic,
-                                     eval_every=config.eval_every, say=say)
-        rec["eval"] = evaluate_stream(model, held, seq_len=config.seq_len, batch_size=config.eval_batch,
-                                      max_tokens=config.eval_tokens, ignore=SEPARATOR)
-        results[name] = rec
-        say(f"  {name}: held-out perplexity {rec['eval']['perplexity']:.3f}, accuracy {rec['eval']['accuracy']:.4f}, "
-            f"{rec['tokens_per_second']:.0f} tokens/s")
-    plot_curves(run, config.contenders, title=f"proteins: training loss per token (context {config.seq_len})")
-    speed = {}
-    contexts = _contexts(config.speed_contexts)
-    if contexts:
-        say(f"  training step time and memory at contexts {list(contexts)}, ~{config.speed_tokens} tokens per step")
-        for name in config.contenders:
-            say(f"   {name}:")
-            speed[name] = measure_steps(
-                lambda n, name=name: config.model_config(name, vocab_size=vocab, max_len=n), contexts,
-                tokens_per_step=config.speed_tokens, quadratic=name == "softmax",
-                time_budget_s=config.step_time_budget_s,
-                memory_budget_bytes=int(config.step_memory_budget_gib * 2**30), say=say)
+    say(f"proteins: {len(train)} training / {len(held)} held-out tokens, vocab {len(PROTEIN_VOCAB)}, {config.steps} "
+        f"steps x {config.batch_size} x {config.seq_len}, d_model {config.d_model}, {config.n_layers} layers "
+        f"-> {run.path}")
+    results, speed = train_on_stream(config, run, train, held, vocab_size=len(PROTEIN_VOCAB), ignore=SEPARATOR,
+                                     title=f"proteins: training loss per token (context {config.seq_len})", say=say)
     line = "proteins: " + ", ".join(f"{n} ppl {r['eval']['perplexity']:.3f} acc {r['eval']['accuracy']:.3f}"
                                     for n, r in results.items())
     return finish_run(run, "proteins", config, quick=quick, command=command, load=load, t0=t0,

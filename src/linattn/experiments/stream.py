@@ -9,15 +9,101 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from ..models import TransformerConfig, TransformerLM
-from .common import PeakRSS, masked_cross_entropy
+from .common import ExperimentConfig, PeakRSS, RunFolder, masked_cross_entropy, plot_curves, train_contender
 
-__all__ = ["StreamBatches", "evaluate_stream", "measure_steps"]
+__all__ = ["StreamBatches", "StreamConfig", "evaluate_stream", "measure_steps", "train_on_stream"]
+
+
+@dataclass(frozen=True)
+class StreamConfig(ExperimentConfig):
+    """Options of a language model on a token stream (see :class:`ExperimentConfig` for the shared ones).
+
+    Attributes:
+        seq_len: training and evaluation context (tokens).
+        eval_tokens: held-out tokens evaluated at the end (0: all).
+        eval_batch: windows per evaluation forward.
+        eval_every: also evaluate every this many steps on the first 4 held-out windows.
+        speed_contexts: comma-separated contexts of the step time and memory measurement (empty: skip it).
+        speed_tokens: tokens per measured step (batch = max(1, speed_tokens // context)).
+        step_time_budget_s: a context predicted to take longer per step is skipped.
+        step_memory_budget_gib: a context predicted to need more memory per step is skipped.
+    """
+
+    seq_len: int = 256
+    eval_tokens: int = 0
+    eval_batch: int = 16
+    eval_every: int = 0
+    speed_contexts: str = "256,4096"
+    speed_tokens: int = 8192
+    step_time_budget_s: float = 60.0
+    step_memory_budget_gib: float = 8.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = type(self).__name__
+        for key in ("seq_len", "eval_batch", "speed_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{name}: {key} must be >= 1, got {getattr(self, key)}")
+        if self.eval_tokens < 0 or self.eval_every < 0:
+            raise ValueError(f"{name}: eval_tokens and eval_every must be >= 0")
+        if not self.step_time_budget_s > 0 or not self.step_memory_budget_gib > 0:
+            raise ValueError(f"{name}: step_time_budget_s and step_memory_budget_gib must be > 0")
+        self.contexts  # noqa: B018 -- validates speed_contexts
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        """``speed_contexts`` as ints."""
+        try:
+            out = tuple(int(x) for x in self.speed_contexts.split(",") if x)
+        except ValueError:
+            raise ValueError(f"{type(self).__name__}: speed_contexts must be comma-separated ints, "
+                             f"got {self.speed_contexts!r}") from None
+        if any(n < 1 for n in out):
+            raise ValueError(f"{type(self).__name__}: speed_contexts must be >= 1, got {self.speed_contexts!r}")
+        return out
+
+
+def train_on_stream(config: StreamConfig, run: RunFolder, train: np.ndarray, held: np.ndarray, *, vocab_size: int,
+                    title: str, ignore: int | None = None, say: Callable[..., None] = print) -> tuple[dict, dict]:
+    """Train every contender on windows of ``train``, evaluate it on ``held`` (targets equal to
+    ``ignore`` not counted), plot the loss curves, then measure the training step against context.
+    Returns ``(per-contender records, per-contender step measurements)``."""
+    batches = StreamBatches(train, seq_len=config.seq_len, batch_size=config.batch_size, steps=config.steps,
+                            seed=config.seed)
+    results = {}
+    for name in config.contenders:
+        mc = config.model_config(name, vocab_size=vocab_size, max_len=config.seq_len)
+        periodic = lambda m: evaluate_stream(m, held, seq_len=config.seq_len, batch_size=config.eval_batch,  # noqa: E731
+                                             max_tokens=4 * config.seq_len + 1, ignore=ignore)
+        model, rec = train_contender(name, mc, config, batches, run, evaluate=periodic,
+                                     eval_every=config.eval_every, say=say)
+        rec["eval"] = evaluate_stream(model, held, seq_len=config.seq_len, batch_size=config.eval_batch,
+                                      max_tokens=config.eval_tokens, ignore=ignore)
+        results[name] = rec
+        e = rec["eval"]
+        say(f"  {name}: held-out {e['bits_per_token']:.4f} bits/token, perplexity {e['perplexity']:.3f}, "
+            f"accuracy {e['accuracy']:.4f}, {rec['tokens_per_second']:.0f} tokens/s")
+    plot_curves(run, config.contenders, title=title)
+    speed = {}
+    if config.contexts:
+        say(f"  training step time and memory at contexts {list(config.contexts)}, ~{config.speed_tokens} "
+            "tokens per step")
+        for name in config.contenders:
+            say(f"   {name}:")
+            # softmax (and any stack with a softmax layer) grows with N², the others with N
+            quadratic = "softmax" in config.model_config(name, vocab_size=2, max_len=1).layer_mechanisms()
+            speed[name] = measure_steps(
+                lambda n, name=name: config.model_config(name, vocab_size=vocab_size, max_len=n), config.contexts,
+                tokens_per_step=config.speed_tokens, quadratic=quadratic, time_budget_s=config.step_time_budget_s,
+                memory_budget_bytes=int(config.step_memory_budget_gib * 2**30), say=say)
+    return results, speed
 
 
 class StreamBatches:
