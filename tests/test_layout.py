@@ -5,12 +5,14 @@ from pathlib import Path
 
 import linattn
 import linattn.convert
+import linattn.datasets
+import linattn.experiments
 import linattn.train
 
 SRC = Path(linattn.__file__).parent
-HIGHER = {"functional": {"nn", "models", "bench", "cli", "train", "convert"},
-          "nn": {"models", "bench", "cli", "train", "convert"},
-          "models": {"bench", "cli", "train", "convert"}}
+TOP = {"bench", "cli", "train", "experiments", "convert"}
+HIGHER = {"functional": {"nn", "models"} | TOP, "nn": {"models"} | TOP, "models": TOP,
+          "datasets": {"functional", "nn", "models"} | TOP}
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -43,7 +45,14 @@ def test_tiers_import_downwards():
 
 
 def test_public_names_sorted_and_present():
-    for module in (linattn, linattn.nn, linattn.models, linattn.train, linattn.convert):
+    for module in (linattn, linattn.nn, linattn.models, linattn.train, linattn.datasets, linattn.experiments,
+                   linattn.convert):
         assert list(module.__all__) == sorted(module.__all__), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_nothing_imports_experiments():
+    for tier in ("bench", "train", "datasets"):
+        for path in (SRC / tier).glob("*.py"):
+            assert "experiments" not in _imported_packages(path), f"{path.relative_to(SRC)} imports experiments"

@@ -1,5 +1,5 @@
 """Command line: `linattn demo` (the main job), `linattn bench [sweep|core|favor|family|generate|full]`,
-`linattn train` and `linattn convert [fidelity|distill|long|report]`."""
+`linattn train`, `linattn experiment NAME|report` and `linattn convert [fidelity|distill|long|report]`."""
 
 from __future__ import annotations
 
@@ -90,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
                         "runs this command and DistributedDataParallel splits each global batch.")
     add_train_arguments(tr)
 
+    from .experiments.cli_args import add_experiment_arguments
+
+    ex = sub.add_parser("experiment", help="the papers' experiments on real data: copy, mnist, shakespeare, "
+                        "proteins; `report` writes docs/results.md",
+                        description="Run an experiment (runs/NAME/: config, metrics, plots, samples, summary) "
+                        "or write docs/results.md from the runs' files.")
+    add_experiment_arguments(ex)
+
     argv = list(sys.argv[1:] if argv is None else argv)
     conv = None
     if argv[:1] == ["convert"]:  # its arguments import the convert package: only when converting
@@ -102,13 +110,23 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser("convert", help="convert pretrained MiniLM to linear attention, measure, distil "
                        "(linattn convert -h)", add_help=False)
 
-    args = parser.parse_args(argv)
+    # key=value overrides of an experiment may come after its options (`copy --quick steps=50`),
+    # which argparse leaves unparsed once the positional list has matched; they are collected here.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not (args.command == "experiment" and all("=" in x and not x.startswith("-") for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "experiment":
+        args.overrides = [*args.overrides, *extra]
     if args.command == "train":
         return _train(tr, args)
     if args.command == "convert":
         from .convert.cli_args import run_convert
 
         return run_convert(conv, args, argv)
+    if args.command == "experiment":
+        from .experiments.cli_args import run_experiment_command
+
+        return run_experiment_command(ex, args, "linattn " + " ".join(argv))
     if args.command == "demo":
         from .bench import demo
 

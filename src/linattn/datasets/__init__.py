@@ -6,6 +6,9 @@ This tier imports nothing from the rest of linattn; experiments and conversion i
 """
 
 from linattn.datasets.common import DataIntegrityError, MissingDataError
+from linattn.datasets.digits import digits_images
+from linattn.datasets.mnist import MNIST_PIXELS, mnist_images
+from linattn.datasets.proteins import PROTEIN_VOCAB, protein_sequences, protein_tokens
 from linattn.datasets.shakespeare import (
     SHAKESPEARE_HELD_OUT,
     shakespeare_lines,
@@ -15,8 +18,14 @@ from linattn.datasets.shakespeare import (
 
 __all__ = [
     "DataIntegrityError",
+    "MNIST_PIXELS",
     "MissingDataError",
+    "PROTEIN_VOCAB",
     "SHAKESPEARE_HELD_OUT",
+    "digits_images",
+    "mnist_images",
+    "protein_sequences",
+    "protein_tokens",
     "shakespeare_lines",
     "shakespeare_plays",
     "shakespeare_split",

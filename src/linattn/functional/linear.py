@@ -692,6 +692,12 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
     if tiled:
         out, s_final = _CausalLinearAttention.apply(qf, kf, v, s0, CAUSAL_CHUNK_SIZE, phi)
         out = out.to(q.dtype)
+    elif q.shape[2] == 1 and s0 is not None:  # one decoding step: o = phi(q) (s0 + phi(k)^T [v, 1])
+        # An outer product and one product with the state instead of the general form's four
+        # batched matmuls: at decoding sizes each bmm costs more in overhead than in arithmetic.
+        w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, 1, E)
+        s_final = s0 + kf.transpose(-1, -2) * w  # (B, H, F, E)
+        out = _normalise(qf @ s_final, dv, q.dtype)
     else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         o = (qf @ kf.transpose(-1, -2)).tril_() @ w
