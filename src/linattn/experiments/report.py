@@ -13,6 +13,7 @@ from typing import Any
 
 from ..bench.harness import describe_load, write_atomically
 from . import EXPERIMENTS
+from .common import read_metrics
 
 __all__ = ["DEFAULT_RUNS", "write_report"]
 
@@ -46,18 +47,29 @@ def _targets(s: dict) -> list[str]:
     return out + [""]
 
 
-def _copy(s: dict, rel: str) -> list[str]:
+def _first_step_below(metrics: Path, threshold: float) -> int | None:
+    """The first logged step whose mean training loss is below ``threshold`` (None: never)."""
+    for rec in read_metrics(metrics):
+        if "loss" in rec and rec["loss"] < threshold:
+            return rec["step"]
+    return None
+
+
+def _copy(s: dict, rel: str, runs: Path) -> list[str]:
     c = s["config"]
     lines = ["## Copy task", "", *_header(s, rel),
              f"Task: {c['length']} random symbols from {c['symbols']}, a separator, the same symbols again "
              f"({2 * c['length'] + 1} tokens); loss and accuracy on the copied half, over {c['eval_batches']} "
              f"held-out batches of {c['batch_size']} at the end.", "",
              "| attention | copy loss (nats) | copy accuracy | whole sequences right | final training loss | "
-             "tokens/s (training) | parameters |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "first step with training loss < 0.01 | tokens/s (training) | parameters |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in s["contenders"].items():
         e = r["eval"]
+        solved = _first_step_below(runs / f"metrics_{name}.jsonl", 0.01)
         lines.append(f"| {name} | {e['copy_loss']:.2e} | {e['copy_accuracy']:.4f} | {e['sequence_accuracy']:.3f} | "
-                     f"{r['final_train_loss']:.2e} | {r['tokens_per_second']:.0f} | {r['parameters']} |")
+                     f"{r['final_train_loss']:.2e} | {'never' if solved is None else solved} | "
+                     f"{r['tokens_per_second']:.0f} | {r['parameters']} |")
     lines += ["", f"![copy task loss curves]({rel}/loss.png)", "", *_targets(s),
               "'Reaches the softmax final loss' is judged as: within 10% of softmax's held-out copy loss, or both "
               "below 0.01 nats per symbol (both copy essentially every symbol; the losses themselves are printed "
@@ -71,7 +83,7 @@ def _copy(s: dict, rel: str) -> list[str]:
     return lines
 
 
-def _mnist(s: dict, rel: str) -> list[str]:
+def _mnist(s: dict, rel: str, runs: Path) -> list[str]:
     g = s["generation"]
     test_images = next(iter(s["contenders"].values()))["eval"].get("test_images")
     lines = ["## Autoregressive MNIST", "", *_header(s, rel),
@@ -118,7 +130,7 @@ def _speed_table(speed: dict) -> list[str]:
     return lines + [""]
 
 
-def _shakespeare(s: dict, rel: str) -> list[str]:
+def _shakespeare(s: dict, rel: str, runs: Path) -> list[str]:
     c = s["config"]
     held = next(iter(s["contenders"].values()))["eval"]["tokens"]
     lines = ["## Shakespeare (character LM)", "", *_header(s, rel),
@@ -139,7 +151,7 @@ def _shakespeare(s: dict, rel: str) -> list[str]:
     return lines
 
 
-def _proteins(s: dict, rel: str) -> list[str]:
+def _proteins(s: dict, rel: str, runs: Path) -> list[str]:
     c = s["config"]
     held = next(iter(s["contenders"].values()))["eval"]["tokens"]
     lines = ["## Proteins (causal LM over amino acids)", "", *_header(s, rel),
@@ -210,7 +222,7 @@ def write_report(*, runs: str | Path = DEFAULT_RUNS, out: str | Path = "docs/res
             rel = str((runs / name).resolve())
         if s.get("quick"):
             lines += [f"> The {name} run below used the --quick settings: a smoke test, not a result.", ""]
-        lines += SECTIONS[name](s, rel)
+        lines += SECTIONS[name](s, rel, runs / name)
     lines += [DIFFERENCES, "See also docs/convert.md for the pretrained-model conversion results."]
     write_atomically(out.parent, {out.name: "\n".join(lines) + "\n"})
     return out
