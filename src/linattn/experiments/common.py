@@ -37,6 +37,7 @@ __all__ = [
     "masked_cross_entropy",
     "parse_overrides",
     "plot_curves",
+    "read_metrics",
     "train_contender",
 ]
 
