@@ -102,9 +102,11 @@ def _distill_section(runs: list[dict]) -> tuple[list[str], list[str]]:
             cells.append(text + (" [window covers input]" if covered else ""))
             if after and not covered:
                 met = after["mean_cosine"] >= TARGET_COSINE and r["training_minutes"] <= TARGET_MINUTES + 0.1
-                verdicts.append(f"- {r['label']} on held-out {name} (a linear-time mechanism on inputs longer than "
-                                f"any window): {after['mean_cosine']:.4f} after {r['training_minutes']:.1f} min: "
-                                + ("**target met**." if met else "target not met."))
+                w = _window(r["config"]["attention"])
+                how = ("no softmax window: linear attention throughout" if w is None else
+                       f"softmax window {w} < the {stats[name]['min_tokens']}+ tokens of every input")
+                verdicts.append(f"- {r['label']} on held-out {name} ({how}): {after['mean_cosine']:.4f} after "
+                                f"{r['training_minutes']:.1f} min: " + ("**target met**." if met else "target not met."))
         lines.append(f"| {r['label']} | {r['training_minutes']:.1f} | {r['steps']} ({r['stage1_steps']}) | "
                      + " | ".join(cells) + " |")
     lines.append("")
