@@ -115,6 +115,13 @@ def _mnist(s: dict, rel: str, runs: Path) -> list[str]:
     return lines
 
 
+def _memory_method(c: dict) -> str:
+    if c.get("step_in_child", False):
+        return "each context measured in a fresh child process, so each peak is its own"
+    return ("measured in the experiment's process: memory an earlier measurement freed but the allocator kept "
+            "is reused without counting, so peaks can read low")
+
+
 def _speed_table(speed: dict) -> list[str]:
     contexts = sorted({int(n) for per in speed.values() for n in per})
     head = "| attention | " + " | ".join(f"N = {n}: s/step, tokens/s, peak MiB" for n in contexts) + " |"
@@ -149,7 +156,7 @@ def _shakespeare(s: dict, rel: str, runs: Path) -> list[str]:
     lines += ["", f"![training loss]({rel}/loss.png)", ""]
     if s.get("speed"):
         lines += [f"Training throughput (one forward + backward + AdamW step of about {c['speed_tokens']} tokens, "
-                  "median of 2 after a warm-up):", "", *_speed_table(s["speed"])]
+                  f"median of 2 after a warm-up; {_memory_method(c)}):", "", *_speed_table(s["speed"])]
     lines += [*_targets(s), "Neither paper trains on Shakespeare; the target (linear within 0.1 bits/char of "
               "softmax) is this project's.", ""]
     return lines
@@ -172,7 +179,7 @@ def _proteins(s: dict, rel: str, runs: Path) -> list[str]:
     if s.get("speed"):
         lines += [f"Time and peak memory (RSS above the baseline) of one training step of about {c['speed_tokens']} "
                   f"tokens against context; budgets {c['step_time_budget_s']:.0f} s and "
-                  f"{c['step_memory_budget_gib']:.0f} GiB per step:", "", *_speed_table(s["speed"])]
+                  f"{c['step_memory_budget_gib']:.0f} GiB per step; {_memory_method(c)}:", "", *_speed_table(s["speed"])]
     lines += ["Paper (Choromanski et al., arXiv 2009.14794, protein experiments on TrEMBL): a Performer with the "
               "ReLU kernel reached the best next-residue accuracy of the models compared, FAVOR-softmax came "
               "close to the regular Transformer, and on concatenated sequences of length 8192 the regular "
