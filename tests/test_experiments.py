@@ -119,3 +119,13 @@ def test_shakespeare_and_proteins_quick(tmp_path):
     # with a tiny time budget every context after the first is skipped with its reason, not dropped
     assert "seconds" in s["speed"]["softmax"]["64"]
     assert "budget" in s["speed"]["softmax"]["128"]["skipped"] and "skipped" in s["speed"]["softmax"]["256"]
+
+
+def test_step_measurement_in_a_child_process():
+    from linattn.models import TransformerConfig
+    from linattn.experiments.stream import measure_steps
+
+    cfg = lambda n: TransformerConfig(vocab_size=11, max_len=n, d_model=16, n_layers=1, n_heads=2, d_ff=32)  # noqa: E731
+    out = measure_steps(cfg, (16,), tokens_per_step=32, quadratic=True, repeats=1, in_child=True, say=lambda *a: None)
+    m = out["16"]
+    assert m["batch"] == 2 and m["seconds"] > 0 and m["peak_rss_bytes"] >= 0 and m["tokens_per_second"] > 0

@@ -7,7 +7,10 @@ Dimension legend: B batch, N context length (tokens per window), V vocabulary si
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,6 +37,9 @@ class StreamConfig(ExperimentConfig):
         speed_tokens: tokens per measured step (batch = max(1, speed_tokens // context)).
         step_time_budget_s: a context predicted to take longer per step is skipped.
         step_memory_budget_gib: a context predicted to need more memory per step is skipped.
+        step_in_child: measure each context in a fresh child process (its own peak memory); False
+            measures in this process (quick runs: no interpreter start-up per context, but memory an
+            earlier measurement freed may be reused without counting).
     """
 
     seq_len: int = 256
@@ -44,6 +50,7 @@ class StreamConfig(ExperimentConfig):
     speed_tokens: int = 8192
     step_time_budget_s: float = 60.0
     step_memory_budget_gib: float = 8.0
+    step_in_child: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -102,7 +109,8 @@ def train_on_stream(config: StreamConfig, run: RunFolder, train: np.ndarray, hel
             speed[name] = measure_steps(
                 lambda n, name=name: config.model_config(name, vocab_size=vocab_size, max_len=n), config.contexts,
                 tokens_per_step=config.speed_tokens, quadratic=quadratic, time_budget_s=config.step_time_budget_s,
-                memory_budget_bytes=int(config.step_memory_budget_gib * 2**30), say=say)
+                memory_budget_bytes=int(config.step_memory_budget_gib * 2**30), in_child=config.step_in_child,
+                say=say)
     return results, speed
 
 
@@ -154,14 +162,18 @@ def evaluate_stream(model: TransformerLM, tokens: np.ndarray, *, seq_len: int, b
 
 def measure_steps(make_config: Callable[[int], TransformerConfig], contexts: tuple[int, ...], *,
                   tokens_per_step: int, quadratic: bool, repeats: int = 2, time_budget_s: float = 60.0,
-                  memory_budget_bytes: int = 6 * 2**30, say: Callable[..., None] = print) -> dict[str, Any]:
+                  memory_budget_bytes: int = 6 * 2**30, in_child: bool = True,
+                  say: Callable[..., None] = print) -> dict[str, Any]:
     """Time and peak memory of one training step (forward, backward, AdamW) at each context N.
 
     The batch is ``max(1, tokens_per_step // N)`` windows, so every N processes about the same
     number of tokens. Each N runs one warm-up step and ``repeats`` timed steps (median). Before
     running an N, its cost is predicted from the previous N: growing with batch x N² when
-    ``quadratic`` (softmax's attention matrices), with batch x N otherwise; an N predicted over ``time_budget_s`` per step or ``memory_budget_bytes`` is
-    recorded as skipped with the prediction as its reason, and so are all longer contexts.
+    ``quadratic`` (softmax's attention matrices), with batch x N otherwise; an N predicted over
+    ``time_budget_s`` per step or ``memory_budget_bytes`` is
+    recorded as skipped with the prediction as its reason, and so are all longer contexts. With
+    ``in_child`` each N runs in a fresh child process (same thread count), so its peak RSS is its
+    own and not memory an earlier measurement left with the allocator.
     Returns ``{str(N): {"seconds", "tokens_per_second", "peak_rss_bytes", "batch"} or {"skipped": reason}}``.
     """
     out: dict[str, Any] = {}
@@ -183,30 +195,52 @@ def measure_steps(make_config: Callable[[int], TransformerConfig], contexts: tup
             out[str(n)] = {"skipped": skip_reason, "batch": batch}
             say(f"    N = {n}: skipped, {skip_reason}")
             continue
-        torch.manual_seed(0)
-        model = TransformerLM(make_config(n)).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, model.config.vocab_size, (batch, n + 1))
-
-        def step() -> None:
-            loss = masked_cross_entropy(model(ids[:, :-1]), ids[:, 1:])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        rss = PeakRSS()
-        rss.start()
-        step()  # warm-up; AdamW allocates its moments here, so the peak includes them once
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        peak = rss.peak_bytes()
-        s = float(np.median(times))
+        job = {"model": make_config(n).to_dict(), "batch": batch, "repeats": repeats,
+               "threads": torch.get_num_threads()}
+        m = _step_in_child(job) if in_child else _measure_step(job)
+        s, peak = m["seconds"], m["peak_rss_bytes"]
         out[str(n)] = {"seconds": s, "tokens_per_second": batch * n / s, "peak_rss_bytes": peak, "batch": batch}
         say(f"    N = {n}, batch {batch}: {s:.2f} s per step, {batch * n / s:.0f} tokens/s, "
             f"peak {peak / 2**20:.0f} MiB")
         prev = (n, s, peak)
-        del model, opt
     return out
+
+
+def _step_in_child(job: dict) -> dict[str, float]:
+    """Run :func:`_measure_step` in a child process; ``{"seconds", "peak_rss_bytes"}``."""
+    proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(job)], capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"step measurement (batch {job['batch']}, N = {job['model']['max_len']}) failed:\n"
+                           f"{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _measure_step(job: dict) -> dict[str, float]:
+    """Median time of ``repeats`` training steps after a warm-up, and the peak RSS above the level
+    reached once model, optimiser and batch exist (activations, gradients, AdamW moments)."""
+    torch.set_num_threads(job["threads"])
+    torch.manual_seed(0)
+    model = TransformerLM(TransformerConfig.from_dict(job["model"])).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (job["batch"], model.config.max_len + 1))
+
+    def step() -> None:
+        loss = masked_cross_entropy(model(ids[:, :-1]), ids[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    rss = PeakRSS()
+    rss.start()
+    step()  # warm-up; AdamW allocates its moments here, so the peak includes them once
+    times = []
+    for _ in range(job["repeats"]):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": float(np.median(times)), "peak_rss_bytes": rss.peak_bytes()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_measure_step(json.loads(sys.argv[1]))))
