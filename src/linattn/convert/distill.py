@@ -319,8 +319,10 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
     old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     load = OtherLoad()
     bar = tqdm(total=round(budget), initial=round(state["elapsed_s"]), unit="s", disable=quiet,
-               desc=f"distil {config_label(config.attention)}", bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s "
-               "[{elapsed}<{remaining}]{postfix}")
+               desc=f"distil {config_label(config.attention)}",
+               # n_fmt/total_fmt, not {n:.0f}: tqdm sets total to None when n passes it, and a format
+               # spec on None raises inside the training loop
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s [{elapsed}<{remaining}]{postfix}")
     running = None
     try:
         while state["elapsed_s"] < budget and stop["signal"] is None:
@@ -347,7 +349,7 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
             running = value if running is None else 0.95 * running + 0.05 * value
             if state["step"] % 20 == 0:
                 state["loss_log"].append([state["step"], state["stage"], round(state["elapsed_s"], 1), running])
-            bar.update(round(state["elapsed_s"]) - bar.n)
+            bar.update(min(round(state["elapsed_s"]), round(budget)) - bar.n)
             bar.set_postfix_str(f"stage {state['stage']} step {state['step']} loss {running:.4f}")
             if state["step"] % config.checkpoint_every == 0:
                 _save(out, student, optimizer, state)

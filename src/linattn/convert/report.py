@@ -74,6 +74,10 @@ def _fidelity_section(fid: dict) -> list[str]:
     return lines
 
 
+def _first_command(run: dict) -> str:
+    return run["command"].replace(" --resume", "")
+
+
 def _distill_section(runs: list[dict]) -> tuple[list[str], list[str]]:
     lines = [
         "## Recovery by distillation",
@@ -111,7 +115,9 @@ def _distill_section(runs: list[dict]) -> tuple[list[str], list[str]]:
                      + " | ".join(cells) + " |")
     lines.append("")
     for r in runs:
-        lines.append(f"- {r['label']}: `{r['command']}`. {describe_load(r.get('load'))}")
+        resumed = (f" Interrupted and continued {r['resumed']} time(s) with the same command plus `--resume` "
+                   "(from the latest checkpoint; the steps after it were redone)." if r.get("resumed") else "")
+        lines.append(f"- {r['label']}: `{_first_command(r)}`.{resumed} {describe_load(r.get('load'))}")
     lines.append("")
     return lines, verdicts
 
@@ -212,7 +218,7 @@ def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
         "",
         "## Reproduce", "", "```sh"]
     lines.append(fid["command"])
-    lines += [d["command"] for d in distills]
+    lines += [_first_command(d) for d in distills]
     if long_path.is_file():
         lines.append(json.loads(long_path.read_text())["command"])
     lines += [f"linattn convert report --runs {runs_dir} --doc {doc}", "```", ""]
