@@ -41,9 +41,9 @@ class ProteinsConfig(StreamConfig):
             return cls(d_model=32, n_layers=2, n_heads=2, d_ff=64, steps=40, batch_size=4, seq_len=128, lr=3e-3,
                        warmup_steps=5, log_every=10, eval_tokens=4096, favor_features=16,
                        speed_contexts="128,256", speed_tokens=512, step_in_child=False)
-        # ~0.25-0.5 s per step on one thread: four contenders train in ~8 min, the step sweep takes ~3
-        return cls(d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=300, batch_size=8, seq_len=1024, lr=3e-3,
-                   warmup_steps=30, log_every=10, eval_tokens=65_536, favor_features=64)
+        # ~0.15-0.3 s per step on one thread: four contenders train in ~16 min, the step sweep takes ~2
+        return cls(d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=1200, batch_size=8, seq_len=1024, lr=3e-3,
+                   warmup_steps=60, log_every=10, eval_tokens=131_072, favor_features=64)
 
 
 def run_proteins(config: ProteinsConfig, *, quick: bool = False, command: str = "", say=print) -> dict[str, Any]:
