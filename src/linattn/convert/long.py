@@ -123,7 +123,7 @@ def run_long(args: argparse.Namespace, *, command: str = "") -> dict:
         impl = "sdpa" if "sdpa" in name else "eager"
         specs.append((name, {"attention": LONG_MODELS[name], "impl": impl}))
     for item in args.student:
-        name, _, run = item.partition("=")
+        name, _, run = item.rpartition("=")  # the name may hold "=" (w=0), the folder not
         state_dir = Path(run) / "checkpoints"
         latest = json.loads((state_dir / "latest.json").read_text())["dir"]
         state = json.loads((state_dir / latest / "state.json").read_text())

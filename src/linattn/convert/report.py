@@ -59,6 +59,13 @@ def _fidelity_section(fid: dict) -> list[str]:
     ]
     for r in fid["results"]:
         lines.append(f"| {r['label']} | " + " | ".join(_cell(r.get(n), _covers(r["attention"], sets[n])) for n in sets) + " |")
+    for n in sets:
+        fair = [r for r in fid["results"] if n in r and r["attention"]["name"] != "softmax"
+                and not _covers(r["attention"], sets[n])]
+        if fair:
+            best = max(fair, key=lambda r: r[n]["mean_cosine"])
+            lines.append(f"\nBest on {n} without training, windows covering the input and softmax left out: "
+                         f"{best['label']}, {best[n]['mean_cosine']:.4f}.")
     lines += [
         "",
         "FAVOR+ uses one draw of its random features per layer (seed 0 + layer index), softmax kernel, positive "
@@ -116,7 +123,7 @@ def _distill_section(runs: list[dict]) -> tuple[list[str], list[str]]:
     lines.append("")
     for r in runs:
         resumed = (f" Interrupted and continued {r['resumed']} time(s) with the same command plus `--resume` "
-                   "(from the latest checkpoint; the steps after it were redone)." if r.get("resumed") else "")
+                   "(from the latest checkpoint; the training after it was lost and is not counted in the minutes)." if r.get("resumed") else "")
         lines.append(f"- {r['label']}: `{_first_command(r)}`.{resumed} {describe_load(r.get('load'))}")
     lines.append("")
     return lines, verdicts
@@ -207,8 +214,9 @@ def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
         "- sentence-transformers truncates this model's inputs at 256 tokens; here the passages (over 320 tokens) "
         "are embedded whole by the original and the converted models alike (BERT has 512 positions), so the "
         "comparison is like for like, but it is beyond the length the sentence model was tuned on.",
-        "- FAVOR+ rows are one random draw each (seed 0 + layer index); other draws move them by a few "
-        "hundredths, which is also about the difference between orthogonal and i.i.d. features here.",
+        "- FAVOR+ rows are one random draw each (seed 0 + layer index); no other draws were measured, so "
+        "differences of a few hundredths between neighbouring rows (m, orthogonal against i.i.d.) may be the draw "
+        "rather than the setting.",
         "- Linformer and Hedgehog have parameters that only mean something after training (random E/F, identity "
         "feature maps); their rows without training are lower bounds, not the mechanisms' quality.",
         "- The attention-probability dropout of BERT is not applied by converted layers (linear attention never "
