@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 __all__ = ["add_convert_arguments", "normalise_argv", "run_convert"]
@@ -54,7 +55,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 def run_convert(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     import torch
 
-    command = "linattn " + " ".join(argv)
+    command = "linattn " + shlex.join(argv)  # quoted: the recorded command can be pasted back
     if hasattr(args, "threads"):
         torch.set_num_threads(args.threads)
     if args.convert_command == "fidelity":
