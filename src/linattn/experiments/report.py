@@ -231,7 +231,9 @@ def write_report(*, runs: str | Path = DEFAULT_RUNS, out: str | Path = "docs/res
     lines = ["# Results: the papers' experiments at this machine's scale", "",
              f"Written by `linattn experiment report --runs {runs} --out {out}` from the runs' summary.json and "
              "metrics files; do not edit by hand. Each experiment trains every contender with the same model "
-             "size, steps, batch, learning rate schedule, data order and seed; only the attention differs.", ""]
+             "size, steps, batch, learning rate schedule, data order and seed; only the attention differs. "
+             "A command without out= writes runs/NAME/; the committed runs' files are under "
+             f"{runs}/NAME/.", ""]
     for name in EXPERIMENTS:
         if name not in found:
             lines += [f"## {name}", "", f"No run found at `{runs / name}/`: run `linattn experiment {name} "
