@@ -168,7 +168,7 @@ def test_report_flags_windows_that_cover_the_input(tmp_path):
     import json
 
     from linattn.convert.cli_args import normalise_argv
-    from linattn.convert.report import write_report
+    from linattn.convert.report import results_section, write_report
 
     assert normalise_argv(["convert", "--distill", "--out", "x"]) == ["convert", "distill", "--out", "x"]
     cos = lambda c: {"mean_cosine": c, "p10_cosine": c - 0.01, "min_cosine": c - 0.1}  # noqa: E731
@@ -187,3 +187,8 @@ def test_report_flags_windows_that_cover_the_input(tmp_path):
     assert "| local w=64 | 1.0000 (0.990) [window covers input] | 0.8400 (0.830) |" in text
     assert "hedgehog w=64 on held-out passages" in text and "**target met**" in text
     assert "hedgehog w=64 on held-out sentences" not in text  # exact softmax there: never counted
+    # docs/results.md gets the same tables, one heading level down, and the commands
+    section = "\n".join(results_section(tmp_path, convert_doc="convert.md"))
+    assert section.startswith("## Converting pretrained") and "\n### Fidelity without training" in section
+    assert "| local w=64 | 1.0000 (0.990) [window covers input] | 0.8400 (0.830) |" in section
+    assert "**target met**" in section and "linattn convert distill\n" in section and "(convert.md)" in section

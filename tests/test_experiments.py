@@ -75,7 +75,8 @@ def test_copy_quick(tmp_path):
     assert "linear reaches the softmax final loss" in s["targets"]
     # the report is written from these files, and says which experiments have no run
     doc = tmp_path / "results.md"
-    assert main(["experiment", "report", "--runs", str(tmp_path), "--out", str(doc)]) == 0
+    assert main(["experiment", "report", "--runs", str(tmp_path), "--out", str(doc),
+                 "--convert-runs", str(tmp_path / "no-conversion-runs")]) == 0
     text = doc.read_text()
     acc = s["contenders"]["lsh"]["eval"]["copy_accuracy"]
     assert "## Copy task" in text and f"| lsh | " in text and f"{acc:.4f}" in text and "--quick settings" in text

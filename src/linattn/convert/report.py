@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..bench.harness import describe_load, format_seconds
 
-__all__ = ["TARGET_COSINE", "TARGET_MINUTES", "write_report"]
+__all__ = ["TARGET_COSINE", "TARGET_MINUTES", "results_section", "write_report"]
 
 TARGET_COSINE = 0.97
 TARGET_MINUTES = 15.0
@@ -194,13 +194,49 @@ def _long_section(long: dict) -> list[str]:
     return lines
 
 
-def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
-    runs_dir = Path(runs_dir)
+def _target_lines() -> list[str]:
+    return [f"Target: mean cosine >= {TARGET_COSINE} on held-out sentences after at most {TARGET_MINUTES:.0f} "
+            "minutes of CPU distillation, for at least one linear-time mechanism. A softmax window that covers "
+            "the input is not counted (it is exact softmax there); windowed mechanisms are judged on the "
+            "passages, which are longer than their window.", ""]
+
+
+def _load_runs(runs_dir: Path) -> tuple[dict, list[dict]]:
     fid_path = runs_dir / "fidelity.json"
     if not fid_path.is_file():
         raise FileNotFoundError(f"{fid_path} is missing: run `linattn convert fidelity --out {runs_dir}` first")
-    fid = json.loads(fid_path.read_text())
     distills = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("distill_*.json"))]
+    return json.loads(fid_path.read_text()), distills
+
+
+def results_section(runs_dir: str | Path, *, convert_doc: str = "convert.md") -> list[str]:
+    """Markdown lines for docs/results.md: the fidelity and recovery tables, the targets and the
+    commands, from the same run files as :func:`write_report` (whose document, ``convert_doc``
+    relative to results.md, has the long-input timings and the notes). Its headings sit one level
+    below a ``## `` section.
+
+    Raises:
+        FileNotFoundError: ``runs_dir`` has no fidelity.json.
+    """
+    fid, distills = _load_runs(Path(runs_dir))
+    body = _fidelity_section(fid)
+    verdicts: list[str] = []
+    if distills:
+        d_lines, verdicts = _distill_section(distills)
+        body += d_lines
+    body += ["## Targets", "", *_target_lines(), *(verdicts or ["- No distillation run recorded."]), ""]
+    lines = ["## Converting pretrained MiniLM to linear attention", "",
+             f"{fid['model']} converted by `linattn.convert.linearize`; long-input time and memory, notes and "
+             f"limits are in [{convert_doc}]({convert_doc}), written by `linattn convert report` from the same "
+             "files.", ""]
+    lines += ["#" + x if x.startswith("## ") else x for x in body]
+    lines += ["Commands:", "", "```sh", fid["command"], *[_first_command(d) for d in distills], "```", ""]
+    return lines
+
+
+def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
+    runs_dir = Path(runs_dir)
+    fid, distills = _load_runs(runs_dir)
     long_path = runs_dir / "long.json"
     lines = [
         "# Converting pretrained transformers to linear attention",
@@ -229,11 +265,7 @@ def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
         lines += d_lines
     if long_path.is_file():
         lines += _long_section(json.loads(long_path.read_text()))
-    lines += ["## Targets", "",
-              f"Target: mean cosine >= {TARGET_COSINE} on held-out sentences after at most {TARGET_MINUTES:.0f} "
-              "minutes of CPU distillation, for at least one linear-time mechanism. A softmax window that covers "
-              "the input is not counted (it is exact softmax there); windowed mechanisms are judged on the "
-              "passages, which are longer than their window.", ""]
+    lines += ["## Targets", "", *_target_lines()]
     lines += verdicts or ["- No distillation run recorded."]
     lines += [
         "",

@@ -24,6 +24,9 @@ def add_experiment_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default=None,
                         help="report: folder holding one run folder per experiment (default docs/results)")
     parser.add_argument("--out", default="docs/results.md", help="report: the Markdown file to write")
+    parser.add_argument("--convert-runs", default="docs/convert",
+                        help="report: folder of the `linattn convert` run files whose fidelity and recovery "
+                        "tables are added (default docs/convert; skipped when it has no fidelity.json)")
 
 
 def resolve(name: str, quick: bool, overrides: list[str]):
@@ -45,7 +48,7 @@ def run_experiment_command(parser: argparse.ArgumentParser, args: argparse.Names
         if args.overrides:
             parser.error(f"report takes no key=value overrides, got {args.overrides}")
         try:
-            path = write_report(runs=args.runs or DEFAULT_RUNS, out=args.out)
+            path = write_report(runs=args.runs or DEFAULT_RUNS, out=args.out, convert_runs=args.convert_runs)
         except FileNotFoundError as e:
             parser.error(str(e))
         print(f"wrote {path}")

@@ -8,6 +8,7 @@ text beside them. An experiment without a run folder gets a line saying so, not 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from .common import read_metrics
 __all__ = ["DEFAULT_RUNS", "write_report"]
 
 DEFAULT_RUNS = "docs/results"
+DEFAULT_CONVERT_RUNS = "docs/convert"
 
 MIB = 2**20
 
@@ -217,8 +219,12 @@ DIFFERENCES = """## Differences from the papers, stated plainly
 """
 
 
-def write_report(*, runs: str | Path = DEFAULT_RUNS, out: str | Path = "docs/results.md") -> Path:
+def write_report(*, runs: str | Path = DEFAULT_RUNS, out: str | Path = "docs/results.md",
+                 convert_runs: str | Path | None = DEFAULT_CONVERT_RUNS) -> Path:
     """Write the results document from ``runs/<experiment>/summary.json`` files; returns its path.
+
+    When ``convert_runs`` holds the conversion runs' files (``linattn convert fidelity``/``distill``),
+    their fidelity and recovery tables are added (None: leave them out).
 
     Raises:
         FileNotFoundError: no experiment has a summary under ``runs``.
@@ -247,6 +253,14 @@ def write_report(*, runs: str | Path = DEFAULT_RUNS, out: str | Path = "docs/res
         if s.get("quick"):
             lines += [f"> The {name} run below used the --quick settings: a smoke test, not a result.", ""]
         lines += SECTIONS[name](s, rel, runs / name)
-    lines += [DIFFERENCES, "See also docs/convert.md for the pretrained-model conversion results."]
+    lines += [DIFFERENCES]
+    if convert_runs is not None and (Path(convert_runs) / "fidelity.json").is_file():
+        # the conversion issue's tables belong here too; the convert tier writes them from its own files
+        from ..convert.report import results_section
+
+        convert_doc = os.path.relpath(Path(convert_runs).parent / "convert.md", out.parent)
+        lines += results_section(convert_runs, convert_doc=convert_doc)
+    else:
+        lines += ["See also docs/convert.md for the pretrained-model conversion results."]
     write_atomically(out.parent, {out.name: "\n".join(lines) + "\n"})
     return out
