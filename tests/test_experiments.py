@@ -111,6 +111,22 @@ def test_shakespeare_and_proteins_quick(tmp_path):
         assert s["contenders"][name]["eval"]["bits_per_token"] < 7
         assert set(s["speed"][name]) == {"64", "256"}
     assert s["contenders"]["hybrid"]["layer_attention"] == {"1": {"name": "softmax"}}
+    # the same experiment with a short convolution, beside it: the report tables it as a variant
+    conv = tmp_path / "shakespeare_conv"
+    assert main(["experiment", "shakespeare", "--quick", "steps=10", "contenders=softmax,linear", "short_conv=3",
+                 "eval_tokens=1024", "speed_contexts=", f"out={conv}"]) == 0
+    v = _summary(conv)
+    c = s["config"]
+    extra = v["contenders"]["softmax"]["parameters"] - s["contenders"]["softmax"]["parameters"]
+    assert extra == c["n_layers"] * c["d_model"] * 3 and not v["speed"]
+    doc = tmp_path / "results.md"
+    assert main(["experiment", "report", "--runs", str(tmp_path), "--out", str(doc), "--convert-runs", str(tmp_path / "none")]) == 0
+    text = doc.read_text()
+    assert "kernel 3 in front of every attention layer" not in text.split("## Shakespeare")[1].split("Other settings")[0]
+    row = next(line for line in text.splitlines() if line.startswith("| shakespeare_conv |"))
+    assert "short_conv 3" in row and "steps 10" in row
+    gap = v["contenders"]["linear"]["eval"]["bits_per_token"] - v["contenders"]["softmax"]["eval"]["bits_per_token"]
+    assert row.endswith(f"| {gap:+.4f} |")
     assert main(["experiment", "proteins", "--quick", "steps=20", "contenders=favor-relu,softmax",
                  "eval_tokens=1024", "speed_contexts=64,128,256", "step_time_budget_s=1e-9", f"out={pr}"]) == 0
     s = _summary(pr)

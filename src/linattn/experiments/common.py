@@ -51,6 +51,8 @@ class ExperimentConfig:
     Attributes:
         contenders: attention mechanisms to train, names from :func:`attention_for`.
         d_model, n_layers, n_heads, d_ff: the model size, the same for every contender.
+        short_conv: K > 0 gives every contender's attention layers the same causal depthwise
+            convolution of kernel size K over their input (``TransformerConfig.short_conv``); 0 = none.
         steps: optimiser steps per contender.
         batch_size: sequences per step.
         lr: peak learning rate of AdamW (linear warm-up over ``warmup_steps``, cosine down to
@@ -69,6 +71,7 @@ class ExperimentConfig:
     n_layers: int = 2
     n_heads: int = 4
     d_ff: int = 256
+    short_conv: int = 0
     steps: int = 100
     batch_size: int = 16
     lr: float = 1e-3
@@ -94,6 +97,8 @@ class ExperimentConfig:
                     "threads", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}: {key} must be >= 1, got {getattr(self, key)!r}")
+        if self.short_conv < 0:
+            raise ValueError(f"{name}: short_conv must be >= 0 (0 = none), got {self.short_conv!r}")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"{name}: warmup_steps must be in [0, steps = {self.steps}), got {self.warmup_steps}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -118,7 +123,7 @@ class ExperimentConfig:
         attention, layer_attention = attention_for(contender, self)
         return TransformerConfig(vocab_size=vocab_size, max_len=max_len, d_model=self.d_model,
                                  n_layers=self.n_layers, n_heads=self.n_heads, d_ff=self.d_ff,
-                                 attention=attention, layer_attention=layer_attention)
+                                 attention=attention, layer_attention=layer_attention, short_conv=self.short_conv)
 
 
 def attention_for(contender: str, config: ExperimentConfig) -> tuple[Any, dict]:

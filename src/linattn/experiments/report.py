@@ -29,7 +29,9 @@ def _fmt(x: Any, spec: str = ".4f") -> str:
 
 
 def _config_line(c: dict) -> str:
-    return (f"Model: d_model {c['d_model']}, {c['n_layers']} layers, {c['n_heads']} heads, d_ff {c['d_ff']}; "
+    conv = (f", a causal depthwise convolution of kernel {c['short_conv']} in front of every attention layer's "
+            "q/k/v projections (all contenders)" if c.get("short_conv") else "")
+    return (f"Model: d_model {c['d_model']}, {c['n_layers']} layers, {c['n_heads']} heads, d_ff {c['d_ff']}{conv}; "
             f"{c['steps']} steps of {c['batch_size']} sequences, AdamW lr {c['lr']} (warm-up {c['warmup_steps']}, "
             f"cosine to {c['min_lr_ratio']}x), seed {c['seed']}, {c['threads']} thread(s); FAVOR uses "
             f"{c['favor_features']} random features.")
@@ -170,8 +172,32 @@ def _shakespeare(s: dict, rel: str, runs: Path) -> list[str]:
         lines += [f"Training throughput (one forward + backward + AdamW step of about {c['speed_tokens']} tokens, "
                   f"median of 2 after a warm-up; {_memory_method(c)}):", "", *_speed_table(s["speed"])]
     lines += [*_targets(s), "Neither paper trains on Shakespeare; the target (linear within 0.1 bits/char of "
-              "softmax) is this project's.", ""]
+              "softmax) is this project's.", "", *_variants(s, runs)]
     return lines
+
+
+def _variants(s: dict, runs: Path) -> list[str]:
+    """A table of the sibling runs ``<name>_<variant>/`` (the same experiment with other settings,
+    e.g. an ablation), bits per token by contender, with the settings that differ from the main run."""
+    found = sorted(p for p in runs.parent.glob(f"{runs.name}_*/summary.json") if p.is_file())
+    if not found:
+        return []
+    main = s["config"]
+    rows = [("this run (above)", s)] + [(p.parent.name, json.loads(p.read_text())) for p in found]
+    names = list(dict.fromkeys(n for _, r in rows for n in r["contenders"]))
+    lines = [f"Other settings of the same experiment (folders `{runs.name}_*` beside this one; bits per token "
+             "on the same held-out text; each row's command is in its summary.json):", "",
+             "| run | settings that differ | " + " | ".join(names) + " | linear - softmax |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
+    skip = {"out", "contenders", "speed_contexts", "threads"}
+    for label, r in rows:
+        c = r["config"]
+        diff = ", ".join(f"{k} {c.get(k)}" for k in sorted(set(c) | set(main))
+                         if k not in skip and c.get(k) != main.get(k)) or "-"
+        bits = {n: v["eval"]["bits_per_token"] for n, v in r["contenders"].items()}
+        gap = f"{bits['linear'] - bits['softmax']:+.4f}" if {"linear", "softmax"} <= set(bits) else "-"
+        lines.append(f"| {label} | {diff} | " + " | ".join(_fmt(bits.get(n)) for n in names) + f" | {gap} |")
+    return lines + [""]
 
 
 def _proteins(s: dict, rel: str, runs: Path) -> list[str]:

@@ -38,6 +38,10 @@ class TransformerConfig:
         layer_attention: per-layer overrides, ``{layer_index: config}`` (stored as sorted
             ``(index, config)`` pairs). ``{i: SoftmaxConfig() for i in range(0, 12, 4)}`` with
             ``attention=LinearConfig()`` is softmax in every fourth layer and linear elsewhere.
+        short_conv: K > 0 gives every attention layer a causal depthwise convolution of kernel
+            size K over its input, in front of the q/k/v projections (:class:`linattn.nn.ShortConv`,
+            identity at initialisation; decoding keeps the last K - 1 inputs per layer). The local
+            view linear attention lacks; 0 (the default) = none.
         tie_embeddings: language models share the token embedding with the output layer.
         init_std: standard deviation of the normal initialisation of linear and embedding weights.
     """
@@ -54,6 +58,7 @@ class TransformerConfig:
     dropout: float = 0.0
     attention: AttentionConfig = field(default_factory=SoftmaxConfig)
     layer_attention: Any = ()
+    short_conv: int = 0
     tie_embeddings: bool = True
     init_std: float = 0.02
 
@@ -66,6 +71,8 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig: n_heads = {self.n_heads} must divide d_model = {self.d_model}"
             )
+        if isinstance(self.short_conv, bool) or not isinstance(self.short_conv, int) or self.short_conv < 0:
+            raise ValueError(f"TransformerConfig: short_conv must be an int >= 0 (0 = none), got {self.short_conv!r}")
         if self.norm not in NORMS:
             raise ValueError(f"TransformerConfig: unknown norm {self.norm!r}; known: {list(NORMS)}")
         if self.positional not in POSITIONAL:

@@ -52,7 +52,8 @@ class Block(nn.Module):
         c = config
         self.pre_norm = c.pre_norm
         self.attn = MultiHeadAttention(c.d_model, c.n_heads, attention=c.attention_for(layer),
-                                       rotary=c.positional == "rotary", max_len=c.max_len)
+                                       rotary=c.positional == "rotary", max_len=c.max_len,
+                                       short_conv=c.short_conv)
         self.norm1 = _norm(c.norm, c.d_model)
         self.norm2 = _norm(c.norm, c.d_model)
         self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))

@@ -6,6 +6,7 @@ registered in :mod:`linattn.nn.registry`.
 """
 
 from .attention import AttentionState, MultiHeadAttention
+from .conv import ShortConv
 from .favor import FavorAttention, FavorConfig
 from .linformer import LinformerAttention
 from .mechanisms import (
@@ -48,6 +49,7 @@ __all__ = [
     "Mechanism",
     "MechanismSpec",
     "MultiHeadAttention",
+    "ShortConv",
     "SoftmaxConfig",
     "attention_config",
     "attention_config_from_dict",

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .conv import ShortConv
 from .mechanisms import SoftmaxConfig
 from .positional import apply_rotary, rotary_angles
 from .registry import MECHANISMS, build_mechanism, spec_for
@@ -25,10 +26,13 @@ class AttentionState(NamedTuple):
         mechanism: the mechanism's own state: ``KVCache`` (softmax), ``LinearAttentionState``
             (linear, favor) or ``LocalAttentionState`` (local).
         position: the position of the next token (the number of tokens seen so far).
+        conv: the last ``K - 1`` attention inputs ``(B, K - 1, C)`` of the layer's short
+            convolution (``short_conv = K > 0``), else None.
     """
 
     mechanism: Any
     position: int
+    conv: Tensor | None = None
 
 
 def _check_int(name: str, value, minimum: int = 1) -> None:
@@ -49,6 +53,9 @@ class MultiHeadAttention(nn.Module):
             position in :meth:`step`); only for mechanisms whose spec allows it.
         max_len: the longest sequence; needed by Linformer (columns of E and F).
         bias: biases in the projections.
+        short_conv: K > 0 puts a causal depthwise convolution of kernel size K
+            (:class:`linattn.nn.ShortConv`, identity at initialisation) in front of the q/k/v
+            projections, so every position also sees its K - 1 predecessors' inputs; 0 = none.
 
     LSH attention gets one shared query-key projection ``qk_proj`` instead of ``q_proj`` and
     ``k_proj``.
@@ -64,10 +71,12 @@ class MultiHeadAttention(nn.Module):
         max_len: int | None = None,
         bias: bool = True,
         rotary_base: float = 10000.0,
+        short_conv: int = 0,
     ) -> None:
         super().__init__()
         _check_int("d_model", d_model)
         _check_int("n_heads", n_heads)
+        _check_int("short_conv", short_conv, minimum=0)
         if d_model % n_heads:
             raise ValueError(
                 f"MultiHeadAttention: n_heads = {n_heads} must divide d_model = {d_model} "
@@ -95,6 +104,7 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.mechanism = build_mechanism(attention, n_heads=n_heads, head_dim=self.head_dim, max_len=max_len)
+        self.conv = ShortConv(d_model, short_conv) if short_conv else None
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -153,11 +163,16 @@ class MultiHeadAttention(nn.Module):
                 f"MultiHeadAttention: return_state needs causal=True and a recurrent mechanism, got "
                 f"causal={causal} with {self.spec.name!r}"
             )
+        conv_state = None
+        if self.conv is not None:
+            if return_state:
+                conv_state = self.conv.tail(x, key_padding_mask)
+            x = self.conv(x, key_padding_mask)
         q, k, v = self._qkv(x, 0)
         res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
         if return_state:
             o, state = res
-            return self._merge(o), AttentionState(state, x.shape[1])
+            return self._merge(o), AttentionState(state, x.shape[1], conv_state)
         return self._merge(res)
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> AttentionState:
@@ -165,9 +180,9 @@ class MultiHeadAttention(nn.Module):
 
         ``device`` and ``dtype`` default to those of the projection weights."""
         w = self.v_proj.weight
-        return AttentionState(
-            self.mechanism.initial_state(batch_size, device=device or w.device, dtype=dtype or w.dtype), 0
-        )
+        device, dtype = device or w.device, dtype or w.dtype
+        conv = None if self.conv is None else self.conv.initial_state(batch_size, device=device, dtype=dtype)
+        return AttentionState(self.mechanism.initial_state(batch_size, device=device, dtype=dtype), 0, conv)
 
     def step(self, x_t: Tensor, state: AttentionState) -> tuple[Tensor, AttentionState]:
         """One causal decoding step: ``x_t (B, 1, C)`` at position ``state.position`` ->
@@ -185,10 +200,17 @@ class MultiHeadAttention(nn.Module):
                 f"MultiHeadAttention.step: state must be an AttentionState (from initial_state() or "
                 f"forward(..., return_state=True)), got {type(state).__name__}"
             )
+        conv_state = None
+        if self.conv is not None:
+            if state.conv is None:
+                raise ValueError("MultiHeadAttention.step: this layer has a short convolution but the state "
+                                 "carries no conv inputs (a state from a layer without one?)")
+            x_t, conv_state = self.conv.step(x_t, state.conv)
         q, k, v = self._qkv(x_t, state.position)
         o, inner = self.mechanism.step(q, k, v, state.mechanism)
-        return self._merge(o), AttentionState(inner, state.position + 1)
+        return self._merge(o), AttentionState(inner, state.position + 1, conv_state)
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.spec.name!r}, rotary={self.rotary}"
+        conv = f", short_conv={self.conv.kernel_size}" if self.conv is not None else ""
+        return f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.spec.name!r}, rotary={self.rotary}{conv}"
 

@@ -1,0 +1,102 @@
+"""A short causal depthwise convolution over positions, for the input of an attention layer.
+
+Why: kernel (linear) attention cannot form the sharp "look one or two characters back" pattern
+that softmax learns at once, because phi(q)·phi(k) of low-dimensional positive features is smooth
+in the positions. Modern linear-attention models give every layer that local view separately: a
+token shift (RWKV, arXiv 2305.13048) or a short convolution before the q/k/v projections (H3,
+arXiv 2212.14052; Mamba; gated linear attention, arXiv 2312.06635). It adds ``C x K`` weights per
+layer and O(K) work per token, and keeps decoding O(1): the state is the last ``K - 1`` inputs.
+
+Dimension legend: B batch, N positions, C channels (d_model), K kernel size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["ShortConv", "short_conv_reference"]
+
+
+def short_conv_reference(x: Tensor, weight: Tensor) -> Tensor:
+    """Plain loop form: ``y[:, t] = sum_j weight[:, K-1-j] * x[:, t-j]`` over ``0 <= j < K``,
+    ``j <= t``. ``x (B, N, C)``, ``weight (C, K)`` -> ``(B, N, C)``."""
+    B, N, C = x.shape
+    K = weight.shape[1]
+    y = torch.zeros_like(x)
+    for t in range(N):
+        for j in range(min(K, t + 1)):
+            y[:, t] += weight[:, K - 1 - j] * x[:, t - j]
+    return y
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution ``x (B, N, C) -> (B, N, C)`` with kernel size K.
+
+    Position t sees positions ``t - K + 1 .. t`` (earlier than 0 counts as zero). Initialised to
+    the identity (the newest tap is 1, the others 0), so a model starts as it would without it.
+
+    Args:
+        d_model: C.
+        kernel_size: K >= 1 (K = 1 is a per-channel scale).
+    """
+
+    def __init__(self, d_model: int, kernel_size: int) -> None:
+        super().__init__()
+        for name, val in (("d_model", d_model), ("kernel_size", kernel_size)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"ShortConv: {name} must be an int >= 1, got {val!r}")
+        self.d_model, self.kernel_size = d_model, kernel_size
+        weight = torch.zeros(d_model, kernel_size)
+        weight[:, -1] = 1.0  # tap K - 1 multiplies the current position
+        self.weight = nn.Parameter(weight)  # (C, K)
+
+    def _check(self, x: Tensor, what: str) -> None:
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"ShortConv.{what}: x must be (B, N, {self.d_model}), got {tuple(x.shape)}")
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """``x (B, N, C) -> (B, N, C)``. ``key_padding_mask`` (bool ``(B, N)``, True = real token):
+        padded positions are zeroed first, so no padding reaches a real token's output."""
+        self._check(x, "forward")
+        if key_padding_mask is not None:
+            x = x.masked_fill(~key_padding_mask[..., None], 0.0)
+        K = self.kernel_size
+        if K == 1:
+            return x * self.weight[:, 0]
+        # conv1d is a cross-correlation: with K - 1 zeros on the left, output t reads inputs t-K+1..t
+        h = F.pad(x.transpose(1, 2), (K - 1, 0))  # (B, C, N + K - 1)
+        return F.conv1d(h, self.weight.to(x.dtype)[:, None, :], groups=self.d_model).transpose(1, 2)
+
+    def initial_state(self, batch_size: int, *, device=None, dtype=None) -> Tensor:
+        """The last ``K - 1`` inputs before the first token: zeros ``(B, K - 1, C)``."""
+        w = self.weight
+        return torch.zeros(batch_size, self.kernel_size - 1, self.d_model,
+                           device=device or w.device, dtype=dtype or w.dtype)
+
+    def tail(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        """The decoding state after ``x (B, N, C)``: its last ``K - 1`` positions ``(B, K - 1, C)``,
+        zeros in front when ``N < K - 1``."""
+        self._check(x, "tail")
+        if key_padding_mask is not None:
+            x = x.masked_fill(~key_padding_mask[..., None], 0.0)
+        keep = self.kernel_size - 1
+        x = x[:, max(x.shape[1] - keep, 0):]
+        return F.pad(x, (0, 0, keep - x.shape[1], 0))
+
+    def step(self, x_t: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        """One position: ``x_t (B, 1, C)`` and the last ``K - 1`` inputs ``(B, K - 1, C)`` ->
+        ``(B, 1, C)`` and the next state."""
+        self._check(x_t, "step")
+        if x_t.shape[1] != 1 or state.shape != (x_t.shape[0], self.kernel_size - 1, self.d_model):
+            raise ValueError(
+                f"ShortConv.step: x_t must be (B, 1, {self.d_model}) and state (B, {self.kernel_size - 1}, "
+                f"{self.d_model}), got {tuple(x_t.shape)} and {tuple(state.shape)}"
+            )
+        window = torch.cat([state.to(x_t.dtype), x_t], dim=1)  # (B, K, C)
+        y = torch.einsum("bkc,ck->bc", window, self.weight.to(x_t.dtype))[:, None]
+        return y, window[:, 1:]
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, kernel_size={self.kernel_size}"
