@@ -176,13 +176,17 @@ def _shakespeare(s: dict, rel: str, runs: Path) -> list[str]:
     return lines
 
 
+_ADDED_FIELDS = {"short_conv": 0}
+
+
 def _variants(s: dict, runs: Path) -> list[str]:
     """A table of the sibling runs ``<name>_<variant>/`` (the same experiment with other settings,
     e.g. an ablation), bits per token by contender, with the settings that differ from the main run."""
     found = sorted(p for p in runs.parent.glob(f"{runs.name}_*/summary.json") if p.is_file())
     if not found:
         return []
-    main = s["config"]
+    # runs from before a field existed ran with its neutral value (short_conv: no convolution)
+    main = {**_ADDED_FIELDS, **s["config"]}
     rows = [("this run (above)", s)] + [(p.parent.name, json.loads(p.read_text())) for p in found]
     names = list(dict.fromkeys(n for _, r in rows for n in r["contenders"]))
     lines = [f"Other settings of the same experiment (folders `{runs.name}_*` beside this one; bits per token "
@@ -191,7 +195,7 @@ def _variants(s: dict, runs: Path) -> list[str]:
              "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
     skip = {"out", "contenders", "speed_contexts", "threads"}
     for label, r in rows:
-        c = r["config"]
+        c = {**_ADDED_FIELDS, **r["config"]}
         diff = ", ".join(f"{k} {c.get(k)}" for k in sorted(set(c) | set(main))
                          if k not in skip and c.get(k) != main.get(k)) or "-"
         bits = {n: v["eval"]["bits_per_token"] for n, v in r["contenders"].items()}
