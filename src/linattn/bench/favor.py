@@ -23,7 +23,19 @@ import torch
 
 import linattn
 
-from .harness import IMPLS, Case, call, machine_info, make_inputs, median, peak_memory, time_calls, write_atomically
+from .harness import (
+    IMPLS,
+    Case,
+    OtherLoad,
+    call,
+    describe_load,
+    machine_info,
+    make_inputs,
+    median,
+    peak_memory,
+    time_calls,
+    write_atomically,
+)
 
 APPROX_MS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 VARIANTS = (("positive", True), ("positive", False), ("trig", True), ("trig", False))
@@ -129,7 +141,7 @@ def format_speed(result: dict) -> str:
         f"torch {result['machine']['torch']}, {result['machine']['threads']} threads, default malloc. "
         f"Median of {cfg['repeats']} interleaved repeats; peak memory = peak RSS above the inputs in a "
         "fresh process per configuration. performer-pytorch causal uses fast-transformers' CPU kernel "
-        "(its fastest CPU path).",
+        "(its fastest CPU path). " + describe_load(result.get("load")),
         "",
         "| mode | contender | time | performer-pytorch / linattn | peak memory |",
         "| --- | --- | --- | --- | --- |",
@@ -180,12 +192,14 @@ def run_favor(
         if not quiet:
             print(md)
     if "speed" in what:
+        load = OtherLoad()
         res = {
             "command": f"linattn bench favor --what speed --n {n} --repeats {repeats} --out {out_dir}",
             "machine": machine_info(),
             "config": {"n": n, "heads": 8, "head_dim": 64, "m": 256, "repeats": repeats, "dtype": "float32"},
             "times": speed_vs_performer(n=n, repeats=repeats),
         }
+        res["load"] = load.finish()
         md = format_speed(res)
         write_atomically(out_dir, {"favor_speed.json": json.dumps(res, indent=2), "favor_speed.md": md})
         results["speed"] = res
