@@ -64,7 +64,7 @@ class ShortConv(nn.Module):
             x = x.masked_fill(~key_padding_mask[..., None], 0.0)
         K = self.kernel_size
         if K == 1:
-            return x * self.weight[:, 0]
+            return x * self.weight[:, 0].to(x.dtype)
         # conv1d is a cross-correlation: with K - 1 zeros on the left, output t reads inputs t-K+1..t
         h = F.pad(x.transpose(1, 2), (K - 1, 0))  # (B, C, N + K - 1)
         return F.conv1d(h, self.weight.to(x.dtype)[:, None, :], groups=self.d_model).transpose(1, 2)
