@@ -444,3 +444,27 @@ def test_underflowed_normaliser_gives_finite_outputs_and_gradients(causal):
     assert torch.isfinite(out).all() and out.abs().max() < 1e-6
     for g in torch.autograd.grad(out.sum(), (q, k, v)):
         assert torch.isfinite(g).all()
+
+
+
+def test_inference_path_equals_autograd_path():
+    """Without a graph to build, elu+1 and the normaliser skip their autograd Functions: the
+    numbers must be the very same, including rows whose normaliser is zero (all keys padded)."""
+    from linattn.functional.linear import LinearAttentionState, linear_attention
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))
+    state = LinearAttentionState(torch.rand(2, 3, 4, 4, generator=g), torch.rand(2, 3, 4, generator=g))
+    cases = [((q, k, v), dict(key_padding_mask=torch.tensor([[True] * 5, [False] * 5]))),
+             ((q, k, v), dict(causal=True)),
+             ((q[:, :, :1], k[:, :, :1], v[:, :, :1]), dict(causal=True, initial_state=state, return_state=True))]
+    for inputs, kw in cases:
+        with torch.no_grad():
+            fast = linear_attention(*inputs, **kw)
+        slow = linear_attention(*(x.clone().requires_grad_() for x in inputs), **kw)
+        fast, slow = (x[0] if isinstance(x, tuple) else x for x in (fast, slow))
+        assert slow.requires_grad and not fast.requires_grad
+        assert torch.equal(fast, slow.detach()), kw
+        assert torch.isfinite(fast).all()
+        if "key_padding_mask" in kw:
+            assert torch.equal(fast[1], torch.zeros_like(fast[1]))  # no real key: zeros, not 0/0

@@ -52,6 +52,8 @@ class _EluPlusOne(torch.autograd.Function):
 
 def elu_feature_map(x: Tensor) -> Tensor:
     """elu(x) + 1 > 0 (Katharopoulos et al., arXiv 2006.16236, eq. 7)."""
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return _elu_plus_one(x)  # no graph to build: skip the Function's per-call cost (decoding)
     return _EluPlusOne.apply(x)
 
 
