@@ -122,3 +122,23 @@ def test_lm_with_short_conv_decodes_like_teacher_forcing_and_round_trips(tmp_pat
     back = TransformerLM.from_pretrained(tmp_path / "m").double().eval()
     with torch.no_grad():
         assert torch.equal(back(ids), full)
+
+
+def test_encoder_padding_never_reaches_real_tokens_through_the_convolution():
+    from linattn import TransformerEncoder
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=11, max_len=9, d_model=8, n_layers=2, n_heads=2, d_ff=16, init_std=0.3,
+                            attention=LinearConfig(), short_conv=3)
+    enc = TransformerEncoder(cfg).double().eval()
+    with torch.no_grad():
+        for block in enc.blocks:
+            block.attn.conv.weight.normal_()
+    ids = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, :4] = False  # left padding sits inside the kernel of the first real tokens
+    other = ids.clone()
+    other[~mask] = (other[~mask] + 5) % 11
+    with torch.no_grad():
+        a, b = enc(ids, key_padding_mask=mask), enc(other, key_padding_mask=mask)
+    assert_close(a[mask], b[mask], atol=1e-12, rtol=0, msg="padding leaked through the convolution")

@@ -165,9 +165,11 @@ class MultiHeadAttention(nn.Module):
             )
         conv_state = None
         if self.conv is not None:
+            if key_padding_mask is not None:  # once, for both the convolution and its state
+                x = x.masked_fill(~key_padding_mask[..., None], 0.0)
             if return_state:
-                conv_state = self.conv.tail(x, key_padding_mask)
-            x = self.conv(x, key_padding_mask)
+                conv_state = self.conv.tail(x)
+            x = self.conv(x)
         q, k, v = self._qkv(x, 0)
         res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
         if return_state:
