@@ -52,48 +52,75 @@ def _weights(mc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     BH, nc, C = mc.shape
     start = torch.cat([mc[:, :1, 0], mc[:, :-1, -1]], dim=1)  # (B*H, Nc): scale entering each chunk
     end = mc[:, :, -1]  # (B*H, Nc)
-    diff = mc[..., :, None] - mc[..., None, :]  # (B*H, Nc, C, C): m_i - m_j
-    causal = torch.ones(C, C, dtype=torch.bool, device=mc.device).tril_()
-    # exp(-inf) = 0 above the diagonal; masking before exp keeps e^{m_i - m_j} (> 1) from ever forming
-    intra = torch.exp(torch.where(causal, -diff, float("-inf"))).view(-1, C, C)
+    causal = torch.ones(C, C, dtype=mc.dtype, device=mc.device).tril_()
+    # m_j - m_i <= 0 for j <= i (m is non-decreasing); above the diagonal it is >= 0, clamped to 0
+    # and then zeroed by the mask, so no factor > 1 ever forms. Not exp(-inf) through torch.where:
+    # on CPU, exp of arguments far below its range runs a scalar path about 15x slower.
+    intra = torch.exp((mc[..., None, :] - mc[..., :, None]).clamp_(max=0)).mul_(causal).view(-1, C, C)
     enter = torch.exp(start[..., None] - mc).view(-1, C, 1)
     leave = torch.exp(mc - end[..., None]).view(-1, C, 1)
     return intra, enter, leave, start, end
 
 
-def _scan(x: Tensor, lvl: Tensor, init: Tensor | None, lvl_init: Tensor) -> Tensor:
-    """Inclusive rescaled prefix sums over dim 1 of ``x (BH, Nc, X)``, a new ``(BH, Nc, X)``:
+def _scan_(buf: Tensor, lvl: Tensor, lvl_init: Tensor, *, reverse: bool, has_init: bool) -> Tensor:
+    """Rescaled prefix sums, in place in ``buf (BH, Nc + 1, X)``, which holds the terms and a seed.
 
-        out[c] = sum_{c' <= c} e^{lvl[c'] - lvl[c]} x[c'] + e^{lvl_init - lvl[c]} init
+    Forward: ``buf[:, 0]`` is the seed ``init`` and ``buf[:, 1 + c]`` the term ``x[c]``; after,
+    ``buf[:, 1 + c] = sum_{c' <= c} e^{lvl[c'] - lvl[c]} x[c'] + e^{lvl_init - lvl[c]} init``, so
+    ``buf[:, :Nc]`` is the exclusive scan (the state entering each chunk) and ``buf[:, Nc]`` the
+    last sum. Reverse: ``buf[:, c]`` is ``x[c]`` and ``buf[:, Nc]`` the seed; after, ``buf[:, c]``
+    sums over ``c' >= c`` instead. ``lvl (BH, Nc)`` is non-decreasing in the direction of the scan
+    and ``lvl_init (BH,)`` at most its first value, so every factor is <= 1. ``has_init=False``
+    promises a zero seed (its carry is skipped). Returns ``buf``.
 
-    for ``lvl (BH, Nc)`` non-decreasing and ``lvl_init (BH,)`` <= ``lvl[:, 0]``; every factor <= 1.
+    In place because the chunk states are the largest tensors of the causal product after the
+    features: every extra pass over them (a fresh output, a cat, a flip) cost FAVOR's
+    forward+backward at N = 4096 several percent of its time.
 
-    Blocked so that it costs few, large operations: inside groups of G consecutive entries one
-    batched matmul with the (G, G) factor matrix, then one multiply-add per group to bring in the
-    state carried from the groups before (Nc/G sequential steps instead of Nc tiny ones, which on
-    a busy CPU or a GPU cost launch and synchronisation more than arithmetic).
+    Two levels so that it costs about 2 sqrt(Nc) operations rather than Nc tiny ones (which on a
+    busy CPU or a GPU cost launch and synchronisation more than arithmetic): running sums inside
+    groups of G consecutive chunks, one step for all groups at once; then the sum carried from
+    the group before (in scan order) brought into each group with one multiply-add.
     """
-    BH, nc, X = x.shape
+    BH, n1, _ = buf.shape
+    nc = n1 - 1
+    xs = buf[:, :nc] if reverse else buf[:, 1:]  # (BH, Nc, X): the terms, then the sums
     G = max(1, min(nc, round(nc**0.5)))
-    ng = -(-nc // G)
-    pad = ng * G - nc
-    if pad:  # zero entries at the previous level change nothing
-        x = F.pad(x, (0, 0, 0, pad))
-        lvl = torch.cat([lvl, lvl[:, -1:].expand(BH, pad)], dim=1)
-    lg = lvl.view(BH, ng, G)
-    lower = torch.ones(G, G, dtype=torch.bool, device=x.device).tril_()
-    factors = torch.exp(torch.where(lower, lg[..., None, :] - lg[..., :, None], float("-inf")))
-    out = torch.matmul(factors, x.view(BH, ng, G, X))  # (BH, ng, G, X): sums inside each group
-    # level carried into each group: the last level of the group before (lvl_init for the first)
-    before = torch.cat([lvl_init[:, None], lg[:, :-1, -1]], dim=1)  # (BH, ng)
-    # (ng, BH, G, 1) contiguous: a strided broadcast operand sends addcmul_ down a ~100x slower path
-    carry_in = torch.exp(before[..., None] - lg).transpose(0, 1).contiguous()[..., None]
-    if init is not None:
-        out[:, 0].addcmul_(init[:, None, :], carry_in[0])
-    for g in range(1, ng):
-        out[:, g].addcmul_(out[:, g - 1, -1:], carry_in[g])
-    out = out.view(BH, ng * G, X)
-    return out[:, :nc] if pad else out
+    full = nc // G * G
+    for lo, hi, size in ((0, full, G), (full, nc, nc - full)):  # whole groups, then the rest
+        if hi - lo == 0 or size == 1:
+            continue
+        xg = xs[:, lo:hi].unflatten(1, (-1, size))  # (BH, groups, size, X)
+        lg = lvl[:, lo:hi].unflatten(1, (-1, size))  # (BH, groups, size)
+        # decay from each entry's neighbour in scan order; (size-1, BH, groups, 1) contiguous, as a
+        # strided broadcast operand sends addcmul_ down a ~100x slower path
+        step = (lg[..., 1:] - lg[..., :-1]) if reverse else (lg[..., :-1] - lg[..., 1:])
+        decay = torch.exp(step).permute(2, 0, 1).contiguous()[..., None]
+        order = range(size - 2, -1, -1) if reverse else range(1, size)
+        for i in order:
+            j = i + 1 if reverse else i - 1
+            xg[:, :, i].addcmul_(xg[:, :, j], decay[min(i, j)])
+    groups = [(lo, min(lo + G, nc)) for lo in range(0, nc, G)]
+    for lo, hi in reversed(groups) if reverse else groups:
+        if reverse:  # the slot after the group: its first sum, or the seed
+            anchor, anchor_lvl, first = hi, (lvl_init if hi == nc else lvl[:, hi]), hi == nc
+        else:  # the slot before it: buf[:, lo] is the sum of chunk lo - 1, or the seed
+            anchor, anchor_lvl, first = lo, (lvl_init if lo == 0 else lvl[:, lo - 1]), lo == 0
+        if first and not has_init:
+            continue
+        carry = torch.exp(anchor_lvl[:, None] - lvl[:, lo:hi])[..., None]  # (BH, size, 1)
+        xs[:, lo:hi].addcmul_(buf[:, anchor : anchor + 1], carry)
+    return buf
+
+
+def _into_slots(buf: Tensor, a: Tensor, b: Tensor) -> None:
+    """``buf (BH, Nc, X) <- bmm(a, b)`` for ``a (BH*Nc, F, C)``, ``b (BH*Nc, C, E)``, X = F*E:
+    straight into ``buf`` when it is one block of memory (BH = 1, the tiled FAVOR path)."""
+    BH, nc, _ = buf.shape
+    if buf.is_contiguous():
+        torch.bmm(a, b, out=buf.view(BH * nc, a.shape[1], b.shape[2]))
+    else:
+        buf.copy_(torch.bmm(a, b).view(BH, nc, -1))
 
 
 def _chunk_states(
@@ -105,14 +132,15 @@ def _chunk_states(
     """
     Fd, E = kc.shape[-1], wc.shape[-1]
     nc = kc.shape[0] // BH
-    contrib = torch.bmm(kc.transpose(1, 2), wc * leave).view(BH, nc, Fd * E)  # scale the narrower w
-    init = None if s0 is None else s0.reshape(BH, Fd * E)
-    s_out = _scan(contrib, end, init, start[:, 0])
-    del contrib
-    s_final = s_out[:, -1].reshape(BH, Fd, E).clone()
-    first = s_out.new_zeros(BH, 1, Fd * E) if s0 is None else init[:, None]
-    s_in = torch.cat([first, s_out[:, :-1]], dim=1)  # (BH, Nc, F*E): entering = previous leaving
-    return s_in.view(-1, Fd, E), s_final
+    buf = kc.new_empty(BH, nc + 1, Fd * E)  # seed, then each chunk's contribution, then its sum
+    if s0 is None:
+        buf[:, 0].zero_()
+    else:
+        buf[:, 0].copy_(s0.reshape(BH, Fd * E))
+    _into_slots(buf[:, 1:], kc.transpose(1, 2), wc * leave)  # scale the narrower w
+    _scan_(buf, end, start[:, 0], reverse=False, has_init=s0 is not None)
+    s_final = buf[:, nc].reshape(BH, Fd, E).clone()
+    return buf[:, :nc].reshape(-1, Fd, E), s_final  # a view when BH = 1
 
 
 class _LogScaledCausalProduct(torch.autograd.Function):
@@ -160,13 +188,15 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
             # the same rescaled scan run backwards (levels -start, read in reverse order); chunk c's
             # contribution gets T[c+1] (T[Nc] = ds_final) and s0 gets T[0].
-            g = torch.bmm(ac.transpose(1, 2), doe).view(BH, nc, Fd * E)
-            init = None if ds_final is None else ds_final.reshape(BH, Fd * E)
-            t = _scan(g.flip(1), -start.flip(1), init, -end[:, -1]).flip(1)  # (BH, Nc, F*E)
-            del g
+            t = ac.new_empty(BH, nc + 1, Fd * E)  # g[c], then the seed ds_final
+            if ds_final is None:
+                t[:, nc].zero_()
+            else:
+                t[:, nc].copy_(ds_final.reshape(BH, Fd * E))
+            _into_slots(t[:, :nc], ac.transpose(1, 2), doe)
+            _scan_(t, -start, -end[:, -1], reverse=True, has_init=ds_final is not None)  # T[c], T[Nc]
             ds0 = t[:, 0].reshape(B, H, Fd, E).clone() if ctx.has_s0 else None
-            last = t.new_zeros(BH, 1, Fd * E) if init is None else init[:, None]
-            g = torch.cat([t[:, 1:], last], dim=1).view(-1, Fd, E)  # d loss / d (chunk c's contribution)
+            g = t[:, 1:].reshape(-1, Fd, E)  # d loss / d (chunk c's contribution) = T[c + 1]
             del t
             dscores = torch.bmm(doc, wc.transpose(1, 2)).mul_(intra)  # d loss / d (a k^T), masked
             dw = torch.bmm(kc, g).mul_(leave).baddbmm_(scores.transpose(1, 2), doc)
