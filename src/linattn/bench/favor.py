@@ -7,8 +7,12 @@
   and m sees the same inputs for a given seed. Writes favor_approx.json and favor_approx.png.
 - Speed: forward+backward at N = 4096, B = 1, H = 8, D = 64, m = 256, float32, against
   performer-pytorch 1.1.4 ``FastAttention`` (causal: with fast-transformers' CPU kernel plugged in,
-  its fastest CPU path), interleaved A B A B in one process, default malloc. Writes
-  favor_speed.json and favor_speed.md.
+  its fastest CPU path), interleaved A B A B in one process. Timed twice, in fresh processes:
+  with glibc's default malloc and with the tuned settings of ``TUNED_MALLOC_ENV`` (as in
+  ``linattn bench core``): performer-pytorch's causal path allocates about 0.7 GB per call,
+  and the default allocator faults those pages in afresh each time, which costs it far more
+  than it costs linattn. Peak memory under the default malloc. Writes favor_speed.json and
+  favor_speed.md.
 
 Every number in those files is written by this code.
 """
@@ -17,6 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +32,7 @@ import linattn
 
 from .harness import (
     IMPLS,
+    TUNED_MALLOC_ENV,
     Case,
     OtherLoad,
     call,
@@ -110,13 +118,11 @@ def plot_approximation(result: dict, path: str | Path) -> None:
     tmp.replace(path)
 
 
-def speed_vs_performer(*, n: int = 4096, repeats: int = 7, heads: int = 8, d: int = 64) -> dict:
-    """Interleaved forward+backward times and peak memory of linattn and performer-pytorch."""
-    if not IMPLS["performer_pytorch"].available():
-        raise RuntimeError(
-            "linattn bench favor --what speed needs performer-pytorch 1.1.4 and fast-transformers 0.4.0 "
-            "(see docs/benchmarks/README.md); they are benchmark peers, not dependencies"
-        )
+ALLOCATORS = {"default": {}, "tuned": TUNED_MALLOC_ENV}
+
+
+def _times_vs_performer(n: int, repeats: int, heads: int, d: int) -> dict:
+    """Median and all times, causal and bidirectional, in this process (the child's work)."""
     result: dict = {}
     for causal in (True, False):
         cases = {"linattn": Case("favor", causal, n, heads=heads, head_dim=d),
@@ -125,33 +131,65 @@ def speed_vs_performer(*, n: int = 4096, repeats: int = 7, heads: int = 8, d: in
         fns = {name: (lambda c=c, x=inputs[name]: call(c, x)) for name, c in cases.items()}
         times = time_calls(fns, repeats=repeats, warmup=2)
         result["causal" if causal else "bidirectional"] = {
-            name: {"median_s": median(ts), "all_s": ts, "peak_memory_bytes": peak_memory(cases[name])}
-            for name, ts in times.items()
+            name: {"median_s": median(ts), "all_s": ts} for name, ts in times.items()
         }
+    return result
+
+
+def speed_vs_performer(*, n: int = 4096, repeats: int = 7, heads: int = 8, d: int = 64) -> dict:
+    """Interleaved forward+backward times of linattn and performer-pytorch under each allocator
+    (a fresh process each), and peak memory under the default one."""
+    if not IMPLS["performer_pytorch"].available():
+        raise RuntimeError(
+            "linattn bench favor --what speed needs performer-pytorch 1.1.4 and fast-transformers 0.4.0 "
+            "(see docs/benchmarks/README.md); they are benchmark peers, not dependencies"
+        )
+    result: dict = {}
+    for alloc, env in ALLOCATORS.items():
+        proc = subprocess.run(
+            [sys.executable, "-m", "linattn.bench.favor", "child", str(n), str(repeats), str(heads), str(d)],
+            capture_output=True, text=True, env={**os.environ, **env}, timeout=3600,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"benchmark child failed:\n{proc.stderr[-3000:]}")
+        result[alloc] = {"env": env, "times": json.loads(proc.stdout.strip().splitlines()[-1])}
+    result["peak_memory_bytes"] = {
+        f"{'causal' if causal else 'bidirectional'}/{name}": peak_memory(Case(impl, causal, n, heads=heads, head_dim=d))
+        for causal in (True, False)
+        for name, impl in (("linattn", "favor"), ("performer_pytorch", "performer_pytorch"))
+    }
     return result
 
 
 def format_speed(result: dict) -> str:
     cfg = result["config"]
+    times = result["times"]
     lines = [
         f"# FAVOR+ speed: N = {cfg['n']}, B = 1, H = {cfg['heads']}, D = {cfg['head_dim']}, "
         f"m = {cfg['m']}, float32, forward+backward",
         "",
         f"Written by `{result['command']}`; do not edit by hand. "
-        f"torch {result['machine']['torch']}, {result['machine']['threads']} threads, default malloc. "
-        f"Median of {cfg['repeats']} interleaved repeats; peak memory = peak RSS above the inputs in a "
-        "fresh process per configuration. performer-pytorch causal uses fast-transformers' CPU kernel "
-        "(its fastest CPU path). " + describe_load(result.get("load")),
+        f"torch {result['machine']['torch']}, {result['machine']['threads']} threads. "
+        f"Median of {cfg['repeats']} interleaved repeats, timed in a fresh process per allocator: glibc's "
+        "default malloc, and the tuned settings `"
+        + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC_ENV.items())
+        + "` under which freed pages stay resident (what a long training job would use; "
+        "performer-pytorch's causal path allocates about 0.7 GB per call and gains most from it). "
+        "Peak memory = peak RSS above the inputs in a fresh process per configuration, default malloc. "
+        "performer-pytorch causal uses fast-transformers' CPU kernel (its fastest CPU path). "
+        + describe_load(result.get("load")),
         "",
-        "| mode | contender | time | performer-pytorch / linattn | peak memory |",
-        "| --- | --- | --- | --- | --- |",
+        "| allocator | mode | contender | time | performer-pytorch / linattn | peak memory |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for mode, res in result["times"].items():
-        ours, theirs = res["linattn"], res["performer_pytorch"]
-        ratio = theirs["median_s"] / ours["median_s"]
-        for name, r, col in (("linattn", ours, f"{ratio:.2f}x"), ("performer_pytorch", theirs, "")):
-            mem = r["peak_memory_bytes"] / 2**20
-            lines.append(f"| {mode} | {name} | {r['median_s'] * 1e3:.0f} ms | {col} | {mem:.0f} MiB |")
+    for alloc in ALLOCATORS:
+        for mode, res in times[alloc]["times"].items():
+            ours, theirs = res["linattn"], res["performer_pytorch"]
+            ratio = theirs["median_s"] / ours["median_s"]
+            for name, r, col in (("linattn", ours, f"{ratio:.2f}x"), ("performer_pytorch", theirs, "")):
+                mem = times["peak_memory_bytes"][f"{mode}/{name}"] / 2**20 if alloc == "default" else None
+                mem_s = "-" if mem is None else f"{mem:.0f} MiB"
+                lines.append(f"| {alloc} | {mode} | {name} | {r['median_s'] * 1e3:.0f} ms | {col} | {mem_s} |")
     return "\n".join(lines) + "\n"
 
 
@@ -206,3 +244,11 @@ def run_favor(
         if not quiet:
             print(md)
     return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "child":
+        torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+        print(json.dumps(_times_vs_performer(*(int(a) for a in sys.argv[2:]))))
+    else:
+        raise SystemExit("usage: python -m linattn.bench.favor child N REPEATS HEADS HEAD_DIM")

@@ -11,6 +11,7 @@ mark VmHWM, reset through /proc/self/clear_refs just before the call).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -251,6 +252,17 @@ def _vm_kib(field_name: str) -> int:
     raise RuntimeError(f"{field_name} not in /proc/self/status")
 
 
+def _release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``), so that the baseline is
+    the live memory: pages the warm-up freed but left resident would otherwise be reused by the
+    measured call unseen, and its peak would read low by however much the warm-up happened to
+    leave behind (tens of MiB, differently for each implementation)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to release, the baseline is as it is
+        pass
+
+
 def _memory_child(case_json: str) -> None:
     case = Case(**json.loads(case_json))
     inputs = make_inputs(case)
@@ -264,6 +276,7 @@ def _memory_child(case_json: str) -> None:
         call(case, inputs)
         print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated(case.device) - base}))
         return
+    _release_free_heap()
     base = _vm_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset the high-water mark VmHWM to the current RSS
