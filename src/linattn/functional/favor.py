@@ -134,7 +134,9 @@ class _ExpFeatures(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         (f,) = ctx.saved_tensors
-        du = g * f
+        # g is the fresh gradient from the one consumer of f (the causal product or a matmul):
+        # scaled in place, one (..., m) buffer fewer. Broadcast or shared gradients are not.
+        du = g.mul_(f) if g.is_contiguous() and g.shape == f.shape else g * f
         dshift = du.sum(-1, keepdim=True).neg_() if ctx.needs_input_grad[1] else None
         return du, dshift, None
 
