@@ -251,3 +251,25 @@ def test_other_load_separates_our_cpu_time_from_other_processes():
     assert "busy" in describe_load({"other_cpu_share": 0.5})
     assert "quiet" in describe_load({"other_cpu_share": 0.01})
     assert "not recorded" in describe_load(None)
+
+
+def test_favor_speed_table_has_both_allocators_and_their_ratios():
+    from linattn.bench.favor import format_speed
+
+    def pair(ours, theirs):
+        return {"linattn": {"median_s": ours}, "performer_pytorch": {"median_s": theirs}}
+
+    result = {
+        "command": "linattn bench favor --what speed", "machine": {"torch": "x", "threads": 2},
+        "config": {"n": 64, "heads": 2, "head_dim": 8, "m": 16, "repeats": 3},
+        "times": {
+            "default": {"times": {"causal": pair(0.1, 0.5), "bidirectional": pair(0.1, 0.2)}},
+            "tuned": {"times": {"causal": pair(0.1, 0.4), "bidirectional": pair(0.2, 0.1)}},
+            "peak_memory_bytes": {f"{m}/{n}": 2**20 for m in ("causal", "bidirectional")
+                                  for n in ("linattn", "performer_pytorch")},
+        },
+    }
+    md = format_speed(result)
+    assert "| default | causal | linattn | 100 ms | 5.00x | 1 MiB |" in md
+    assert "| tuned | causal | linattn | 100 ms | 4.00x | - |" in md
+    assert "| tuned | bidirectional | linattn | 200 ms | 0.50x | - |" in md

@@ -140,7 +140,9 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
         "(A B A B ...) at each N so that noise of the shared machine hits all alike; forward+backward "
         "includes the backward of q, k, v.",
         "- Peak memory: peak resident set above the inputs for one call, in a fresh process per "
-        "configuration (on a GPU: `torch.cuda.max_memory_allocated`).",
+        "configuration, the baseline read after a warm-up call and `malloc_trim(0)` so that pages the "
+        "warm-up left resident are counted when the call reuses them (on a GPU: "
+        "`torch.cuda.max_memory_allocated`).",
         f"- Budgets: a configuration predicted (power law through the contender's two largest N) to take "
         f"over {cfg['time_budget_s']:g} s per call or {cfg['memory_budget_bytes'] / 2**30:g} GiB is not run and "
         "shows as `skip`; nothing is dropped silently.",
