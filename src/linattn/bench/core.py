@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,19 +25,19 @@ import torch
 import linattn
 
 from .harness import (
+    ALLOCATORS,
     IMPLS,
-    TUNED_MALLOC_ENV,
     Case,
     call,
     machine_info,
     make_inputs,
     median,
     peak_memory,
+    run_child,
     time_calls,
     write_atomically,
 )
 
-ALLOCATORS = {"default": {}, "tuned": TUNED_MALLOC_ENV}
 MEMORY_CASES = [  # (label, impl, causal)
     ("causal/linattn", "linear", True),
     ("bidirectional/linattn", "linear", False),
@@ -99,13 +98,7 @@ def run_core(*, out_dir: str | Path = "docs/benchmarks", n: int = 16384, repeats
     }
     for alloc, env in ALLOCATORS.items():
         print(f"  [{alloc} malloc] timing ...", flush=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", "linattn.bench.core", "child", str(n), str(repeats)],
-            capture_output=True, text=True, env={**os.environ, **env}, timeout=3600,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"benchmark child failed:\n{proc.stderr[-3000:]}")
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res = run_child("linattn.bench.core", ["child", str(n), str(repeats)], env)
         mem = {}
         # with a tuned malloc freed pages stay resident, so RSS says nothing of the call
         if not env:

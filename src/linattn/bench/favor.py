@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch
 import linattn
 
 from .harness import (
+    ALLOCATORS,
     IMPLS,
     TUNED_MALLOC_ENV,
     Case,
@@ -41,6 +41,7 @@ from .harness import (
     make_inputs,
     median,
     peak_memory,
+    run_child,
     time_calls,
     write_atomically,
 )
@@ -118,9 +119,6 @@ def plot_approximation(result: dict, path: str | Path) -> None:
     tmp.replace(path)
 
 
-ALLOCATORS = {"default": {}, "tuned": TUNED_MALLOC_ENV}
-
-
 def _times_vs_performer(n: int, repeats: int, heads: int, d: int) -> dict:
     """Median and all times, causal and bidirectional, in this process (the child's work)."""
     result: dict = {}
@@ -146,13 +144,8 @@ def speed_vs_performer(*, n: int = 4096, repeats: int = 7, heads: int = 8, d: in
         )
     result: dict = {}
     for alloc, env in ALLOCATORS.items():
-        proc = subprocess.run(
-            [sys.executable, "-m", "linattn.bench.favor", "child", str(n), str(repeats), str(heads), str(d)],
-            capture_output=True, text=True, env={**os.environ, **env}, timeout=3600,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"benchmark child failed:\n{proc.stderr[-3000:]}")
-        result[alloc] = {"env": env, "times": json.loads(proc.stdout.strip().splitlines()[-1])}
+        times = run_child("linattn.bench.favor", ["child", str(n), str(repeats), str(heads), str(d)], env)
+        result[alloc] = {"env": env, "times": times}
     result["peak_memory_bytes"] = {
         f"{'causal' if causal else 'bidirectional'}/{name}": peak_memory(Case(impl, causal, n, heads=heads, head_dim=d))
         for causal in (True, False)

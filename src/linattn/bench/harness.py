@@ -40,6 +40,8 @@ TUNED_MALLOC_ENV = {
     "MALLOC_TRIM_THRESHOLD_": "17179869184",
     "MALLOC_TOP_PAD_": "1073741824",
 }
+# The allocators a timing runs under, each in a fresh process (see run_child).
+ALLOCATORS = {"default": {}, "tuned": TUNED_MALLOC_ENV}
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,17 @@ def _memory_child(case_json: str) -> None:
     call(case, inputs)
     peak = _vm_kib("VmHWM")
     print(json.dumps({"peak_bytes": (peak - base) * 1024}))
+
+
+def run_child(module: str, args: list[str], env: dict[str, str], *, timeout: float = 3600) -> dict:
+    """Run ``python -m module *args`` in a fresh process with ``env`` added to this one's
+    environment (an allocator's settings only take effect at process start) and return the JSON
+    object its last line of output prints."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child {module} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def peak_memory(case: Case, *, env: dict[str, str] | None = None, timeout: float = 600) -> int:
