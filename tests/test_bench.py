@@ -273,3 +273,15 @@ def test_favor_speed_table_has_both_allocators_and_their_ratios():
     assert "| default | causal | linattn | 100 ms | 5.00x | 1 MiB |" in md
     assert "| tuned | causal | linattn | 100 ms | 4.00x | - |" in md
     assert "| tuned | bidirectional | linattn | 200 ms | 0.50x | - |" in md
+
+
+def test_other_load_records_the_machine_speed_when_asked():
+    from linattn.bench.harness import OtherLoad, describe_load, reference_gflops
+
+    assert "reference_gflops" not in OtherLoad().finish()
+    r = OtherLoad(reference=True).finish()
+    assert r["reference_gflops"]["start"] > 0 and r["reference_gflops"]["end"] > 0
+    # 512^3 * 2 flops in well under a second on any machine this runs on, and not absurdly fast
+    assert 0.5 < reference_gflops(0.05) < 1e5
+    text = describe_load({"other_cpu_share": 0.01, "reference_gflops": {"start": 150.0, "end": 75.0}})
+    assert "150 GFLOP/s at the start and 75 at the end" in text

@@ -223,7 +223,7 @@ def run_favor(
         if not quiet:
             print(md)
     if "speed" in what:
-        load = OtherLoad()
+        load = OtherLoad(reference=True)
         res = {
             "command": f"linattn bench favor --what speed --n {n} --repeats {repeats} --out {out_dir}",
             "machine": machine_info(),

@@ -114,7 +114,7 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t_start = time.perf_counter()
-    load = OtherLoad()
+    load = OtherLoad(reference=True)
     max_len = max(positions) + warmup + steps + 1
     say(f"linattn bench generate: d_model {d_model}, {n_layers} layers, {n_heads} heads, vocab {vocab_size}, "
         f"float32, batch 1, positions {list(positions)}, {steps} timed steps, mechanisms {list(mechanisms)}, "

@@ -322,7 +322,11 @@ class OtherLoad:
 
     QUIET = 0.10  # above this share the docs flag the timings as taken on a busy machine
 
-    def __init__(self) -> None:
+    def __init__(self, *, reference: bool = False) -> None:
+        # This VM's own speed drifts by up to 2x with no other process running (the host's load is
+        # invisible from inside): with ``reference`` a fixed matmul is timed at the start and at
+        # :meth:`finish`, so that runs can be compared by the speed the machine had.
+        self._reference = reference_gflops() if reference else None
         self._start = self._read()
 
     @staticmethod
@@ -344,8 +348,25 @@ class OtherLoad:
             return {"other_cpu_share": None}
         busy, total, own, wall = (e - s for e, s in zip(end, self._start))
         other = max(0.0, busy - own)
-        return {"other_cpu_share": other / total if total > 0 else None, "other_cpu_seconds": other,
-                "own_cpu_seconds": own, "wall_seconds": wall, "cpus": os.cpu_count()}
+        out = {"other_cpu_share": other / total if total > 0 else None, "other_cpu_seconds": other,
+               "own_cpu_seconds": own, "wall_seconds": wall, "cpus": os.cpu_count()}
+        if self._reference is not None:
+            out["reference_gflops"] = {"start": self._reference, "end": reference_gflops()}
+        return out
+
+
+def reference_gflops(seconds: float = 0.3) -> float:
+    """GFLOP/s of a 512 x 512 float32 matmul (median over about ``seconds``): a fixed yardstick of
+    how fast this machine is right now, recorded beside timings taken on a drifting machine."""
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    out = torch.empty(512, 512)
+    torch.mm(a, a, out=out)  # warm-up
+    times, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 5:
+        t0 = time.perf_counter()
+        torch.mm(a, a, out=out)
+        times.append(time.perf_counter() - t0)
+    return 2 * 512**3 / statistics.median(times) / 1e9
 
 
 def describe_load(load: dict | None) -> str:
@@ -355,8 +376,14 @@ def describe_load(load: dict | None) -> str:
         return "Load from other processes during the run: not recorded."
     text = f"Other processes used {share:.0%} of the machine's CPU time during the run"
     if share > OtherLoad.QUIET:
-        return text + ": the machine was busy, so these timings are inflated and noisy; rerun on a quiet machine."
-    return text + " (a quiet machine)."
+        text += ": the machine was busy, so these timings are inflated and noisy; rerun on a quiet machine."
+    else:
+        text += " (a quiet machine)."
+    ref = load.get("reference_gflops")
+    if ref:
+        text += (f" A reference 512 x 512 float32 matmul ran at {ref['start']:.0f} GFLOP/s at the start and "
+                 f"{ref['end']:.0f} at the end (the machine's own speed; compare runs by it).")
+    return text
 
 
 def machine_info() -> dict:

@@ -119,7 +119,7 @@ def run_sweep(config: SweepConfig = SweepConfig(), *, out_dir: str | Path = "rep
     history: dict[tuple[str, str, str], _History] = {}
     total = len(config.modes) * len(config.passes) * len(config.ns)
     done, started = 0, time.perf_counter()
-    load = OtherLoad()
+    load = OtherLoad(reference=True)
     for mode in config.modes:
         causal = MODES[mode]
         for pass_name in config.passes:
