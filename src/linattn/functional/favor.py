@@ -412,7 +412,13 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     kf = key_features(run)
     if s0 is not None and log_scale0 is not None and run.shape[-1]:
         s0 = s0 * torch.exp(log_scale0 - run[..., 0])[..., None, None]  # to the scale of position 0
-    o, s_final = causal_product_log_scaled(qf, kf, w, run, s0)
+    if run.shape[-1] == 1:  # one decoding step: the product in closed form, not a 64-row chunk
+        s_final = kf.transpose(-1, -2) * w  # (B, H, F, E), at the scale of this position
+        if s0 is not None:
+            s_final = s_final + s0
+        o = qf @ s_final  # (B, H, 1, E)
+    else:
+        o, s_final = causal_product_log_scaled(qf, kf, w, run, s0)
     out = _finish(o, dv, features, out_dtype)
     if not return_state:
         return out
