@@ -113,14 +113,25 @@ def _scan_(buf: Tensor, lvl: Tensor, lvl_init: Tensor, *, reverse: bool, has_ini
     return buf
 
 
-def _into_slots(buf: Tensor, a: Tensor, b: Tensor) -> None:
-    """``buf (BH, Nc, X) <- bmm(a, b)`` for ``a (BH*Nc, F, C)``, ``b (BH*Nc, C, E)``, X = F*E:
-    straight into ``buf`` when it is one block of memory (BH = 1, the tiled FAVOR path)."""
-    BH, nc, _ = buf.shape
-    if buf.is_contiguous():
-        torch.bmm(a, b, out=buf.view(BH * nc, a.shape[1], b.shape[2]))
+def _scanned_products(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lvl_init: Tensor, *,
+                      reverse: bool) -> Tensor:
+    """:func:`_scan_` of the per-chunk products ``bmm(a, b)`` for ``a (BH*Nc, F, C)``,
+    ``b (BH*Nc, C, E)``, seeded with ``seed`` (anything of BH*F*E entries; None for zeros): a new
+    ``(BH, Nc + 1, F*E)`` laid out as :func:`_scan_` describes. The products go straight into their
+    slots when those are one block of memory (BH = 1, the tiled FAVOR path)."""
+    BH = lvl.shape[0]
+    nc, Fd, E = a.shape[0] // BH, a.shape[1], b.shape[2]
+    buf = a.new_empty(BH, nc + 1, Fd * E)
+    slot, terms = (buf[:, nc], buf[:, :nc]) if reverse else (buf[:, 0], buf[:, 1:])
+    if seed is None:
+        slot.zero_()
     else:
-        buf.copy_(torch.bmm(a, b).view(BH, nc, -1))
+        slot.copy_(seed.reshape(BH, Fd * E))
+    if terms.is_contiguous():
+        torch.bmm(a, b, out=terms.view(BH * nc, Fd, E))
+    else:
+        terms.copy_(torch.bmm(a, b).view(BH, nc, -1))
+    return _scan_(buf, lvl, lvl_init, reverse=reverse, has_init=seed is not None)
 
 
 def _chunk_states(
@@ -132,13 +143,8 @@ def _chunk_states(
     """
     Fd, E = kc.shape[-1], wc.shape[-1]
     nc = kc.shape[0] // BH
-    buf = kc.new_empty(BH, nc + 1, Fd * E)  # seed, then each chunk's contribution, then its sum
-    if s0 is None:
-        buf[:, 0].zero_()
-    else:
-        buf[:, 0].copy_(s0.reshape(BH, Fd * E))
-    _into_slots(buf[:, 1:], kc.transpose(1, 2), wc * leave)  # scale the narrower w
-    _scan_(buf, end, start[:, 0], reverse=False, has_init=s0 is not None)
+    # s0, then each chunk's leaving state (scale the narrower w)
+    buf = _scanned_products(kc.transpose(1, 2), wc * leave, s0, end, start[:, 0], reverse=False)
     s_final = buf[:, nc].reshape(BH, Fd, E).clone()
     return buf[:, :nc].reshape(-1, Fd, E), s_final  # a view when BH = 1
 
@@ -188,13 +194,7 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
             # the same rescaled scan run backwards (levels -start, read in reverse order); chunk c's
             # contribution gets T[c+1] (T[Nc] = ds_final) and s0 gets T[0].
-            t = ac.new_empty(BH, nc + 1, Fd * E)  # g[c], then the seed ds_final
-            if ds_final is None:
-                t[:, nc].zero_()
-            else:
-                t[:, nc].copy_(ds_final.reshape(BH, Fd * E))
-            _into_slots(t[:, :nc], ac.transpose(1, 2), doe)
-            _scan_(t, -start, -end[:, -1], reverse=True, has_init=ds_final is not None)  # T[c], T[Nc]
+            t = _scanned_products(ac.transpose(1, 2), doe, ds_final, -start, -end[:, -1], reverse=True)  # T[c], T[Nc]
             ds0 = t[:, 0].reshape(B, H, Fd, E).clone() if ctx.has_s0 else None
             g = t[:, 1:].reshape(-1, Fd, E)  # d loss / d (chunk c's contribution) = T[c + 1]
             del t
