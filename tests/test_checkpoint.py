@@ -125,3 +125,54 @@ def test_save_overwrites_atomically(tmp_path):
     b.save_pretrained(tmp_path)
     loaded = TransformerLM.from_pretrained(tmp_path)
     assert torch.equal(loaded.tok_emb.weight, b.tok_emb.weight)
+
+
+def _legacy(state: dict, d_model: int) -> dict:
+    """``state`` as saved before the fused q/k/v projection: ``in_proj`` split back into
+    ``q_proj``/``k_proj``/``v_proj`` (``qk_proj``/``v_proj`` for a 2C-row LSH projection)."""
+    out = {}
+    for key, t in state.items():
+        if ".in_proj." not in key:
+            out[key] = t
+            continue
+        layer, kind = key.split("in_proj.")
+        names = ("q_proj", "k_proj", "v_proj") if t.shape[0] == 3 * d_model else ("qk_proj", "v_proj")
+        for name, part in zip(names, t.split(d_model), strict=True):
+            out[f"{layer}{name}.{kind}"] = part.clone()
+    return out
+
+
+def test_state_dicts_from_before_the_fused_projection_load(tmp_path):
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from linattn import LSHConfig
+
+    lm = _lm()
+    old = _legacy(lm.state_dict(), SMALL["d_model"])
+    assert "blocks.0.attn.q_proj.weight" in old and not any("in_proj" in k for k in old)
+    fresh = _lm(init_std=0.05)
+    fresh.load_state_dict(old)  # strict: every legacy key is consumed, every in_proj key filled
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), lm(ids))
+    # an LSH layer's shared query-key projection
+    torch.manual_seed(0)
+    enc = TransformerEncoder(TransformerConfig(**SMALL, attention=LSHConfig(bucket_size=4, n_hashes=1)))
+    old = _legacy(enc.state_dict(), SMALL["d_model"])
+    assert "blocks.0.attn.qk_proj.weight" in old
+    enc2 = TransformerEncoder(TransformerConfig(**SMALL, attention=LSHConfig(bucket_size=4, n_hashes=1)))
+    enc2.load_state_dict(old)
+    assert all(torch.equal(a, b) for a, b in zip(enc.state_dict().values(), enc2.state_dict().values()))
+    # a checkpoint folder written with the old names
+    lm.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / CONFIG_FILE).read_text())
+    tensors = {k: v for k, v in _legacy(lm.state_dict(), SMALL["d_model"]).items()
+               if k not in meta["aliases"] and isinstance(v, torch.Tensor)}
+    save_file(tensors, str(tmp_path / WEIGHTS_FILE))
+    meta["weights_sha256"] = hashlib.sha256((tmp_path / WEIGHTS_FILE).read_bytes()).hexdigest()
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    loaded = TransformerLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), lm(ids))

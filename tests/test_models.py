@@ -246,3 +246,24 @@ def test_parameter_table_counts_each_module():
     attn = sum(p.numel() for p in lm.blocks[0].attn.parameters())
     assert f"| blocks.0.attn | {attn:,} |" in table
     assert "head" not in table  # tied to tok_emb, counted once there
+
+
+def test_compiled_step_equals_eager_step():
+    # every recurrent mechanism in one stack; the prompt's KV cache is full after prefill, so the
+    # softmax layer's cache grows (new shapes) while decoding; positions change every step
+    lm = _lm("all-four", "rotary")
+    prompt = _ids(B=2, N=3, seed=4)
+    step = lm.compiled_step()
+    with torch.no_grad():
+        _, eager = lm(prompt, return_state=True)
+        compiled = eager
+        nxt = prompt[:, -1:]
+        for _ in range(8):
+            le, eager = lm.step(nxt, eager)
+            lc, compiled = step(nxt, compiled)
+            assert_close(lc, le, atol=1e-10, rtol=1e-9, msg=f"position {eager.position}")
+            nxt = le.argmax(-1, keepdim=True)
+    assert torch.equal(lm.generate(prompt, 10, temperature=0, compile=True),
+                       lm.generate(prompt, 10, temperature=0))
+    with pytest.raises(ValueError, match="layer 0 uses 'lsh' attention, which has no recurrent form"):
+        TransformerLM(TransformerConfig(**SMALL, attention=LSHConfig(bucket_size=4))).compiled_step()

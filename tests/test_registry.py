@@ -88,12 +88,14 @@ def _manual(mha, x, attend):
     """Projections written out by hand around ``attend(q, k, v)``."""
     H = mha.n_heads
     lin = torch.nn.functional.linear
+    # in_proj's weight rows are [W_q; W_k; W_v] ([W_qk; W_v] for LSH)
+    ws, bs = mha.in_proj.weight.split(mha.d_model), mha.in_proj.bias.split(mha.d_model)
     if mha.spec.shared_qk:
-        q = k = _heads(lin(x, mha.qk_proj.weight, mha.qk_proj.bias), H)
+        q = k = _heads(lin(x, ws[0], bs[0]), H)
     else:
-        q = _heads(lin(x, mha.q_proj.weight, mha.q_proj.bias), H)
-        k = _heads(lin(x, mha.k_proj.weight, mha.k_proj.bias), H)
-    v = _heads(lin(x, mha.v_proj.weight, mha.v_proj.bias), H)
+        q = _heads(lin(x, ws[0], bs[0]), H)
+        k = _heads(lin(x, ws[1], bs[1]), H)
+    v = _heads(lin(x, ws[-1], bs[-1]), H)
     return lin(_merge(attend(q, k, v)), mha.out_proj.weight, mha.out_proj.bias)
 
 

@@ -141,6 +141,15 @@ class _ExpFeatures(torch.autograd.Function):
         return du, dshift, None
 
 
+def _exp_features(u: Tensor, shift: Tensor, c: float) -> Tensor:
+    """:class:`_ExpFeatures` (overwriting ``u``); without a graph to build (decoding) the same
+    arithmetic without the Function, whose per-call cost shows at decoding sizes and whose
+    ``mark_dirty`` torch.compile cannot trace."""
+    if torch.is_grad_enabled() and (u.requires_grad or shift.requires_grad):
+        return _ExpFeatures.apply(u, shift, c)
+    return u.sub_(shift - math.log(c)).exp_()
+
+
 def _check_kind(fn: str, kernel: str, features: str) -> None:
     if kernel not in FAVOR_KERNELS:
         raise ValueError(f"{fn}: unknown kernel {kernel!r}; known: {list(FAVOR_KERNELS)}")
@@ -371,7 +380,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     half_sq = k.square().sum(-1, keepdim=True) * (scale / 2)  # (B, H, Nk, 1): ||k'||^2 / 2
     if features == "positive":
         # Per-query stabiliser: exp(u - max u) cancels with the dropped exp(-||q'||^2/2).
-        qf = _ExpFeatures.apply(uq, uq.amax(-1, keepdim=True).detach(), inv_root_m)
+        qf = _exp_features(uq, uq.amax(-1, keepdim=True).detach(), inv_root_m)
         c = uk.amax(-1) - half_sq[..., 0]  # (B, H, Nk): each key's log-magnitude
     else:
         # exp(||q'||^2/2) is a per-query factor: dropped, it cancels.
@@ -388,7 +397,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             shift = half_sq + log_scale[..., None]  # (B, H, Nk, 1), differentiable through half_sq
             if real is not None:
                 shift = shift.masked_fill(~real[..., None], float("inf"))
-            return _ExpFeatures.apply(uk, shift, inv_root_m)  # (B, H, Nk, m)
+            return _exp_features(uk, shift, inv_root_m)  # (B, H, Nk, m)
         expo = half_sq - log_scale[..., None]
         if real is not None:
             expo = expo.masked_fill(~real[..., None], float("-inf"))

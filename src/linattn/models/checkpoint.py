@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn.attention import merge_legacy_projections
 from .config import TransformerConfig
 
 __all__ = ["CONFIG_FILE", "FORMAT_VERSION", "WEIGHTS_FILE", "load_checkpoint", "save_checkpoint"]
@@ -161,6 +162,7 @@ def load_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu"
         if name not in tensors:
             raise ValueError(f"corrupted checkpoint: alias {alias!r} points at missing tensor {name!r}")
         tensors[alias] = tensors[name]
+    merge_legacy_projections(tensors)  # checkpoints from before the fused q/k/v projection
     expected = {k for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:

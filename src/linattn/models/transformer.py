@@ -262,6 +262,23 @@ class TransformerLM(_Transformer):
             layers.append(s)
         return self.head(self.norm_f(x))[:, 0], LMState(tuple(layers), state.position + 1)
 
+    def compiled_step(self):
+        """:meth:`step` through ``torch.compile`` (inductor): same arguments, same results up to
+        float rounding.
+
+        At batch 1 a decoding step is a few hundred small operations around matrix-vector
+        products, and on a CPU their per-call overhead costs more than their arithmetic; the
+        compiled step fuses the elementwise work into a few generated kernels. Measured at
+        d_model 512, 8 layers, batch 1, 2 CPU threads (``linattn bench generate --compile``):
+        a linear-attention step ~1.5x faster; softmax at long positions gains little (it is bound
+        by reading its KV cache). Compiling takes tens of seconds on the first calls (one
+        specialised compile, then one with the position and cache length symbolic) and needs a C++
+        compiler on CPU; compiled code is cached per model for the rest of the process. The
+        eager :meth:`step` stays the reference.
+        """
+        self._check_recurrent("compiled_step")
+        return torch.compile(self.step)
+
     def forward_steps(self, ids: Tensor, state: LMState | None = None) -> tuple[Tensor, LMState]:
         """Run :meth:`step` over every position of ``ids (B, N)`` from ``state`` (default: the
         initial state): logits ``(B, N, V)`` and the final state. The recurrent counterpart of
@@ -283,6 +300,7 @@ class TransformerLM(_Transformer):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        compile: bool = False,
     ) -> Tensor:
         """Sample ``max_new_tokens`` continuations of ``prompt_ids (B, P)`` -> ``(B, P + T)``.
 
@@ -295,6 +313,9 @@ class TransformerLM(_Transformer):
             top_p: sample from the smallest set of most likely tokens whose probability reaches
                 top_p (nucleus sampling, Holtzman et al., arXiv 1904.09751).
             generator: for the sampling draws (explicit randomness).
+            compile: run :meth:`step` through :meth:`compiled_step` (torch.compile): faster per
+                token where eager per-operation overhead dominates (batch 1 on a CPU), after
+                compiling during the first steps.
         """
         self._check_ids(prompt_ids, 0, "generate")
         if prompt_ids.shape[1] < 1:
@@ -317,12 +338,13 @@ class TransformerLM(_Transformer):
             return prompt_ids
         logits, state = self(prompt_ids, return_state=True, last_only=True)
         logits = logits[:, -1]  # (B, V)
+        step = self.compiled_step() if compile else self.step
         out = [prompt_ids]
         for t in range(max_new_tokens):
             nxt = _sample(logits, temperature, top_k, top_p, generator)  # (B, 1)
             out.append(nxt)
             if t + 1 < max_new_tokens:
-                logits, state = self.step(nxt, state)
+                logits, state = step(nxt, state)
         return torch.cat(out, dim=1)
 
 

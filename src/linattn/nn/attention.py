@@ -16,7 +16,7 @@ from .mechanisms import SoftmaxConfig
 from .positional import apply_rotary, rotary_angles
 from .registry import MECHANISMS, build_mechanism, spec_for
 
-__all__ = ["AttentionState", "MultiHeadAttention"]
+__all__ = ["AttentionState", "MultiHeadAttention", "merge_legacy_projections"]
 
 
 class AttentionState(NamedTuple):
@@ -40,6 +40,30 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"MultiHeadAttention: {name} must be an int >= {minimum}, got {value!r}")
 
 
+_LEGACY_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("qk_proj", "v_proj"))
+
+
+def merge_legacy_projections(state_dict: dict, prefix: str = "") -> None:
+    """Rewrite, in place, the separate q/k/v projections of state dicts saved before
+    :class:`MultiHeadAttention` had one ``in_proj`` (``{p}q_proj.weight``, ``{p}k_proj.weight``,
+    ``{p}v_proj.weight`` and biases, or ``qk_proj`` and ``v_proj`` for LSH) into
+    ``{p}in_proj.weight`` / ``.bias``, rows in that order. Every layer whose keys start with
+    ``prefix`` is rewritten."""
+    for names in _LEGACY_PROJECTIONS:
+        suffix = f"{names[0]}.weight"
+        layers = [key[: -len(suffix)] for key in list(state_dict)  # "blocks.0.attn.", or ""
+                  if key.startswith(prefix) and (key == suffix or key.endswith("." + suffix))]
+        for layer in layers:
+            for kind in ("weight", "bias"):
+                keys = [f"{layer}{name}.{kind}" for name in names]
+                if all(key in state_dict for key in keys):
+                    state_dict[f"{layer}in_proj.{kind}"] = torch.cat([state_dict.pop(key) for key in keys])
+
+
+def _merge_legacy_projections(module, state_dict, prefix, *args) -> None:
+    merge_legacy_projections(state_dict, prefix)
+
+
 class MultiHeadAttention(nn.Module):
     """Projections ``x (B, N, C) -> q, k, v (B, H, N, D)``, a mechanism, merged heads ``-> (B, N, C)``.
 
@@ -57,8 +81,10 @@ class MultiHeadAttention(nn.Module):
             (:class:`linattn.nn.ShortConv`, identity at initialisation) in front of the q/k/v
             projections, so every position also sees its K - 1 predecessors' inputs; 0 = none.
 
-    LSH attention gets one shared query-key projection ``qk_proj`` instead of ``q_proj`` and
-    ``k_proj``.
+    The q, k and v projections are one ``in_proj`` (C -> 3C, weight rows [W_q; W_k; W_v]); LSH
+    attention shares queries and keys, so its ``in_proj`` is C -> 2C, rows [W_qk; W_v]. State dicts
+    with the earlier separate ``q_proj``/``k_proj``/``v_proj`` load unchanged
+    (:func:`merge_legacy_projections`).
     """
 
     def __init__(
@@ -96,29 +122,28 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"MultiHeadAttention: rotary needs an even head width, got d_model / n_heads = {self.head_dim}")
         self.rotary = bool(rotary)
         self.rotary_base = float(rotary_base)
-        if self.spec.shared_qk:
-            self.qk_proj = nn.Linear(d_model, d_model, bias=bias)
-        else:
-            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-            self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        # q, k and v come from one projection C -> 3C, output rows [q; k; v] (LSH: C -> 2C, rows
+        # [qk; v]). One matrix product instead of three: in training one larger GEMM, in decoding
+        # (a matrix-vector product per projection, bound by reading the weights) one call's
+        # overhead instead of three.
+        self.in_proj = nn.Linear(d_model, (2 if self.spec.shared_qk else 3) * d_model, bias=bias)
+        self.register_load_state_dict_pre_hook(_merge_legacy_projections)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.mechanism = build_mechanism(attention, n_heads=n_heads, head_dim=self.head_dim, max_len=max_len)
         self.conv = ShortConv(d_model, short_conv) if short_conv else None
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _heads(self, x: Tensor) -> Tensor:
-        B, N, _ = x.shape
-        return x.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
-
     def _qkv(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v ``(B, H, N, D)`` for positions ``start .. start + N - 1`` (rotary applied)."""
+        """q, k, v ``(B, H, N, D)`` for positions ``start .. start + N - 1`` (rotary applied):
+        views into one ``(B, N, 3 | 2, H, D)`` projection."""
+        B, N, _ = x.shape
+        p = self.in_proj(x).view(B, N, -1, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.spec.shared_qk:
-            q = k = self._heads(self.qk_proj(x))
+            q = k = p[0]
+            v = p[1]
         else:
-            q, k = self._heads(self.q_proj(x)), self._heads(self.k_proj(x))
-        v = self._heads(self.v_proj(x))
+            q, k, v = p.unbind(0)
         if self.rotary:
             pos = torch.arange(start, start + x.shape[1], device=x.device)
             cos, sin = rotary_angles(pos, self.head_dim, base=self.rotary_base)
@@ -181,7 +206,7 @@ class MultiHeadAttention(nn.Module):
         """The state before the first token (an empty KV cache, zero sums, an empty ring buffer).
 
         ``device`` and ``dtype`` default to those of the projection weights."""
-        w = self.v_proj.weight
+        w = self.in_proj.weight
         device, dtype = device or w.device, dtype or w.dtype
         conv = None if self.conv is None else self.conv.initial_state(batch_size, device=device, dtype=dtype)
         return AttentionState(self.mechanism.initial_state(batch_size, device=device, dtype=dtype), 0, conv)
