@@ -177,6 +177,22 @@ def test_generate_benchmark_tiny(tmp_path):
     assert images["config"]["pixels"] == 784 and images["config"]["batch"] == 2
     md = (tmp_path / "generate.md").read_text()
     assert "| linear | 40 |" in md and "| softmax-recompute | 40 |" in md and "softmax (recompute prefix)" in md
+    assert saved["read_rates"]["weights, matrix-vector products alone (GB/s)"] > 0
+
+
+def test_generate_benchmark_times_compiled_steps(tmp_path):
+    main(["bench", "generate", "--positions", "5,40", "--steps", "2", "--d-model", "16", "--layers", "1",
+          "--heads", "2", "--vocab", "50", "--mechanisms", "linear,softmax", "--no-recompute", "--images", "0",
+          "--compile", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "generate.json").read_text())
+    assert saved["command"].endswith(f"--compile --out {tmp_path}") and saved["config"]["compile"] is True
+    assert set(saved["seconds_per_token"]) == {f"{m}{c}@{p}" for m in ("linear", "softmax")
+                                               for c in ("", "+compile") for p in (5, 40)}
+    # each decoder stepped from its own copy of the prefilled state: the same positions reached
+    sizes = saved["state_bytes_after_steps"]
+    assert sizes["softmax+compile@40"] == sizes["softmax@40"] and sizes["linear+compile@5"] == sizes["linear@5"]
+    assert "softmax+compile@40 / linear+compile@40" in saved["claim"]
+    assert "| linear+compile | 40 |" in (tmp_path / "generate.md").read_text()
 
 
 def test_generate_recompute_matches_generate():
@@ -210,7 +226,8 @@ def test_full_writes_the_document_from_its_own_files(tmp_path):
     config = SweepConfig(impls=("softmax", "linear", "efficient"), ns=(32, 64), repeats=1, measure_memory=False)
     text = run_full(out_dir=out, doc=doc, sweep_config=config, quiet=True,
                     generate_kwargs={"positions": (3, 6), "steps": 2, "d_model": 16, "n_layers": 1, "n_heads": 2,
-                                     "vocab_size": 30, "image_batch": 1, "image_d_model": 16, "image_layers": 1})
+                                     "vocab_size": 30, "image_batch": 1, "image_d_model": 16, "image_layers": 1,
+                                     "compile": False})
     assert doc.read_text() == text
     for name in ("sweep.json", "sweep.md", "sweep_time.png", "generate.json", "generate.md"):
         assert (out / name).exists(), name

@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="batch of 784-pixel images to generate for images/s (0: skip; default 8)")
     gen.add_argument("--image-d-model", type=int, default=256)
     gen.add_argument("--image-layers", type=int, default=8)
+    gen.add_argument("--compile", action="store_true",
+                     help="also time each model's torch.compile'd decoding step (TransformerLM.compiled_step)")
 
     from .train.cli_args import add_train_arguments
 
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                          n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab,
                          mechanisms=tuple(x for x in args.mechanisms.split(",") if x),
                          recompute=not args.no_recompute, image_batch=args.images,
-                         image_d_model=args.image_d_model, image_layers=args.image_layers)
+                         image_d_model=args.image_d_model, image_layers=args.image_layers,
+                         compile=args.compile)
         except ValueError as e:
             parser.error(str(e))
     return 0

@@ -23,7 +23,7 @@ from .sweep import SweepConfig, format_sweep, run_sweep
 
 __all__ = ["format_doc", "run_full"]
 
-GENERATE_DEFAULTS = {"positions": (100, 1000, 4000, 16000), "steps": 20, "image_batch": 8}
+GENERATE_DEFAULTS = {"positions": (100, 1000, 4000, 16000), "steps": 20, "image_batch": 8, "compile": True}
 
 
 def run_full(*, out_dir: str | Path = "docs/benchmarks/full", doc: str | Path = "docs/benchmarks.md",

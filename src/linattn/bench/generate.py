@@ -21,15 +21,21 @@ in it) is recorded at each position.
 
 Claims checked (issue 5): the linear model's time per token at the largest position is within 1.3x
 of its time at the smallest, its state size does not depend on position, and at the largest
-position it is at least 5x faster than softmax with a KV cache. What to expect from arithmetic
-alone: at batch 1 a decoding step is a chain of matrix-vector products, bound by memory traffic.
-Every step reads all weights once (4 bytes x parameters: ~164 MB for the default model, most of it
-the MLPs and the 32000 x 512 output layer); a softmax layer also reads its KV cache,
-2 x position x d_model x 4 bytes per layer (500 MiB over 8 layers at 16000); a linear layer reads
-its (S, z) state, 1 MiB in all. The ratio softmax / linear at a position can therefore not exceed
-about (weights + KV cache) / (weights + linear state), recorded as ``traffic_ratio_bound``: ~4.0
-at 16000 for the default model, so the 5x claim cannot hold for it at that position on hardware
-where both stream memory at one rate (it would from ~20500 positions on).
+position it is at least 5x faster than softmax with a KV cache; with ``compile`` the same claims
+again for both models' ``compiled_step``. What to expect from arithmetic alone: at batch 1 a
+decoding step is a chain of matrix-vector products plus a few hundred small operations. Every step
+reads all weights once (4 bytes x parameters: ~164 MB for the default model, most of it the MLPs
+and the 32000 x 512 output layer); a softmax layer also reads its KV cache, 2 x position x d_model
+x 4 bytes per layer (500 MiB over 8 layers at 16000); a linear layer reads its (S, z) state, 1 MiB
+in all. Were both read at one rate, softmax / linear could not exceed (weights + KV cache) /
+(weights + linear state), recorded as ``bytes_ratio`` (~4.0 at 16000 for the default model). On
+a CPU whose last-level cache holds the weights (``machine.cpu_caches``; 260 MiB of L3 on the
+machine these results were written on) that is no bound: the weights stay in cache from one step
+to the next while a KV cache larger than it streams from memory. ``read_rates`` records both: the
+weights' rate from a chain of the linear model's matrix-vector products alone, the KV cache's from
+softmax's extra time per extra byte between the two positions. Where the weights are read fast, the
+linear model's step is dominated by the per-operation overhead of eager PyTorch, which
+``compile`` removes.
 
 Part 2, images/s (issue 6): ``image_batch`` images of 28 x 28 = 784 pixel tokens each are sampled
 (temperature 1) from a pixel model (vocab 256 pixel values + 1 start token, default d_model 256,
@@ -60,7 +66,35 @@ __all__ = ["IMAGE_PIXELS", "MECHANISMS", "generate_recompute", "run_generate", "
 MECHANISMS = {"linear": LinearConfig(), "favor": FavorConfig(), "local": LocalConfig(window=256),
               "softmax": SoftmaxConfig()}
 IMAGE_PIXELS = 28 * 28
+COMPILE_STEPS = 3  # untimed steps per pair before the timed rounds when compiled steps are timed
 IMAGE_MECHANISMS = ("linear", "favor", "softmax")
+
+
+def weight_read_rate(lm: TransformerLM, repeats: int = 20) -> float:
+    """GB/s of one token's matrix-vector products over every ``nn.Linear`` of ``lm`` in model order
+    and nothing else (median of ``repeats`` after one warm-up pass): how fast this machine reads
+    the weights of a decoding step when nothing runs between the products."""
+    layers = [m for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(1, m.in_features, dtype=m.weight.dtype) for m in layers]
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    ts = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            for m, x in zip(layers, inputs):
+                torch.nn.functional.linear(x, m.weight, m.bias)
+            ts.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(ts[1:]) / 1e9
+
+
+def _cloned(state):
+    """A copy of a decoding state (nested NamedTuples of tensors and ints) sharing no storage."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, tuple):
+        items = [_cloned(x) for x in state]
+        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return state
 
 
 def state_bytes(state) -> int:
@@ -100,9 +134,12 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
                  steps: int = 20, warmup: int = 2, d_model: int = 512, n_layers: int = 8, n_heads: int = 8,
                  vocab_size: int = 32000, mechanisms: tuple[str, ...] = tuple(MECHANISMS),
                  recompute: bool = True, recompute_budget_s: float = 5.0, image_batch: int = 0,
-                 image_d_model: int = 256, image_layers: int = 8, quiet: bool = False) -> dict:
+                 image_d_model: int = 256, image_layers: int = 8, compile: bool = False,
+                 quiet: bool = False) -> dict:
     """Run both parts (part 2 only when ``image_batch`` > 0), write generate.json/md, return the
-    result. ``mechanisms`` must include "linear" and "softmax" (the claims compare them)."""
+    result. ``mechanisms`` must include "linear" and "softmax" (the claims compare them).
+    ``compile``: also time every mechanism's ``TransformerLM.compiled_step()`` (as
+    ``<name>+compile``), from its own copy of the prefilled state."""
     unknown = sorted(set(mechanisms) - set(MECHANISMS))
     if unknown or not {"linear", "softmax"} <= set(mechanisms):
         raise ValueError(f"run_generate: mechanisms must include 'linear' and 'softmax' and come from "
@@ -115,7 +152,7 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t_start = time.perf_counter()
     load = OtherLoad(reference=True)
-    max_len = max(positions) + warmup + steps + 1
+    max_len = max(positions) + warmup + steps + 1 + (COMPILE_STEPS if compile else 0)
     say(f"linattn bench generate: d_model {d_model}, {n_layers} layers, {n_heads} heads, vocab {vocab_size}, "
         f"float32, batch 1, positions {list(positions)}, {steps} timed steps, mechanisms {list(mechanisms)}, "
         f"{torch.get_num_threads()} threads")
@@ -125,6 +162,10 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
 
     g = torch.Generator().manual_seed(0)
     prompts = {p: torch.randint(0, vocab_size, (1, p + 1), generator=g) for p in positions}
+    # decoders: name -> (model, its step function); "<name>+compile" shares the model
+    steppers = {name: (lm, lm.step) for name, lm in models.items()}
+    if compile:
+        steppers.update({f"{name}+compile": (lm, lm.compiled_step()) for name, lm in models.items()})
     states, tokens, prefill_s, size_at_prefill = {}, {}, {}, {}
     with torch.no_grad():
         for name, lm in models.items():
@@ -135,13 +176,30 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
                 states[(name, p)], tokens[(name, p)] = state, logits[:, -1].argmax(-1, keepdim=True)
                 size_at_prefill[f"{name}@{p}"] = state_bytes(state)
                 say(f"  prefilled {name} at {p} in {prefill_s[f'{name}@{p}']:.2f} s")
+                if compile:  # its own copy: a KV cache is written in place
+                    key = f"{name}+compile"
+                    states[(key, p)], tokens[(key, p)] = _cloned(state), tokens[(name, p)]
+                    prefill_s[f"{key}@{p}"], size_at_prefill[f"{key}@{p}"] = prefill_s[f"{name}@{p}"], size_at_prefill[f"{name}@{p}"]
+
+        def advance(name: str, p: int) -> float:
+            lm, step = steppers[name]
+            t0 = time.perf_counter()
+            logits, state = step(tokens[(name, p)], states[(name, p)])
+            dt = time.perf_counter() - t0
+            states[(name, p)], tokens[(name, p)] = state, logits.argmax(-1, keepdim=True)
+            return dt
+
+        if compile:
+            # compiled steps compile during their first calls (one specialised graph, then one
+            # with position and cache length symbolic); every pair takes these untimed steps
+            for name, p in list(states):
+                for _ in range(COMPILE_STEPS):
+                    advance(name, p)
+            say(f"  compiled and stepped {COMPILE_STEPS} steps per pair ({time.perf_counter() - t_start:.0f} s so far)")
         times: dict[str, list[float]] = {f"{n}@{p}": [] for n, p in states}
         for i in range(warmup + steps):  # interleaved: one step of every pair per round
-            for (name, p), state in list(states.items()):
-                t0 = time.perf_counter()
-                logits, state = models[name].step(tokens[(name, p)], state)
-                dt = time.perf_counter() - t0
-                states[(name, p)], tokens[(name, p)] = state, logits.argmax(-1, keepdim=True)
+            for name, p in list(states):
+                dt = advance(name, p)
                 if i >= warmup:
                     times[f"{name}@{p}"].append(dt)
         recompute_times: dict[str, list[float]] = {}
@@ -158,17 +216,35 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
     seconds = {k: statistics.median(v) for k, v in times.items()}
     seconds.update({k: statistics.median(v) for k, v in recompute_times.items()})
     weight_bytes = {n: sum(p.numel() * p.element_size() for p in lm.parameters()) for n, lm in models.items()}
-    traffic = {f"{n}@{p}": weight_bytes[n] + size_at_prefill[f"{n}@{p}"] for n, p in states}
+    traffic = {f"{n}@{p}": weight_bytes[n] + size_at_prefill[f"{n}@{p}"] for n, p in states if n in models}
     size_after = {f"{n}@{p}": state_bytes(s) for (n, p), s in states.items()}
     lo, hi = min(positions), max(positions)
-    lin_ratio = seconds[f"linear@{hi}"] / seconds[f"linear@{lo}"]
-    speedup = seconds[f"softmax@{hi}"] / seconds[f"linear@{hi}"]
+    claim = {}
+    for suffix in ("", "+compile") if compile else ("",):
+        lin, soft = f"linear{suffix}", f"softmax{suffix}"
+        lin_ratio = seconds[f"{lin}@{hi}"] / seconds[f"{lin}@{lo}"]
+        speedup = seconds[f"{soft}@{hi}"] / seconds[f"{lin}@{hi}"]
+        claim.update({
+            f"{lin}@{hi} / {lin}@{lo}": lin_ratio,
+            f"{lin}@{hi} within 1.3x of {lin}@{lo}": lin_ratio <= 1.3,
+            f"{soft}@{hi} / {lin}@{hi}": speedup,
+            f"{lin} at least 5x faster than {soft} (KV cache) at {hi}": speedup >= 5.0,
+        })
+    # how fast each kind of byte was read: the linear model's weights alone, and the KV cache as
+    # the softmax model's extra time per extra byte between the two positions
+    kv_extra = size_at_prefill[f"softmax@{hi}"] - size_at_prefill[f"softmax@{lo}"]
+    read_rates = {"weights, matrix-vector products alone (GB/s)": weight_read_rate(models["linear"])}
+    if kv_extra > 0 and seconds[f"softmax@{hi}"] > seconds[f"softmax@{lo}"]:
+        read_rates["KV cache, softmax's extra time per extra byte (GB/s)"] = (
+            kv_extra / (seconds[f"softmax@{hi}"] - seconds[f"softmax@{lo}"]) / 1e9)
+    claim["linear state size independent of position"] = len(
+        {size_at_prefill[f"linear@{p}"] for p in positions} | {size_after[f"linear@{p}"] for p in positions}) == 1
     command = (f"linattn bench generate --positions {','.join(map(str, positions))} --steps {steps} "
                f"--d-model {d_model} --layers {n_layers} --heads {n_heads} --vocab {vocab_size} "
                f"--mechanisms {','.join(mechanisms)}" + ("" if recompute else " --no-recompute")
                + f" --images {image_batch}"
                + (f" --image-d-model {image_d_model} --image-layers {image_layers}" if image_batch else "")
-               + f" --out {out_dir}")
+               + (" --compile" if compile else "") + f" --out {out_dir}")
     result = {
         "command": command,
         "machine": machine_info(),
@@ -176,7 +252,9 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
                    "vocab_size": vocab_size, "positional": "sinusoidal", "dtype": "float32", "batch": 1,
                    "positions": list(positions), "steps": steps, "warmup": warmup,
                    "mechanisms": {n: MECHANISMS[n].to_dict() for n in mechanisms},
-                   "timing": "median per-token step time over interleaved steps after warm-up"},
+                   "compile": compile,
+                   "timing": "median per-token step time over interleaved steps after warm-up"
+                             + (f" ({COMPILE_STEPS} more untimed steps per pair first, for compiling)" if compile else "")},
         "parameters": params,
         "seconds_per_token": seconds,
         "tokens_per_second": {k: 1.0 / s for k, s in seconds.items()},
@@ -186,16 +264,10 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
         "state_bytes_after_steps": size_after,
         "weight_bytes": weight_bytes,
         "bytes_read_per_token_estimate": traffic,
-        "traffic_ratio_bound": {f"softmax@{p} / linear@{p}": traffic[f"softmax@{p}"] / traffic[f"linear@{p}"]
-                                for p in positions},
-        "claim": {
-            f"linear@{hi} / linear@{lo}": lin_ratio,
-            f"linear@{hi} within 1.3x of linear@{lo}": lin_ratio <= 1.3,
-            f"softmax@{hi} / linear@{hi}": speedup,
-            f"linear at least 5x faster than softmax+KV cache at {hi}": speedup >= 5.0,
-            "linear state size independent of position": len({size_at_prefill[f"linear@{p}"] for p in positions}
-                                                               | {size_after[f"linear@{p}"] for p in positions}) == 1,
-        },
+        "read_rates": read_rates,
+        "bytes_ratio": {f"softmax@{p} / linear@{p}": traffic[f"softmax@{p}"] / traffic[f"linear@{p}"]
+                        for p in positions},
+        "claim": claim,
     }
     if image_batch:
         say(f"  images: {image_batch} x {IMAGE_PIXELS} pixels, d_model {image_d_model}, {image_layers} layers "
@@ -267,12 +339,24 @@ def _markdown(r: dict) -> str:
         else:  # recomputing the prefix keeps no state and needs no prefill
             size, prefill = "0 (no state)", "-"
         lines.append(f"| {name} | {p} | {1e3 * s:.2f} | {1 / s:.2f} | {size} | {prefill} |")
-    lines += ["", "Bytes read per token (weights + decoding state), and the ratio they bound softmax / linear to:", "",
-              "| pair | MB read per token | bound on softmax / linear |", "| --- | ---: | ---: |"]
+    l3 = r["machine"].get("cpu_caches", {}).get("L3")
+    weights = r["weight_bytes"]["linear"]
+    if l3 is None:
+        where = "(the last-level cache's size is unknown here)"
+    elif weights <= l3:
+        where = (f"here they do not: the {l3 / 2**20:.0f} MiB L3 cache holds the {weights / 1e6:.0f} MB of weights "
+                 "from one step to the next, a long KV cache streams from memory, so the ratio is no bound")
+    else:
+        where = f"the {weights / 1e6:.0f} MB of weights exceed the {l3 / 2**20:.0f} MiB L3 cache here"
+    lines += ["", "Bytes read per token (weights + decoding state). Their ratio would bound softmax / linear "
+              f"if both were read at one rate; {where}:", "",
+              "| pair | MB read per token | bytes ratio softmax / linear |", "| --- | ---: | ---: |"]
     for key, b in r["bytes_read_per_token_estimate"].items():
         name, p = key.split("@")
-        bound = r["traffic_ratio_bound"][f"softmax@{p} / linear@{p}"] if name == "softmax" else None
-        lines.append(f"| {key} | {b / 1e6:.0f} | {'' if bound is None else f'{bound:.2f}'} |")
+        ratio = r["bytes_ratio"][f"softmax@{p} / linear@{p}"] if name == "softmax" else None
+        lines.append(f"| {key} | {b / 1e6:.0f} | {'' if ratio is None else f'{ratio:.2f}'} |")
+    lines += ["", "| read rate | GB/s |", "| --- | ---: |"]
+    lines += [f"| {k.removesuffix(' (GB/s)')} | {v:.1f} |" for k, v in r.get("read_rates", {}).items()]
     lines += ["", "| claim | value |", "| --- | --- |"]
     for k, v in r["claim"].items():
         lines.append(f"| {k} | {v if isinstance(v, bool) else f'{v:.2f}'} |")

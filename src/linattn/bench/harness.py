@@ -386,6 +386,22 @@ def describe_load(load: dict | None) -> str:
     return text
 
 
+def _cpu_caches() -> dict[str, int]:
+    """CPU 0's data caches as {"L1": bytes, "L2": bytes, "L3": bytes} from Linux sysfs ({} elsewhere).
+    Whether a model's weights fit in the last level decides what decoding speed is bound by."""
+    caches = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+            level = (index / "level").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction" and size.endswith("K"):
+            caches[f"L{level}"] = int(size[:-1]) * 1024
+    return caches
+
+
 def machine_info() -> dict:
     info = {
         "platform": platform.platform(),
@@ -396,6 +412,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "linattn": linattn.__version__,
         "malloc_env": {k: os.environ[k] for k in TUNED_MALLOC_ENV if k in os.environ},
+        "cpu_caches": _cpu_caches(),
     }
     try:
         import fast_transformers  # noqa: F401

@@ -59,18 +59,23 @@ class Block(nn.Module):
         self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
         self.drop = nn.Dropout(c.dropout)
 
+    def _drop(self, x: Tensor) -> Tensor:
+        # an inactive dropout is skipped rather than called: a decoding step is made of small
+        # calls, and each costs more than its arithmetic
+        return self.drop(x) if self.drop.training and self.drop.p > 0 else x
+
     def _mlp(self, x: Tensor) -> Tensor:
         if self.pre_norm:
-            return x + self.drop(self.ff(self.norm2(x)))
-        return self.norm2(x + self.drop(self.ff(x)))
+            return x + self._drop(self.ff(self.norm2(x)))
+        return self.norm2(x + self._drop(self.ff(x)))
 
     def _attend(self, x: Tensor, run) -> tuple[Tensor, object]:
         """``run(h) -> (attention output, state)`` on the (pre-normed) input; residual and norm."""
         if self.pre_norm:
             a, state = run(self.norm1(x))
-            return x + self.drop(a), state
+            return x + self._drop(a), state
         a, state = run(x)
-        return self.norm1(x + self.drop(a)), state
+        return self.norm1(x + self._drop(a)), state
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
                 return_state: bool = False):
