@@ -344,8 +344,10 @@ def _markdown(r: dict) -> str:
     if l3 is None:
         where = "(the last-level cache's size is unknown here)"
     elif weights <= l3:
-        where = (f"here they do not: the {l3 / 2**20:.0f} MiB L3 cache holds the {weights / 1e6:.0f} MB of weights "
-                 "from one step to the next, a long KV cache streams from memory, so the ratio is no bound")
+        where = (f"here the {l3 / 2**20:.0f} MiB L3 cache is large enough to keep the {weights / 1e6:.0f} MB of "
+                 "weights from one step to the next while a longer KV cache streams from memory, so the ratio "
+                 "need not bound anything (the L3 is shared with whatever else runs on the host; the read "
+                 "rates below are what this run got)")
     else:
         where = f"the {weights / 1e6:.0f} MB of weights exceed the {l3 / 2**20:.0f} MiB L3 cache here"
     lines += ["", "Bytes read per token (weights + decoding state). Their ratio would bound softmax / linear "
