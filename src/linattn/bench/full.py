@@ -187,9 +187,10 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
     lines += ["- **Quality.** elu+1, relu, cos and efficient attention are different models, not "
               "approximations of softmax: they must be trained as such (docs/results.md compares trained "
               "models), and a pretrained softmax model needs fine-tuning after conversion.",
-              "- **Decoding at batch 1** is bound by reading the weights once per token, so at moderate "
-              "positions the recurrent state saves little over a KV cache; the gap opens as the KV cache "
-              "grows (see the bytes-read table above) and with larger batches.",
+              "- **Decoding at batch 1** is bound by reading the weights once per token and, on a CPU, by "
+              "eager PyTorch's per-operation overhead (the `+compile` rows remove part of it), so at "
+              "moderate positions the recurrent state saves little over a KV cache; the gap opens as the "
+              "KV cache grows (see the bytes-read table above) and with larger batches.",
               "- **Local attention** does the same number of scores at N = 65536, window 256 as softmax at "
               "N = 4096, in many small blocks; SDPA's one large fused problem is faster per score "
               "(docs/benchmarks/family.md).",
