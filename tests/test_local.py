@@ -102,7 +102,7 @@ def _run_in_pieces(q, k, v, mask, window, cuts):
     for a, b in zip(cuts[:-1], cuts[1:]):
         o, state = linattn.local_attention(
             q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], window=window, causal=True,
-            key_padding_mask=mask[:, a:b], initial_state=state, return_state=True,
+            key_padding_mask=None if mask is None else mask[:, a:b], initial_state=state, return_state=True,
         )
         outs.append(o)
     return torch.cat(outs, 2), state
@@ -140,6 +140,24 @@ def test_step_by_step_equals_parallel():
     assert torch.equal(par[0, :, :3], torch.zeros_like(par[0, :, :3]))
     for gp, gr in zip(grads(par, (q, k, v)), grads(rec, (q, k, v))):
         assert torch.isfinite(gp).all()
+        assert_close(gr, gp)
+
+
+@pytest.mark.parametrize("N,W", [(29, 6), (5, 9), (40, 1)])
+def test_unpadded_steps_equal_parallel_outputs_states_and_gradients(N, W):
+    # one unpadded position at a time takes the decoding fast path (SDPA over the unrolled ring);
+    # N > W wraps the ring several times, N < W leaves empty slots
+    q, k, v = make_qkv(2, 3, N, N, 8, 5, seed=N + W)
+    par, par_state = linattn.local_attention(q, k, v, window=W, causal=True, return_state=True)
+    rec, state = _run_in_pieces(q, k, v, None, W, list(range(N + 1)))
+    assert_close(rec, par)
+    assert state.pos == N
+    for name in ("k", "v", "valid"):
+        assert torch.equal(getattr(state, name), getattr(par_state, name)), name
+    # gradients through outputs and through the carried ring
+    loss_p = (par * torch.cos(par)).sum() + par_state.v.square().sum()
+    loss_r = (rec * torch.cos(rec)).sum() + state.v.square().sum()
+    for gp, gr in zip(torch.autograd.grad(loss_p, (q, k, v)), torch.autograd.grad(loss_r, (q, k, v))):
         assert_close(gr, gp)
 
 

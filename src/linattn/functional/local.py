@@ -237,6 +237,32 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int
     return out if nb * C == N else out[:, :, :N]
 
 
+def _decoding_step(q: Tensor, k: Tensor, v: Tensor, state: LocalAttentionState, scale: float,
+                   return_state: bool):
+    """One unpadded query at position ``pos = state.pos``: ``q, k (B, H, 1, D)``, ``v (B, H, 1, Dv)``.
+
+    It sees positions pos - W .. pos: the W ring slots (the valid ones) and itself. Softmax does not
+    depend on the order of its keys, so the ring is used as it lies, not rolled into order, and one
+    SDPA over [ring, new key] replaces the general path's rolls, block windows and band mask (at
+    B = 1, H = 8, W = 256, D = 64 most of a step's time). The new key then takes slot pos % W,
+    which held position pos - W, the one that leaves the window.
+    """
+    dt = compute_dtype(q.dtype)
+    W = state.k.shape[2]
+    keys = torch.cat([state.k.to(k.dtype), k], 2)  # (B, H, W + 1, D)
+    values = torch.cat([state.v.to(v.dtype), v], 2)
+    allowed = F.pad(state.valid, (0, 1), value=True)[:, None, None, :]  # (B, 1, 1, W + 1): itself always
+    out = F.scaled_dot_product_attention(q.to(dt), keys.to(dt), values.to(dt), attn_mask=allowed,
+                                         scale=scale).to(q.dtype)
+    if not return_state:
+        return out
+    slot = state.pos % W
+    valid = state.valid.clone()
+    valid[:, slot] = True
+    ring = lambda x, new: torch.cat([x[:, :, :slot], new, x[:, :, slot + 1 : W]], 2)  # noqa: E731
+    return out, LocalAttentionState(ring(keys, k), ring(values, v), valid, state.pos + 1)
+
+
 def local_attention(
     q: Tensor,
     k: Tensor,
@@ -276,6 +302,8 @@ def local_attention(
     window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state)
     scale = _check_scale(fn, scale, q.shape[-1])
     with no_autocast(q.device.type):
+        if initial_state is not None and q.shape[2] == 1 and key_padding_mask is None:
+            return _decoding_step(q, k, v, initial_state, scale, return_state)
         keys, values, valid, offset = _key_sequence(k, v, key_padding_mask, initial_state)
         N = q.shape[2]
         if N == 0:
