@@ -186,6 +186,33 @@ def test_step_by_step_equals_parallel(kernel, features):
         assert_close(x, y)
 
 
+@pytest.mark.parametrize("growing", [False, True])
+def test_unpadded_steps_equal_parallel_outputs_states_and_gradients(growing):
+    # one unpadded position at a time takes the decoding fast path (positive softmax features);
+    # growing key norms raise the running maximum at many steps, so the carried sums are rescaled
+    n = 33
+    q, k, v = make_qkv(2, 3, n, n, 8, 5, seed=21)
+    if growing:
+        with torch.no_grad():
+            k.mul_(torch.linspace(0.5, 6.0, n, dtype=k.dtype)[:, None])
+    W = projection(10, 8)
+    kw = dict(causal=True, return_state=True)
+    parallel, ps = linattn.favor_attention(q, k, v, W, **kw)
+    state, outs = None, []
+    for i in range(n):
+        o, state = linattn.favor_attention(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], W,
+                                           initial_state=state, **kw)
+        outs.append(o)
+    steps = torch.cat(outs, dim=2)
+    assert_close(steps, parallel)
+    for name in ("S", "z", "log_scale"):
+        assert_close(getattr(state, name), getattr(ps, name), msg=name)
+    loss_p = (parallel * torch.cos(parallel)).sum() + ps.S.sum() + ps.z.square().sum()
+    loss_s = (steps * torch.cos(steps)).sum() + state.S.sum() + state.z.square().sum()
+    for x, y in zip(torch.autograd.grad(loss_p, (q, k, v)), torch.autograd.grad(loss_s, (q, k, v))):
+        assert_close(x, y)
+
+
 # ------------------------------------------------------------------------------------------
 # stabiliser: causal, finite at any input scale
 # ------------------------------------------------------------------------------------------

@@ -356,6 +356,9 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     s0 = log_scale0 = None
     if initial_state is not None:
         _check_state(fn, initial_state, B, H, Fd, dv, q.device, scaled=True)
+        if (causal and nq == 1 and mask is None and kernel == "softmax" and features == "positive"
+                and initial_state.log_scale is not None):
+            return _decoding_step(q, k, v, W, scale, initial_state, return_state, out_dtype)
         s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
         if initial_state.log_scale is not None:
             log_scale0 = initial_state.log_scale.to(dt).detach()
@@ -436,6 +439,43 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     else:
         final_scale = log_scale0 if log_scale0 is not None else torch.zeros(B, H, dtype=dt, device=q.device)
     return out, _state(s_final, dv, final_scale)
+
+
+def _decoding_step(q: Tensor, k: Tensor, v: Tensor, W: Tensor, scale: float, state: LinearAttentionState,
+                   return_state: bool, out_dtype: torch.dtype):
+    """One unpadded position of positive softmax-kernel FAVOR+ from ``state``: ``q, k (B, H, 1, D)``,
+    ``v (B, H, 1, Dv)``, all in the compute dtype; the arithmetic of the causal path of
+    :func:`_favor` for N = 1, with S and z kept apart.
+
+    The general path joins [S, z] and [v, 1] and rescales, adds and splits the joined (B, H, m,
+    Dv + 1) state: four full passes over it and two copies per step. Here the state is rescaled
+    and updated once each (S r + phi(k)^T v, z r + phi(k)), and numerator and normaliser are two
+    small products. One step at B = 1, H = 8, m = 256, D = 64: 364 -> 330 us; what remains is
+    mostly the two passes over S (512 KiB) and per-operation overhead.
+    """
+    m = W.shape[0]
+    inv_root_m = 1.0 / math.sqrt(m)
+    dt = q.dtype
+    Wr = W * scale**0.5  # (m, D)
+    uq = q @ Wr.T  # (B, H, 1, m)
+    uk = k @ Wr.T
+    half_sq = k.square().sum(-1, keepdim=True) * (scale / 2)  # (B, H, 1, 1)
+    qf = _exp_features(uq, uq.amax(-1, keepdim=True).detach(), inv_root_m)
+    c = (uk.amax(-1) - half_sq[..., 0]).detach()  # (B, H, 1): the key's log-magnitude
+    log_scale0 = state.log_scale.to(dt).detach()[..., None]  # (B, H, 1)
+    # the running maximum after this key; the lowest finite value where both are -inf (no key yet)
+    run = torch.maximum(c, log_scale0)
+    run = torch.where(torch.isfinite(run), run, torch.finfo(dt).min)
+    kf = _exp_features(uk, half_sq + run[..., None], inv_root_m)  # (B, H, 1, m), exponents <= 0
+    r = torch.exp(log_scale0 - run)  # (B, H, 1): the carried sums to the new scale, <= 1
+    S = torch.addcmul(state.S.to(dt) * r[..., None], kf.transpose(-1, -2), v)  # (B, H, m, Dv)
+    z = torch.addcmul(kf[:, :, 0], state.z.to(dt), r)  # (B, H, m)
+    den = qf @ z[..., None]  # (B, H, 1, 1)
+    # as linear._inverse_normaliser: an underflowed normaliser is replaced by 1
+    out = (qf @ S).div_(torch.where(den.abs() >= torch.finfo(dt).tiny, den, 1.0)).to(out_dtype)
+    if not return_state:
+        return out
+    return out, LinearAttentionState(S=S, z=z, log_scale=run[..., 0])
 
 
 def _finish(o: Tensor, dv: int, features: str, out_dtype: torch.dtype) -> Tensor:
