@@ -275,13 +275,12 @@ class TransformerLM(_Transformer):
         products, and on a CPU their per-call overhead can cost more than their arithmetic; the
         compiled step fuses the elementwise work into a few generated kernels. Measured at
         d_model 512, 8 layers, batch 1, 2 CPU threads (``linattn bench generate --compile``,
-        docs/benchmarks/generate_vocab256): a linear-attention step 1.3-1.5x faster at vocab 256,
-        little at vocab 32000 where reading the output layer dominates; softmax at long positions
-        gains little (it is bound by reading its KV cache). Compiling takes tens of seconds during
-        the first calls (one specialised compile, then one with the position and cache length
-        symbolic) and needs a C++ compiler on CPU; compiled code is kept for the rest of the
-        process. Local attention's step falls back to eager in part (a data-dependent check). The
-        eager :meth:`step` stays the reference.
+        docs/benchmarks/generate*.md): linear and FAVOR+ steps 1.3-1.6x faster; softmax at long
+        positions about 1.05x (it is bound by reading its KV cache); local attention's step no
+        faster (slightly slower). Compiling takes tens of seconds during the first calls (one
+        specialised compile, then one with the position and cache length symbolic) and needs a
+        C++ compiler on CPU; compiled code is kept for the rest of the process. The eager
+        :meth:`step` stays the reference.
         """
         self._check_recurrent("compiled_step")
         return torch.compile(self.step)
