@@ -79,7 +79,7 @@ def weight_read_rate(lm: TransformerLM, repeats: int = 20) -> float:
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
     ts = []
     with torch.no_grad():
-        for i in range(repeats + 1):
+        for _ in range(repeats + 1):
             t0 = time.perf_counter()
             for m, x in zip(layers, inputs):
                 torch.nn.functional.linear(x, m.weight, m.bias)
@@ -162,10 +162,10 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
 
     g = torch.Generator().manual_seed(0)
     prompts = {p: torch.randint(0, vocab_size, (1, p + 1), generator=g) for p in positions}
-    # decoders: name -> (model, its step function); "<name>+compile" shares the model
-    steppers = {name: (lm, lm.step) for name, lm in models.items()}
+    # decoders: name -> step function; "<name>+compile" steps the same model compiled
+    steppers = {name: lm.step for name, lm in models.items()}
     if compile:
-        steppers.update({f"{name}+compile": (lm, lm.compiled_step()) for name, lm in models.items()})
+        steppers.update({f"{name}+compile": lm.compiled_step() for name, lm in models.items()})
     states, tokens, prefill_s, size_at_prefill = {}, {}, {}, {}
     with torch.no_grad():
         for name, lm in models.items():
@@ -182,9 +182,8 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
                     prefill_s[f"{key}@{p}"], size_at_prefill[f"{key}@{p}"] = prefill_s[f"{name}@{p}"], size_at_prefill[f"{name}@{p}"]
 
         def advance(name: str, p: int) -> float:
-            lm, step = steppers[name]
             t0 = time.perf_counter()
-            logits, state = step(tokens[(name, p)], states[(name, p)])
+            logits, state = steppers[name](tokens[(name, p)], states[(name, p)])
             dt = time.perf_counter() - t0
             states[(name, p)], tokens[(name, p)] = state, logits.argmax(-1, keepdim=True)
             return dt

@@ -47,6 +47,7 @@ from .linear import (
     LinearAttentionState,
     _check_state,
     _check_state_args,
+    _divide_by_normaliser_,
     _normalise,
     causal_linear_product,
 )
@@ -470,9 +471,7 @@ def _decoding_step(q: Tensor, k: Tensor, v: Tensor, W: Tensor, scale: float, sta
     r = torch.exp(log_scale0 - run)  # (B, H, 1): the carried sums to the new scale, <= 1
     S = torch.addcmul(state.S.to(dt) * r[..., None], kf.transpose(-1, -2), v)  # (B, H, m, Dv)
     z = torch.addcmul(kf[:, :, 0], state.z.to(dt), r)  # (B, H, m)
-    den = qf @ z[..., None]  # (B, H, 1, 1)
-    # as linear._inverse_normaliser: an underflowed normaliser is replaced by 1
-    out = (qf @ S).div_(torch.where(den.abs() >= torch.finfo(dt).tiny, den, 1.0)).to(out_dtype)
+    out = _divide_by_normaliser_(qf @ S, qf @ z[..., None]).to(out_dtype)
     if not return_state:
         return out
     return out, LinearAttentionState(S=S, z=z, log_scale=run[..., 0])
