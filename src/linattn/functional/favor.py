@@ -378,10 +378,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             return out, _state(s_final, dv, torch.zeros(B, H, dtype=dt, device=q.device))
         return out
 
-    Wr = W * scale**0.5  # (m, D): u = x' W^T = x Wr^T
-    uq = q @ Wr.T  # (B, H, Nq, m)
-    uk = k @ Wr.T  # (B, H, Nk, m)
-    half_sq = k.square().sum(-1, keepdim=True) * (scale / 2)  # (B, H, Nk, 1): ||k'||^2 / 2
+    uq, uk, half_sq = _projections(q, k, W, scale)
     if features == "positive":
         # Per-query stabiliser: exp(u - max u) cancels with the dropped exp(-||q'||^2/2).
         qf = _exp_features(uq, uq.amax(-1, keepdim=True).detach(), inv_root_m)
@@ -442,6 +439,13 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     return out, _state(s_final, dv, final_scale)
 
 
+def _projections(q: Tensor, k: Tensor, W: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``u = x' W^T`` for queries and keys with ``x' = x scale^(1/2)`` (``W (m, D)``), and
+    ``||k'||^2 / 2``: ``uq (B, H, Nq, m)``, ``uk (B, H, Nk, m)``, ``half_sq (B, H, Nk, 1)``."""
+    Wr = W * scale**0.5  # (m, D): u = x' W^T = x Wr^T
+    return q @ Wr.T, k @ Wr.T, k.square().sum(-1, keepdim=True) * (scale / 2)
+
+
 def _decoding_step(q: Tensor, k: Tensor, v: Tensor, W: Tensor, scale: float, state: LinearAttentionState,
                    return_state: bool, out_dtype: torch.dtype):
     """One unpadded position of positive softmax-kernel FAVOR+ from ``state``: ``q, k (B, H, 1, D)``,
@@ -454,13 +458,9 @@ def _decoding_step(q: Tensor, k: Tensor, v: Tensor, W: Tensor, scale: float, sta
     small products. One step at B = 1, H = 8, m = 256, D = 64: 364 -> 330 us; what remains is
     mostly the two passes over S (512 KiB) and per-operation overhead.
     """
-    m = W.shape[0]
-    inv_root_m = 1.0 / math.sqrt(m)
+    inv_root_m = 1.0 / math.sqrt(W.shape[0])
     dt = q.dtype
-    Wr = W * scale**0.5  # (m, D)
-    uq = q @ Wr.T  # (B, H, 1, m)
-    uk = k @ Wr.T
-    half_sq = k.square().sum(-1, keepdim=True) * (scale / 2)  # (B, H, 1, 1)
+    uq, uk, half_sq = _projections(q, k, W, scale)  # (B, H, 1, m), (B, H, 1, m), (B, H, 1, 1)
     qf = _exp_features(uq, uq.amax(-1, keepdim=True).detach(), inv_root_m)
     c = (uk.amax(-1) - half_sq[..., 0]).detach()  # (B, H, 1): the key's log-magnitude
     log_scale0 = state.log_scale.to(dt).detach()[..., None]  # (B, H, 1)
