@@ -149,6 +149,31 @@ def test_padding_content_never_leaks(content, causal):
     assert torch.equal(g2[0] * pad, torch.zeros_like(g2[0]))
 
 
+@pytest.mark.parametrize("fn", [linattn.lsh_attention, lsh_attention_reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_empty_sequence_gives_empty_output_and_gradients(fn, causal, masked, dtype):
+    """N = 0 (so zero buckets): an empty (B, H, 0, Dv) output still attached to qk and v."""
+    qk, v = _qk_v(2, 3, 0, 8, 5)
+    qk, v = qk.detach().to(dtype).requires_grad_(), v.detach().to(dtype).requires_grad_()
+    mask = torch.ones(2, 0, dtype=torch.bool) if masked else None
+    out = fn(qk, v, n_hashes=3, bucket_size=4, causal=causal, key_padding_mask=mask, generator=_gen())
+    assert out.shape == (2, 3, 0, 5) and out.dtype == dtype
+    gq, gv = torch.autograd.grad(out, (qk, v), torch.ones_like(out))
+    assert gq.shape == qk.shape and gv.shape == v.shape and gq.dtype == gv.dtype == dtype
+
+
+@pytest.mark.parametrize("fn", [linattn.lsh_attention, lsh_attention_reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_batch(fn, causal):
+    qk, v = _qk_v(0, 2, 12, 8, 5)
+    out = fn(qk, v, n_hashes=2, bucket_size=4, causal=causal, key_padding_mask=torch.ones(0, 12, dtype=torch.bool))
+    assert out.shape == (0, 2, 12, 5)
+    gq, gv = torch.autograd.grad(out, (qk, v), torch.ones_like(out))
+    assert gq.shape == qk.shape and gv.shape == v.shape
+
+
 def test_half_inputs():
     qk, v = _qk_v(1, 2, 64, 16, 8)
     qk, v = qk.detach().float(), v.detach().float()

@@ -36,9 +36,13 @@ def _key_logits(k: Tensor, key_padding_mask: Tensor | None) -> Tensor:
 
 
 def _softmax_over_keys(logits: Tensor) -> Tensor:
-    """Softmax over dim -2 that returns zeros (not NaN) for a column whose every entry is -inf."""
-    col_max = logits.amax(-2, keepdim=True)  # (B, H, 1, D)
-    col_max = torch.where(torch.isfinite(col_max), col_max, torch.zeros_like(col_max)).detach()
+    """Softmax over dim -2 that returns zeros (not NaN) for a column whose every entry is -inf, and
+    an empty ``(B, H, 0, D)`` for no keys at all (whose context sum is then zeros)."""
+    if logits.shape[-2] == 0:  # Nk = 0: amax over no keys is undefined; any shift will do
+        col_max = logits.new_zeros(*logits.shape[:-2], 1, logits.shape[-1])  # (B, H, 1, D)
+    else:
+        col_max = logits.amax(-2, keepdim=True)  # (B, H, 1, D)
+        col_max = torch.where(torch.isfinite(col_max), col_max, torch.zeros_like(col_max)).detach()
     e = torch.exp(logits - col_max)  # exp(-inf) = 0 for padding
     total = e.sum(-2, keepdim=True)
     return e / torch.where(total > 0, total, torch.ones_like(total))

@@ -88,7 +88,10 @@ def _prepare(qk, v, n_hashes, n_buckets, key_padding_mask, generator, dt):
     rot = _rotations(qk.shape[-1], n_hashes, n_buckets, generator, qk.device, dt)
     with torch.no_grad():
         proj = torch.einsum("bhnd,dre->bhrne", k, rot)  # (B, H, R, N, ceil(Nbk/2))
-        buckets = torch.cat([proj, -proj], dim=-1)[..., :n_buckets].argmax(-1)  # (B, H, R, N)
+        if n_buckets == 0:  # N = 0: nothing to hash, and argmax over zero buckets is undefined
+            buckets = proj.new_zeros(proj.shape[:-1], dtype=torch.long)  # (B, H, R, 0)
+        else:
+            buckets = torch.cat([proj, -proj], dim=-1)[..., :n_buckets].argmax(-1)  # (B, H, R, N)
         if key_padding_mask is not None:
             buckets = buckets.masked_fill(~key_padding_mask[:, None, None, :], n_buckets)
     return qk, k, v, buckets
@@ -115,8 +118,11 @@ def _combine_rounds(o: Tensor, lse: Tensor, v: Tensor, key_padding_mask: Tensor 
 def _masked_softmax_lse(scores: Tensor, allowed: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax over the last dim restricted to ``allowed``, times ``values``, and the row's
     log-sum-exp (-inf for a row with nothing allowed, whose output is 0). No NaN, even in gradients."""
-    top = torch.where(allowed, scores, torch.full_like(scores, float("-inf"))).amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    if scores.shape[-1] == 0:  # no keys at all (N = 0): amax over them is undefined
+        top = scores.new_zeros(*scores.shape[:-1], 1)
+    else:
+        top = torch.where(allowed, scores, torch.full_like(scores, float("-inf"))).amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
     e = torch.where(allowed, torch.exp(scores - top), torch.zeros_like(scores))
     z = e.sum(-1, keepdim=True)
     some = z > 0
@@ -205,10 +211,6 @@ def lsh_attention(
     n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask)
     scale = _check_scale(fn, scale, qk.shape[-1])
     with no_autocast(qk.device.type):
-        B, H, N, D = qk.shape
-        Dv = v.shape[-1]
-        if N == 0:
-            return (qk @ qk.transpose(-1, -2)) @ v  # (B, H, 0, Dv), attached to the graph
         dt = compute_dtype(qk.dtype)
         q, k, v, buckets = _prepare(qk, v, n_hashes, n_buckets, key_padding_mask, generator, dt)
         o, lse = _bucketed(q, k, v, buckets, n_buckets, bucket_size, causal, scale)
@@ -230,7 +232,7 @@ def _bucketed(q, k, v, buckets, n_buckets: int, c: int, causal: bool, scale: flo
         first = counts.cumsum(1) - counts  # (G, Nbk+1): sorted index of each bucket's first position
         rank = torch.arange(N, device=dev) - first.gather(1, h_sorted)  # rank in its bucket, (G, N)
         span = -(-counts[:, :n_buckets] // c) * c  # each bucket padded to whole chunks
-        np_ = int(span.sum(1).max())  # slots per round (<= 2N)
+        np_ = int(span.sum(1).max()) if G else 0  # slots per round (<= 2N); no rounds when B*H = 0
         start = torch.cat([span.cumsum(1) - span, torch.full((G, 1), np_, device=dev)], 1)  # padding -> dump slot
         slot = start.gather(1, h_sorted) + torch.where(h_sorted < n_buckets, rank, 0)  # (G, N)
         tok = torch.full((G, np_ + 1), -1, dtype=torch.long, device=dev).scatter_(1, slot, order)[:, :np_]
