@@ -4,8 +4,10 @@
 
 - ``model.safetensors`` + ``config.json``: the model, written by
   :func:`linattn.models.save_checkpoint` (so ``TransformerLM.from_pretrained`` opens it);
-- ``trainer.pt``: ``torch.save`` of the optimiser state and every rank's RNG states (torch, CUDA,
-  Python ``random``, numpy), loaded back with ``weights_only=True``;
+- ``trainer.pt``: ``torch.save`` of the optimiser state, every rank's RNG states (torch, CUDA,
+  Python ``random``, numpy) and the model's non-tensor state-dict entries (modules' extra state,
+  such as a FAVOR layer's redraw generator and counter, which ``model.safetensors`` cannot hold),
+  loaded back with ``weights_only=True``;
 - ``trainer.json``: step, sampler position, world size, the :class:`TrainConfig` and the sha256
   of ``trainer.pt``.
 
@@ -63,6 +65,11 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+def _extra_state(model: nn.Module) -> dict[str, Any]:
+    """The entries of ``model.state_dict()`` that are not tensors (``get_extra_state`` values)."""
+    return {k: v for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor)}
+
+
 def save_train_checkpoint(out_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                           config_dict: dict[str, Any], sampler_state: dict[str, int],
                           rng_states: list[dict[str, Any]], keep_last: int) -> Path:
@@ -72,7 +79,7 @@ def save_train_checkpoint(out_dir: str | Path, *, step: int, model: nn.Module, o
     folder = root / f"step_{step:08d}"
     save_checkpoint(model, folder)
     buf = io.BytesIO()
-    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_states}, buf)
+    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_states, "extra_state": _extra_state(model)}, buf)
     blob = buf.getvalue()
     _write_atomic(folder / TRAINER_FILE, blob)
     meta = {
@@ -113,9 +120,9 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def load_train_checkpoint(folder: str | Path) -> dict[str, Any]:
-    """``{"meta": trainer.json, "model": verified TransformerLM (CPU), "optimizer": state dict,
-    "rng": [per-rank states]}`` of a checkpoint folder. Raises ValueError when a file is missing,
-    damaged or from another format."""
+    """``{"meta": trainer.json, "model": verified TransformerLM (CPU) with its extra state restored,
+    "optimizer": state dict, "rng": [per-rank states]}`` of a checkpoint folder. Raises ValueError
+    when a file is missing, damaged or from another format."""
     folder = Path(folder)
     meta_path = folder / TRAINER_META
     if not meta_path.is_file():
@@ -137,4 +144,12 @@ def load_train_checkpoint(folder: str | Path) -> dict[str, Any]:
                          f"{meta_path} expects {meta['trainer_sha256']}")
     trainer = torch.load(io.BytesIO(blob), weights_only=True)
     model = load_checkpoint(TransformerLM, folder)
+    expected = set(_extra_state(model))
+    saved = trainer.get("extra_state")
+    if saved is None and expected:  # written before trainer.pt carried it
+        raise ValueError(f"{blob_path} lacks the model's extra state {sorted(expected)} (e.g. FAVOR redraw "
+                         "generators), so this checkpoint cannot be resumed exactly")
+    if saved is not None and set(saved) != expected:
+        raise ValueError(f"{blob_path}: extra state {sorted(saved)} does not match the model's {sorted(expected)}")
+    model.load_state_dict(saved or {}, strict=False)  # strict=False: the tensors are loaded already
     return {"meta": meta, "model": model, "optimizer": trainer["optimizer"], "rng": trainer["rng"]}
