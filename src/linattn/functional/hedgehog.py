@@ -24,6 +24,11 @@ queries against the 3C keys of their own and neighbouring blocks (C >= W), O(N C
 the out-of-window linear mass is the total minus the in-window part. Never an N x N matrix.
 Bidirectional only (the encoders it converts are bidirectional).
 
+Every form computes in :func:`compute_dtype` of the inputs (float32 for float16/bfloat16, maps
+cast along) with autocast off, and returns the input dtype: the sums over keys grow with N times
+|v| (float16 overflows at N = 200, |v| = 2000) and the windowed form subtracts the in-window linear
+mass from the total, which half precision cannot resolve.
+
 Dimension legend as in ``_checks.py``; F features per half (phi has 2F), C block length, Nb blocks.
 """
 
@@ -36,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, sanitize_padded
+from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
 
 __all__ = [
     "HedgehogMaps",
@@ -99,13 +104,28 @@ def _check(fn: str, q, k, v, maps: HedgehogMaps, window, key_padding_mask) -> No
         raise ValueError(f"{fn}: maps.log_gain must be (H,) = ({H},), got {tuple(maps.log_gain.shape)}")
 
 
+def _in_dtype(maps: HedgehogMaps, dt: torch.dtype) -> HedgehogMaps:
+    return HedgehogMaps(*(t.to(dt) for t in maps))
+
+
 def hedgehog_attention_weights(
     q: Tensor, k: Tensor, maps: HedgehogMaps, *, window: int = 0,
     key_padding_mask: Tensor | None = None, scale: float | None = None,
 ) -> Tensor:
     """The normalised attention weights ``(B, H, N, N)`` of :func:`hedgehog_attention`, built
     explicitly (O(N^2)): the reference, and the student's weights when distilling toward softmax
-    weights on short inputs. Padded keys (``key_padding_mask`` False) get weight 0."""
+    weights on short inputs. Padded keys (``key_padding_mask`` False) get weight 0. Computed in
+    float32 for half inputs, returned in the input dtype."""
+    dt = compute_dtype(q.dtype)
+    with no_autocast(q.device.type):
+        w = _weights(q.to(dt), k.to(dt), _in_dtype(maps, dt), window=window,
+                     key_padding_mask=key_padding_mask, scale=scale)
+    return w.to(q.dtype)
+
+
+def _weights(q: Tensor, k: Tensor, maps: HedgehogMaps, *, window: int, key_padding_mask: Tensor | None,
+             scale: float | None) -> Tensor:
+    """:func:`hedgehog_attention_weights` in the dtype of its arguments."""
     N = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     keep = torch.ones(q.shape[0], N, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
@@ -132,9 +152,12 @@ def hedgehog_attention_reference(
 ) -> Tensor:
     """Plain O(N^2) Hedgehog attention from the formula (weights times values); tests trust it."""
     _check("hedgehog_attention_reference", q, k, v, maps, window, key_padding_mask)
-    k, v = sanitize_padded(k, key_padding_mask), sanitize_padded(v, key_padding_mask)
-    w = hedgehog_attention_weights(q, k, maps, window=window, key_padding_mask=key_padding_mask, scale=scale)
-    return w @ v
+    dt = compute_dtype(q.dtype)
+    with no_autocast(q.device.type):
+        k, v = sanitize_padded(k, key_padding_mask).to(dt), sanitize_padded(v, key_padding_mask).to(dt)
+        w = _weights(q.to(dt), k, _in_dtype(maps, dt), window=window, key_padding_mask=key_padding_mask,
+                     scale=scale)  # (B, H, N, N)
+        return (w @ v).to(q.dtype)
 
 
 def hedgehog_attention(
@@ -154,10 +177,20 @@ def hedgehog_attention(
         scale: logit scale of the window's softmax; None means 1/sqrt(D).
 
     Returns:
-        ``(B, H, N, Dv)``.
+        ``(B, H, N, Dv)`` in the input dtype (computed in float32 for half inputs).
     """
     _check("hedgehog_attention", q, k, v, maps, window, key_padding_mask)
-    k, v = sanitize_padded(k, key_padding_mask), sanitize_padded(v, key_padding_mask)
+    dt = compute_dtype(q.dtype)
+    with no_autocast(q.device.type):
+        out = _hedgehog(q.to(dt), sanitize_padded(k, key_padding_mask).to(dt),
+                        sanitize_padded(v, key_padding_mask).to(dt), _in_dtype(maps, dt),
+                        window=window, key_padding_mask=key_padding_mask, scale=scale)
+    return out.to(q.dtype)
+
+
+def _hedgehog(q: Tensor, k: Tensor, v: Tensor, maps: HedgehogMaps, *, window: int,
+              key_padding_mask: Tensor | None, scale: float | None) -> Tensor:
+    """:func:`hedgehog_attention` in the dtype of its arguments, padded keys and values zeroed."""
     B, H, N, D = q.shape
     scale = D ** -0.5 if scale is None else scale
     fq = hedgehog_features(q, maps.q_weight, maps.q_bias)  # (B, H, N, 2F)
