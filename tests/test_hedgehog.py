@@ -66,3 +66,17 @@ def test_mechanism_starts_from_identity_maps_and_rejects_causal():
         mech(q, k, v, causal=True)
     with pytest.raises(ValueError, match="window must be an int >= 0"):
         HedgehogConfig(window=-1)
+
+
+@pytest.mark.parametrize("fn", [hedgehog_attention, hedgehog_attention_reference], ids=["fast", "reference"])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_empty_sequence(fn, window, masked):
+    q, k, v = make_qkv(2, 2, 0, 0, 4, 5)
+    maps = _maps(2, 4, 3)
+    mask = torch.ones(2, 0, dtype=torch.bool) if masked else None
+    out = fn(q, k, v, maps, window=window, key_padding_mask=mask)
+    assert out.shape == (2, 2, 0, 5)
+    ins = (q, k, v, *maps)
+    for t, g in zip(ins, torch.autograd.grad(out, ins, torch.ones_like(out), allow_unused=True)):
+        assert g is None or (g.shape == t.shape and not g.any())

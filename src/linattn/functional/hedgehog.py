@@ -138,7 +138,8 @@ def _weights(q: Tensor, k: Tensor, maps: HedgehogMaps, *, window: int, key_paddi
         band = (pos[:, None] - pos[None, :]).abs() <= window  # (N, N)
         s = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
         inside = band & keep
-        m = s.masked_fill(~inside, float("-inf")).amax(dim=-1, keepdim=True)
+        # N = 0: no key to take a max over (amax would raise); an empty sum keeps the shape
+        m = s.masked_fill(~inside, float("-inf")).amax(dim=-1, keepdim=True) if N else s.sum(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
         e = torch.exp((s - m).masked_fill(~inside, float("-inf")))
         gain = maps.log_gain.exp()[None, :, None, None]
@@ -233,6 +234,6 @@ def _hedgehog(q: Tensor, k: Tensor, v: Tensor, maps: HedgehogMaps, *, window: in
     gain = maps.log_gain.exp()[None, :, None, None]  # (1, H, 1, 1)
     num_w = (e - gain[..., None] * a) @ vw  # (B, H, Nb, C, Dv)
     den_w = (e - gain[..., None] * a).sum(dim=-1)  # (B, H, Nb, C)
-    num = num_w.reshape(B, H, Nb * C, -1)[:, :, :N] + gain * num_lin
+    num = num_w.reshape(B, H, Nb * C, v.shape[-1])[:, :, :N] + gain * num_lin  # Dv spelled out: Nb = 0 at N = 0
     den = den_w.reshape(B, H, Nb * C)[:, :, :N] + gain[..., 0] * den_lin
     return num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None]
