@@ -296,3 +296,16 @@ def test_cli_train_and_resume(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--config", str(path), "--set", "model.bogus=1"])
     assert "unknown keys ['bogus']" in capsys.readouterr().err
+
+
+def test_unusable_device_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # so the test means the same on a GPU machine
+    cfg = _config(tmp_path, device="cuda")
+    with pytest.raises(ValueError, match=r"TrainConfig.device \(--device\) = 'cuda'.*is_available\(\) is False"):
+        train(cfg, quiet=True)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--device", "cuda", "--out-dir", cfg.out_dir, "--max-steps", "1", "--quiet"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "linattn train: error: TrainConfig.device (--device) = 'cuda'" in err and "Traceback" not in err
+    assert not os.path.exists(cfg.out_dir)  # nothing written

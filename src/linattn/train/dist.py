@@ -46,18 +46,40 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _unusable(device: torch.device) -> str | None:
+    """Why torch cannot place tensors on ``device`` in this process, or None when it can: the
+    backend's ``is_available()`` (``torch.cuda``, ``torch.mps``, ...), then a one-element tensor."""
+    is_available = getattr(getattr(torch, device.type, None), "is_available", None)
+    if callable(is_available) and not is_available():
+        return f"torch.{device.type}.is_available() is False"
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:  # AssertionError: "Torch not compiled with CUDA enabled"
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None
+
+
 def setup(device: str) -> DistInfo:
     """Join the process group the environment describes (if any) and pick this rank's device.
 
     ``device``: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :class:`linattn.train.TrainConfig`).
+    Raises ValueError, before any process group is joined, when torch cannot use that device.
     """
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local = _env_int("LOCAL_RANK", rank)
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("TrainConfig.device='cuda' but torch.cuda.is_available() is False")
-    dev = torch.device("cuda", local % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        asked = f"'auto' (-> {device!r})"
+    else:
+        asked = repr(device)
+    use_cuda = device == "cuda"
+    dev = torch.device(device)
+    if use_cuda and torch.cuda.is_available():
+        dev = torch.device("cuda", local % torch.cuda.device_count())  # this rank's GPU, not GPU 0
+    why = _unusable(dev)
+    if why is not None:
+        raise ValueError(f"TrainConfig.device (--device) = {asked}: torch cannot use it here ({why})")
     if use_cuda:
         torch.cuda.set_device(dev)
     owns = False
