@@ -30,6 +30,7 @@ from linattn.functional import (
     softmax_attention_reference,
 )
 
+from ..extras import require_extra
 from .harness import format_seconds, machine_info, write_atomically
 
 DEFAULT_NS = (256, 1024, 4096, 16384)
@@ -104,6 +105,7 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
              generate_positions: tuple[int, ...] = GENERATE_POSITIONS, generate_model: dict | None = None,
              measure_memory: bool = True) -> dict:
     """Run the three parts, write demo.json/md (and the parts' own files), print the summary."""
+    require_extra("bench", command="linattn demo")  # the sweep part draws plots
     from .generate import run_generate
     from .sweep import SweepConfig, run_sweep
 

@@ -29,6 +29,7 @@ import torch
 
 import linattn
 
+from ..extras import require_extra
 from .harness import (
     ALLOCATORS,
     IMPLS,
@@ -209,6 +210,8 @@ def run_favor(
     *, out_dir: str | Path = "docs/benchmarks", what: tuple[str, ...] = ("approx", "speed"),
     ms: tuple[int, ...] = APPROX_MS, seeds: int = 20, n: int = 4096, repeats: int = 7, quiet: bool = False,
 ) -> dict:
+    if "approx" in what:  # its figure needs matplotlib: fail before any part runs
+        require_extra("bench", command="linattn bench favor --what approx")
     out_dir = Path(out_dir)
     results: dict = {}
     if "approx" in what:

@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from ..extras import require_extra
 from .harness import describe_load, format_seconds, write_atomically
 from .sweep import SweepConfig, format_sweep, run_sweep
 
@@ -30,6 +31,8 @@ def run_full(*, out_dir: str | Path = "docs/benchmarks/full", doc: str | Path = 
              sweep_config: SweepConfig = SweepConfig(), generate_kwargs: dict | None = None,
              doc_only: bool = False, command: str | None = None, quiet: bool = False) -> str:
     """Measure (unless ``doc_only``), write the document, return its text."""
+    if not doc_only:  # the sweep draws plots; the document alone does not
+        require_extra("bench", command="linattn bench full")
     from .generate import run_generate
 
     out_dir, doc = Path(out_dir), Path(doc)

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..extras import require_extra
 from .harness import (
     IMPLS,
     Case,
@@ -114,6 +115,7 @@ class _History:
 def run_sweep(config: SweepConfig = SweepConfig(), *, out_dir: str | Path = "report", command: str | None = None,
               quiet: bool = False) -> dict:
     """Run the sweep, write its files, return the result (the content of sweep.json)."""
+    require_extra("bench", command="linattn bench sweep")
     contenders = config.contenders()
     rows: list[dict] = []
     history: dict[tuple[str, str, str], _History] = {}

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bench.harness import OtherLoad, _vm_kib, machine_info, write_atomically
+from ..extras import require_extra
 from ..models import TransformerConfig, TransformerLM, count_parameters
 from ..nn import FavorConfig, LinearConfig, LSHConfig, SoftmaxConfig
 from ..train.loop import _param_groups, lr_at
@@ -360,7 +361,9 @@ def plot_curves(run: RunFolder, contenders: Iterable[str], *, title: str, ylabel
 
 def start_run(name: str, config: ExperimentConfig, *, quick: bool, command: str) -> tuple[RunFolder, OtherLoad, float]:
     """Set the thread count, create the run folder and write config.json; return the folder, the
-    whole run's load meter and its start time."""
+    whole run's load meter and its start time. Every experiment plots its curves at the end: the
+    plotting library is checked first, before the folder exists or any training starts."""
+    require_extra("experiments", command=f"linattn experiment {name}")
     torch.set_num_threads(config.threads)
     run = RunFolder(config.out or f"runs/{name}")
     run.write_json("config.json", {"experiment": name, "quick": quick, "command": command,
