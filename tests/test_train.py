@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 
 import numpy as np
@@ -309,3 +310,23 @@ def test_unusable_device_is_refused_before_any_work(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert "linattn train: error: TrainConfig.device (--device) = 'cuda'" in err and "Traceback" not in err
     assert not os.path.exists(cfg.out_dir)  # nothing written
+
+
+def test_resume_drops_a_torn_last_metrics_line_and_refuses_real_damage(tmp_path, capsys):
+    straight = _config(tmp_path, "straight", max_steps=6, eval_every=0)
+    train(straight, quiet=True)
+    cut = _config(tmp_path, "cut", max_steps=3, eval_every=0)
+    train(cut, quiet=True)
+    metrics = tmp_path / "cut" / "metrics.jsonl"
+    with open(metrics, "a") as f:  # power lost while step 4's record was being written
+        f.write('{"kind": "train", "step": 4, "loss": 2.9')
+    capsys.readouterr()
+    train(_config(tmp_path, "cut", max_steps=6, eval_every=0), resume=True, quiet=True)
+    err = capsys.readouterr().err
+    assert f"{metrics}: dropped a torn last line (line 4" in err
+    assert _records(cut) == _records(straight)
+    lines = metrics.read_text().splitlines()
+    lines[1] = lines[1][:20]  # damage that is not a torn tail
+    metrics.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(ValueError, match=re.escape(f"{metrics}: line 2 is not a metrics record")):
+        train(_config(tmp_path, "cut", max_steps=7, eval_every=0), resume=True, quiet=True)

@@ -123,13 +123,39 @@ def _check_resume_config(saved: dict[str, Any], config: TrainConfig, folder: Pat
         )
 
 
+def _metrics_record(line: bytes) -> dict[str, Any]:
+    """One ``metrics.jsonl`` line as a record; ValueError when it is not one."""
+    rec = json.loads(line)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    if not isinstance(rec, dict) or isinstance(rec.get("step"), bool) or not isinstance(rec.get("step"), int):
+        raise ValueError("no integer 'step'")
+    return rec
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records after ``step`` (written after the checkpoint by a run that then crashed)."""
+    """Drop records after ``step`` (written after the checkpoint by a run that then crashed).
+
+    A last line that is not a record is a write torn by a crash or power loss: it is dropped with a
+    note on stderr. Any earlier bad line is damage this cannot repair: ValueError naming the line.
+    """
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    lines = path.read_bytes().split(b"\n")
+    filled = [i for i, line in enumerate(lines) if line.strip()]
+    keep = []
+    for i in filled:
+        try:
+            rec = _metrics_record(lines[i])
+        except ValueError as e:
+            if i != filled[-1]:
+                raise ValueError(f"{path}: line {i + 1} is not a metrics record ({e}); only a torn last line "
+                                 "is dropped on resume: repair or remove the file") from None
+            print(f"[linattn train] {path}: dropped a torn last line (line {i + 1}, {len(lines[i])} bytes: {e})",
+                  file=sys.stderr, flush=True)
+            continue
+        if rec["step"] <= step:
+            keep.append(lines[i])
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.write_bytes(b"".join(line + b"\n" for line in keep))
     tmp.replace(path)
 
 
