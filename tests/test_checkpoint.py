@@ -1,6 +1,7 @@
 """Checkpoints: bitwise round trip, and damaged files raise instead of loading garbage."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from linattn import (
     TransformerEncoder,
     TransformerLM,
 )
-from linattn.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from linattn.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, config_digest, load_checkpoint
 
 SMALL = dict(vocab_size=31, max_len=16, d_model=16, n_layers=3, n_heads=2, d_ff=32)
 
@@ -25,6 +26,13 @@ def _lm(**kw):
     cfg = TransformerConfig(**SMALL, attention=LinearConfig(), positional="rotary",
                             layer_attention={0: SoftmaxConfig(), 1: FavorConfig(num_features=8, seed=3)}, **kw)
     return TransformerLM(cfg).eval()
+
+
+def _write_sealed(folder, meta):
+    """Write ``meta`` as the folder's config.json with a matching config_sha256: for tests that
+    build a checkpoint whose config is consistent with itself but wrong about the weights."""
+    meta["config_sha256"] = config_digest(meta)
+    (folder / CONFIG_FILE).write_text(json.dumps(meta))
 
 
 def _ids():
@@ -90,7 +98,7 @@ def test_unreadable_safetensors_with_matching_hash_raises(tmp_path):
     (tmp_path / WEIGHTS_FILE).write_bytes(junk)
     meta = json.loads((tmp_path / CONFIG_FILE).read_text())
     meta["weights_sha256"] = hashlib.sha256(junk).hexdigest()
-    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    _write_sealed(tmp_path, meta)
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         TransformerLM.from_pretrained(tmp_path)
 
@@ -114,7 +122,7 @@ def test_config_that_does_not_match_the_weights_raises(tmp_path):
     _lm().save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_FILE).read_text())
     meta["config"]["n_layers"] = 4
-    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    _write_sealed(tmp_path, meta)  # past the config digest: the weights themselves disagree
     with pytest.raises(ValueError, match=r"does not match its config: missing tensors \['blocks.3"):
         TransformerLM.from_pretrained(tmp_path)
 
@@ -172,7 +180,68 @@ def test_state_dicts_from_before_the_fused_projection_load(tmp_path):
                if k not in meta["aliases"] and isinstance(v, torch.Tensor)}
     save_file(tensors, str(tmp_path / WEIGHTS_FILE))
     meta["weights_sha256"] = hashlib.sha256((tmp_path / WEIGHTS_FILE).read_bytes()).hexdigest()
-    (tmp_path / CONFIG_FILE).write_text(json.dumps(meta))
+    _write_sealed(tmp_path, meta)
     loaded = TransformerLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids), lm(ids))
+
+
+@pytest.mark.parametrize("edit", ["feature_map", "attention_name", "layer_attention", "dtype", "aliases",
+                                  "drop_key"])
+def test_edited_config_raises_naming_the_file(tmp_path, edit):
+    """An edit to config.json that the weights cannot reveal (elu -> relu loads the same tensors)
+    fails the stored config digest instead of loading a different model."""
+    _lm().save_pretrained(tmp_path)
+    cfg = tmp_path / CONFIG_FILE
+    meta = json.loads(cfg.read_text())
+    if edit == "feature_map":
+        meta["config"]["attention"]["feature_map"] = "relu"
+    elif edit == "attention_name":
+        meta["config"]["attention"] = {"name": "softmax"}
+    elif edit == "layer_attention":
+        del meta["config"]["layer_attention"]["0"]
+    elif edit == "dtype":
+        meta["dtype"] = "float64"
+    elif edit == "aliases":
+        meta["aliases"] = {}
+    else:
+        del meta["config"]["init_std"]
+    cfg.write_text(json.dumps(meta, indent=2))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(cfg))}.*config_sha256"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_reformatted_config_still_loads(tmp_path):
+    """The digest is of the JSON's content, not its bytes: re-indenting or re-ordering keys is no edit."""
+    lm = _lm()
+    lm.save_pretrained(tmp_path)
+    cfg = tmp_path / CONFIG_FILE
+    cfg.write_text(json.dumps(json.loads(cfg.read_text()), indent=4, sort_keys=True))
+    loaded = TransformerLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(_ids()), lm(_ids()))
+
+
+def test_config_without_digest_is_refused_unless_trusted(tmp_path):
+    """A config.json without config_sha256 (written before configs were digested, or with the field
+    deleted) is refused with a message saying how to re-save; trusted explicitly, it loads, and
+    saving it again adds the digest."""
+    lm = _lm()
+    lm.save_pretrained(tmp_path)
+    cfg = tmp_path / CONFIG_FILE
+    meta = json.loads(cfg.read_text())
+    del meta["config_sha256"]
+    cfg.write_text(json.dumps(meta, indent=2))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(cfg))} has no config_sha256.*trust_legacy_config=True.*save_pretrained"):
+        TransformerLM.from_pretrained(tmp_path)
+    loaded = load_checkpoint(TransformerLM, tmp_path, trust_legacy_config=True).eval()
+    loaded.save_pretrained(tmp_path)
+    assert "config_sha256" in json.loads(cfg.read_text())
+    with torch.no_grad():
+        assert torch.equal(TransformerLM.from_pretrained(tmp_path).eval()(_ids()), lm(_ids()))
+    # trusting the legacy format never excuses a digest that is present and wrong
+    meta = json.loads(cfg.read_text())
+    meta["config"]["attention"]["feature_map"] = "relu"
+    cfg.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="config_sha256"):
+        load_checkpoint(TransformerLM, tmp_path, trust_legacy_config=True)

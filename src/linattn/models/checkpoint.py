@@ -6,7 +6,16 @@ A checkpoint is a folder with
   as tied embeddings, is stored under its first name; the JSON lists the aliases);
 - ``config.json``: ``{"format": "linattn", "format_version": 1, "model": <class name>,
   "config": TransformerConfig.to_dict(), "dtype": ..., "weights_file": ..., "weights_sha256": ...,
-  "aliases": {...}}``.
+  "aliases": {...}, "config_sha256": ...}``.
+
+``config_sha256`` is the sha256 of every other field of ``config.json`` written as canonical JSON
+(:func:`config_digest`: sorted keys, no spaces, ASCII), so the digest follows the content, not the
+layout: re-indenting the file is no change, while editing the attention name or feature map (which
+the weights alone cannot reveal: elu and relu features load the same tensors) or the weights'
+sha256 fails loading with an error naming the file. It protects against edits and damage, not
+against someone who recomputes it. A ``config.json`` without ``config_sha256`` (written before
+this check existed, or with the field deleted) is refused unless the caller passes
+``trust_legacy_config=True`` to :func:`load_checkpoint`; saving that model again adds the digest.
 
 Each file is written to a temporary name in the same folder, flushed and fsync'ed, then renamed
 over the final name (``os.replace``, atomic on POSIX), weights first. A crash leaves either the
@@ -32,7 +41,7 @@ from torch import nn
 from ..nn.attention import merge_legacy_projections
 from .config import TransformerConfig
 
-__all__ = ["CONFIG_FILE", "FORMAT_VERSION", "WEIGHTS_FILE", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CONFIG_FILE", "FORMAT_VERSION", "WEIGHTS_FILE", "config_digest", "load_checkpoint", "save_checkpoint"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -45,6 +54,15 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def config_digest(meta: dict[str, Any]) -> str:
+    """sha256 of ``meta`` without its ``config_sha256`` field, as canonical JSON (sorted keys, no
+    whitespace, ASCII): the same for every layout of the same content. ``meta`` is taken through
+    JSON first, so a dict about to be written and the one read back digest alike."""
+    body = {k: v for k, v in json.loads(json.dumps(meta)).items() if k != "config_sha256"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -106,12 +124,13 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
         "weights_sha256": hashlib.sha256(blob).hexdigest(),
         "aliases": aliases,
     }
+    meta["config_sha256"] = config_digest(meta)  # last: it covers every field above
     _write_atomic(path / CONFIG_FILE, (json.dumps(meta, indent=2) + "\n").encode())
     _fsync_dir(path)
     return path
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_meta(path: Path, *, trust_legacy_config: bool) -> dict[str, Any]:
     cfg = path / CONFIG_FILE
     if not cfg.is_file():
         raise ValueError(f"not a linattn checkpoint: {cfg} does not exist")
@@ -125,19 +144,39 @@ def _read_meta(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"{cfg}: checkpoint format_version {meta.get('format_version')!r}; this linattn reads {FORMAT_VERSION}"
         )
+    if "config_sha256" in meta:
+        digest = config_digest(meta)
+        if digest != meta["config_sha256"]:
+            raise ValueError(
+                f"edited or corrupted checkpoint: the content of {cfg} has sha256 {digest}, but its "
+                f"config_sha256 says {meta['config_sha256']!r}; a checkpoint's config must not be edited: "
+                "build the model you want and save it with save_pretrained"
+            )
+    elif not trust_legacy_config:
+        raise ValueError(
+            f"{cfg} has no config_sha256 (written before linattn checked configs, or the field was "
+            "deleted), so an edit to it cannot be detected. If you trust this folder, load it with "
+            "linattn.models.load_checkpoint(cls, path, trust_legacy_config=True) and write it again "
+            "with save_pretrained, which adds the digest"
+        )
     for key in ("model", "config", "weights_file", "weights_sha256", "aliases"):
         if key not in meta:
             raise ValueError(f"corrupted checkpoint: {cfg} lacks {key!r}")
     return meta
 
 
-def load_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu"):
-    """Build ``cls`` from the config in folder ``path`` and load its verified weights."""
+def load_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu",
+                    trust_legacy_config: bool = False):
+    """Build ``cls`` from the verified config in folder ``path`` and load its verified weights.
+
+    ``trust_legacy_config=True`` accepts a ``config.json`` that has no ``config_sha256`` (a save
+    from before the config was digested) unverified; a digest that is present must match always.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load
 
     path = Path(path)
-    meta = _read_meta(path)
+    meta = _read_meta(path, trust_legacy_config=trust_legacy_config)
     if meta["model"] != cls._kind:
         raise ValueError(f"{path} holds a {meta['model']} checkpoint, not a {cls._kind}")
     weights = path / meta["weights_file"]
