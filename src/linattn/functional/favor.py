@@ -30,6 +30,16 @@ so:
   all real keys (there is no future to leak).
 The stabiliser receives no gradient: it cancels exactly in the normalised output.
 
+Where the estimate breaks down. The stabiliser keeps every feature <= 1 and the largest at 1,
+but it cannot widen float's range below: at large inputs (``||x'|| ~ 100`` per head) each
+query's and key's features are nearly one-hot, every other entry below e^-103 (float32) and so
+exactly 0. A query whose top feature is among no visible key's top features then gets numerator
+and normaliser 0, and returns zeros (95% of the rows of a (1, 8, 256, 64) input scaled by 100 in
+float32, 0.6% in float64). That is the estimator, not the arithmetic: the variance of positive
+random features grows like ``exp(||q'||^2 + ||k'||^2)`` (arXiv 2009.14794, Lemma 2), so at such
+scales it carries almost no information whatever the precision. The normaliser floor
+(``_positive_floor``) keeps the gradients of these rows finite.
+
 Dimension legend as in ``_checks.py``; m = ``num_features``, F = feature width (m or 2m), E = Dv + 1.
 """
 
@@ -50,6 +60,7 @@ from .linear import (
     _divide_by_normaliser_,
     _normalise,
     causal_linear_product,
+    normaliser_floor,
 )
 from .softmax import _check_scale
 
@@ -369,11 +380,15 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
         qf = torch.relu(q @ Wm.T)  # (B, H, Nq, m)
         kf = torch.relu(k @ Wm.T)  # (B, H, Nk, m); padded keys are 0 -> relu(0) = 0
         if not causal:
-            return _finish(qf @ (kf.transpose(-1, -2) @ w), dv, features, out_dtype)
+            s = kf.transpose(-1, -2) @ w  # (B, H, m, E)
+            return _finish(qf @ s, dv, features, out_dtype, normaliser_floor(qf, s[..., dv].unsqueeze(-2)))
         if s0 is not None and log_scale0 is not None:
             s0 = s0 * torch.exp(log_scale0)[..., None, None]
         o, s_final = causal_linear_product(qf, kf, w, s0)
-        out = _finish(o, dv, features, out_dtype)
+        z_seen = kf.detach().cumsum(2)  # (B, H, N, m): the normaliser state at each position
+        if s0 is not None:
+            z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)
+        out = _finish(o, dv, features, out_dtype, normaliser_floor(qf, z_seen))
         if return_state:
             return out, _state(s_final, dv, torch.zeros(B, H, dtype=dt, device=q.device))
         return out
@@ -410,7 +425,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
         top = torch.where(torch.isfinite(top), top, 0.0)  # no real key: any finite scale
         kf = key_features(top[..., None].expand_as(c))
         o = qf @ (kf.transpose(-1, -2) @ w)  # (B, H, Nq, E)
-        return _finish(o, dv, features, out_dtype)
+        return _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
 
     # Causal: the running maximum, from the carried state's scale onwards.
     run = torch.cummax(c, dim=-1).values if c.shape[-1] else c  # (B, H, N)
@@ -429,7 +444,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
         o = qf @ s_final  # (B, H, 1, E)
     else:
         o, s_final = causal_product_log_scaled(qf, kf, w, run, s0)
-    out = _finish(o, dv, features, out_dtype)
+    out = _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
     if not return_state:
         return out
     if run.shape[-1]:
@@ -471,23 +486,32 @@ def _decoding_step(q: Tensor, k: Tensor, v: Tensor, W: Tensor, scale: float, sta
     r = torch.exp(log_scale0 - run)  # (B, H, 1): the carried sums to the new scale, <= 1
     S = torch.addcmul(state.S.to(dt) * r[..., None], kf.transpose(-1, -2), v)  # (B, H, m, Dv)
     z = torch.addcmul(kf[:, :, 0], state.z.to(dt), r)  # (B, H, m)
-    out = _divide_by_normaliser_(qf @ S, qf @ z[..., None]).to(out_dtype)
+    out = _divide_by_normaliser_(qf @ S, qf @ z[..., None], _positive_floor(W.shape[0], dt)).to(out_dtype)
     if not return_state:
         return out
     return out, LinearAttentionState(S=S, z=z, log_scale=run[..., 0])
 
 
-def _finish(o: Tensor, dv: int, features: str, out_dtype: torch.dtype) -> Tensor:
+def _positive_floor(m: int, dtype: torch.dtype) -> Tensor:
+    """The normaliser floor of positive softmax-kernel features, ``1 / (m sqrt(finfo.max))``: the
+    :func:`~linattn.functional.linear.normaliser_floor` ``max|phi(q)| max|z| / sqrt(finfo.max)``
+    with ``max|z|`` replaced by its lower bound ``1 / sqrt(m)`` (the heaviest visible key's
+    largest feature), and ``max|phi(q)| = 1 / sqrt(m)``: the stabiliser pins both. Known without a
+    pass over the features, and the same in every form."""
+    return torch.tensor(torch.finfo(dtype).max ** -0.5 / m, dtype=dtype)
+
+
+def _finish(o: Tensor, dv: int, features: str, out_dtype: torch.dtype, floor: Tensor | None = None) -> Tensor:
     """Numerator / normaliser of ``o (..., Dv+1)``.
 
     Trig: the normaliser is clamped (see ``TRIG_NORMALISER_FLOOR``). Positive and relu: the
-    normaliser is >= 0, divided as in kernel attention (``linear._normalise``), where one that has
-    underflowed (huge inputs whose features are nearly one-hot in different directions) counts as
-    no key rather than returning inf.
+    normaliser is >= 0, divided as in kernel attention (``linear._normalise``), raised to
+    ``floor`` where it falls below it (huge inputs whose features are nearly one-hot in different
+    directions): such rows shrink towards zero with finite gradients instead of overflowing.
     """
     if features == "trig":
         return (o[..., :dv] / o[..., dv:].clamp_min(TRIG_NORMALISER_FLOOR)).to(out_dtype)
-    return _normalise(o, dv, out_dtype)
+    return _normalise(o, dv, out_dtype, floor)
 
 
 def _state(s: Tensor, dv: int, log_scale: Tensor) -> LinearAttentionState:
@@ -543,5 +567,15 @@ def favor_attention_reference(
         den = torch.maximum(den, TRIG_NORMALISER_FLOOR * heaviest.detach() * wq)
         den = torch.where(heaviest > 0, den, 1.0)
     else:
-        den = torch.where(den != 0, den, 1.0)
+        # the floor of the fast forms: eps * max phi(q_i) * (positive features: the heaviest visible
+        # key's largest feature, which the stabiliser pins; relu: max |z_i|, z_i = sum of the
+        # visible keys' features), here in unstabilised units
+        seen = allowed.to(dt)  # (B or 1, 1, Nq, Nk)
+        if kernel == "softmax":
+            heaviest = (seen * kf.detach().amax(-1)[:, :, None, :]).amax(-1, keepdim=True)  # (B, H, Nq, 1)
+            floor = normaliser_floor(qf, heaviest)
+        else:
+            floor = normaliser_floor(qf, seen @ kf.detach())
+        den = torch.maximum(den, floor)
+        den = torch.where(den >= torch.finfo(dt).tiny, den, 1.0)
     return (num / den).to(q.dtype)

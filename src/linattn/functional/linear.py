@@ -206,17 +206,19 @@ class _ChunkInputs(NamedTuple):
 
 def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
     """Forward of one tile: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
-    the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)`` and its final state ``(R, F)``
-    (the product with an implicit ones column, kept out of the bmm: a width of 65 instead of 64
-    makes them 10-40% slower). ``out``: where to write o, or None for a new tensor."""
+    the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)``, its final state ``(R, F)``
+    and its floor ``(R*Nc, C)`` (:func:`normaliser_floor`, from the normaliser state each position
+    sees). The normaliser is the product with an implicit ones column, kept out of the bmm: a
+    width of 65 instead of 64 makes them 10-40% slower. ``out``: where to write o, or None."""
     s_excl, s_final = x.states()
     scores = x.scores()
     o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
     if not with_den:
-        return o, s_final, None, None
+        return o, s_final, None, None, None
     z_excl, z_final = x.z_states()
     d = torch.bmm(x.a, z_excl.unsqueeze(-1)).squeeze(-1).add_(scores.sum(-1))
-    return o, s_final, d, z_final
+    z_seen = x.k.cumsum(1).add_(z_excl.unsqueeze(1))  # (R*Nc, C, F): z_i at every position
+    return o, s_final, d, z_final, normaliser_floor(x.a, z_seen).squeeze(-1)
 
 
 def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Tensor | None,
@@ -285,7 +287,7 @@ class _CausalLinearProduct(torch.autograd.Function):
                     x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None,
                                      rows.stop - rows.start)
                     into = lay.target(o3[rows], pos)
-                    og, s, _, _ = _rows_forward(x, with_den=False, out=into)
+                    og, s, _, _, _ = _rows_forward(x, with_den=False, out=into)
                     if into is None:
                         lay.put(o3[rows], pos, og)
                 sf3[rows] = s
@@ -332,7 +334,7 @@ class _CausalLinearAttention(torch.autograd.Function):
     straight into their final tensors. With ``phi`` None, q and k are already features.
     Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
     (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them).
-    A zero normaliser is replaced by 1 (see :func:`_normalise`).
+    The normaliser is guarded as in :func:`_normalise`.
 
     Features under a fused phi, when a gradient will be needed: the forward writes phi(q) and
     phi(k) into two tensors that the backward then overwrites, tile by tile, with the gradients of
@@ -350,8 +352,10 @@ class _CausalLinearAttention(torch.autograd.Function):
             dv = v.shape[-1]
             q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
             out = v.new_empty(v.shape)
-            inv = v.new_empty(*v.shape[:-1], 1)  # 1 / normaliser, (B, H, N, 1)
-            out3, inv3 = _rows_view(out), _rows_view(inv)
+            inv = v.new_empty(*v.shape[:-1], 1)  # 1 / guarded normaliser, (B, H, N, 1)
+            # where the normaliser itself was used (not its floor): the gradient reaches it there
+            active = torch.empty(inv.shape, dtype=torch.bool, device=inv.device)
+            out3, inv3, active3 = _rows_view(out), _rows_view(inv), _rows_view(active)
             keep = phi is not None and any(ctx.needs_input_grad[:4])
             feats = (_new_like(q), _new_like(k)) if keep else None
             feats3 = None if feats is None else [_rows_view(f) for f in feats]
@@ -365,9 +369,11 @@ class _CausalLinearAttention(torch.autograd.Function):
                         ctx.starts.append((s, z))
                     x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
                                           None if feats3 is None else [f[rows] for f in feats3])
-                    og, s, d, z = _rows_forward(x, with_den=True)
-                    inv_g = _inverse_normaliser(d).unsqueeze(-1)
+                    og, s, d, z, floor = _rows_forward(x, with_den=True)
+                    d, act = _guarded_normaliser(d, floor)
+                    inv_g = d.reciprocal_().unsqueeze(-1)
                     lay.put(inv3[rows], pos, inv_g)
+                    lay.put(active3[rows], pos, act.unsqueeze(-1))
                     into = lay.target(out3[rows], pos)
                     if into is None:
                         lay.put(out3[rows], pos, og.mul_(inv_g))
@@ -375,7 +381,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                         torch.mul(og, inv_g, out=into)
                 s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1))
             ctx.feats = feats
-            ctx.save_for_backward(q, k, v, s0, out, inv)
+            ctx.save_for_backward(q, k, v, s0, out, inv, active)
             s_final = torch.cat(s_finals).view(*q.shape[:2], -1, dv + 1)
             return out, s_final
 
@@ -383,14 +389,14 @@ class _CausalLinearAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor | None, ds_final: Tensor | None):
         with no_autocast(ctx.device_type):
-            q, k, v, s0, out, inv = ctx.saved_tensors
+            q, k, v, s0, out, inv, active = ctx.saved_tensors
             phi, feats = ctx.phi, ctx.feats
             ctx.feats = None  # overwritten below: a second backward must recompute them
             need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
             lay = _Tiles.of(q, ctx.chunk_size)
             dv = v.shape[-1]
-            q3, k3, v3, s03, out3, inv3, dout3, dsf3 = (
-                _rows_view(t) for t in (q, k, v, s0, out, inv, dout, ds_final)
+            q3, k3, v3, s03, out3, inv3, active3, dout3, dsf3 = (
+                _rows_view(t) for t in (q, k, v, s0, out, inv, active, dout, ds_final)
             )
             grads = [_new_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
             feats3 = None if feats is None else [_rows_view(f) for f in feats]
@@ -419,9 +425,10 @@ class _CausalLinearAttention(torch.autograd.Function):
                         do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
                     else:
                         # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d
-                        g, o_g, inv_g = (lay.chunks(t[rows], pos) for t in (dout3, out3, inv3))
+                        g, o_g, inv_g, act = (lay.chunks(t[rows], pos) for t in (dout3, out3, inv3, active3))
                         do = g * inv_g
-                        dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_()
+                        # ... and 0 where the floor stood in for d
+                        dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_().mul_(act.squeeze(-1))
                     # gradients straight into their final tensors where no fill rows are in the
                     # way: dw always; da, dk when q, k are features (else phi' comes first)
                     outs = [None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3]]
@@ -573,62 +580,90 @@ def _check_state_args(fn: str, causal: bool, initial_state, return_state: bool) 
         )
 
 
-def _inverse_normaliser(den: Tensor) -> Tensor:
-    """``1 / den``, with a normaliser below finfo.tiny in magnitude (zero or denormal) replaced by 1.
+def normaliser_floor(qf: Tensor, z_seen: Tensor) -> Tensor:
+    """The smallest normaliser used as it is: ``max_r |qf_r| * max_r |z_r| / sqrt(finfo.max)``.
 
-    Such a normaliser has underflowed (no key, or features like exp(-50) whose products are
-    denormal): its reciprocal would be inf. With non-negative features
-    the numerator is at most the normaliser times max |v|, so the row comes out (near) zero with
-    finite gradients, as a row with no key does.
+    ``qf (..., F)``: a query's features; ``z_seen (..., F)``: the normaliser state it sees (the sum
+    of the features of every key it may attend, prefix state included), broadcast against ``qf``.
+    Returns ``(..., 1)``, detached: a guard, held constant under differentiation. A normaliser
+    below it is raised to it (:func:`_normalise`).
+
+    Why relative to ``max|qf| max|z|``: that is the row's scale (``|qf . z| <= F max|qf| max|z|``),
+    so scaling the features scales the floor with them and rows are judged alike at every
+    magnitude. Why ``1 / sqrt(finfo.max)`` (5.4e-20 in float32, 7.5e-155 in float64): with
+    non-negative features the normaliser is a sum without cancellation, accurate to rounding
+    however small it is, so the forward needs no floor at all; the backward does. It multiplies by
+    ``1 / den`` before anything small can cancel it: at den = 1.2e-38 (just above ``finfo.tiny``,
+    the old guard) ``1 / den`` is 8e37 and the key gradients overflow, then NaN spreads to the whole
+    head. Above this floor ``qf_r / den <= sqrt(finfo.max) / max|z|``, and ``max|z|`` is at least
+    the heaviest visible key's largest feature, which leaves ``sqrt(finfo.max)`` of headroom for
+    the sums over positions and values in the backward. Rows below it have a normaliser
+    ``1e-20`` times their own scale: their features are nearly one-hot in different directions.
     """
-    ok = den.abs() >= torch.finfo(den.dtype).tiny
-    return torch.where(ok, den, torch.ones_like(den)).reciprocal_()
+    rel = torch.finfo(qf.dtype).max ** -0.5
+    with torch.no_grad():
+        return qf.abs().amax(-1, keepdim=True).mul_(rel) * z_seen.abs().amax(-1, keepdim=True)
 
 
-def _divide_by_normaliser_(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den`` in place in ``num``, with the guard of :func:`_inverse_normaliser` (an
-    underflowed normaliser is replaced by 1): two operations fewer, for decoding steps."""
-    return num.div_(torch.where(den.abs() >= torch.finfo(den.dtype).tiny, den, 1.0))
+def _guarded_normaliser(den: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
+    """``den`` with its magnitude raised to at least ``floor`` (sign kept: signed features, as
+    ``"cos"`` has, can give a negative estimate), and 1 where even that is below ``finfo.tiny``
+    (no key, or features that underflowed): the divisor, and where ``den`` itself was used (the
+    gradient reaches it only there). With non-negative features ``|num| <= den max|v|``: a
+    raised row comes out smaller, never larger, than the unguarded one, and a row with no key
+    gets zeros."""
+    active = den.abs() >= floor
+    d = torch.where(active, den, torch.where(den < 0, -floor, floor))
+    ok = d.abs() >= torch.finfo(d.dtype).tiny
+    return torch.where(ok, d, 1.0), active & ok
+
+
+def _divide_by_normaliser_(num: Tensor, den: Tensor, floor: Tensor) -> Tensor:
+    """``num / den`` in place in ``num``, guarded as in :func:`_guarded_normaliser` (no graph:
+    for decoding steps)."""
+    return num.div_(_guarded_normaliser(den, floor)[0])
 
 
 class _Normalise(torch.autograd.Function):
-    """``o (..., Dv+1) -> o[..., :Dv] / o[..., Dv]`` with an underflowed normaliser replaced by 1.
+    """``o (..., Dv+1) -> o[..., :Dv] / max(o[..., Dv], floor)`` (see :func:`normaliser_floor`).
 
     Its own backward writes the gradient of numerator and normaliser into one buffer instead of
     autograd's two zero-filled slice gradients (a measurable cost at long N on CPU).
     """
 
     @staticmethod
-    def forward(ctx, o: Tensor, dv: int):
-        den = o[..., dv:]  # (..., 1)
-        inv = _inverse_normaliser(den)  # (..., 1)
+    def forward(ctx, o: Tensor, dv: int, floor: Tensor):
+        d, active = _guarded_normaliser(o[..., dv:], floor)  # (..., 1)
+        inv = d.reciprocal_()
         out = o[..., :dv] * inv
-        ctx.save_for_backward(out, inv)
+        ctx.save_for_backward(out, inv, active)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        out, inv = ctx.saved_tensors
+        out, inv, active = ctx.saved_tensors
         do = torch.empty(*out.shape[:-1], out.shape[-1] + 1, dtype=out.dtype, device=out.device)
         torch.mul(g, inv, out=do[..., :-1])
-        # d out_e / d den = -out_e / den
-        do[..., -1:] = torch.linalg.vecdot(g, out, dim=-1).unsqueeze(-1).mul_(inv).neg_()
-        return do, None
+        # d out_e / d den = -out_e / den where den was used; 0 where the floor stood in for it
+        do[..., -1:] = torch.linalg.vecdot(g, out, dim=-1).unsqueeze(-1).mul_(inv).neg_().mul_(active)
+        return do, None, None
 
 
-def _normalise(o: Tensor, dv: int, out_dtype: torch.dtype) -> Tensor:
-    """Split ``o (..., Dv+1)`` into numerator and normaliser and divide.
+def _normalise(o: Tensor, dv: int, out_dtype: torch.dtype, floor: Tensor) -> Tensor:
+    """Split ``o (..., Dv+1)`` into numerator and normaliser and divide, the normaliser raised to
+    ``floor (..., 1)`` (:func:`normaliser_floor`).
 
     A zero normaliser means no key with positive similarity (all padding, or disjoint relu
-    supports); with non-negative features the numerator is then zero too, so dividing by 1
-    returns zeros and keeps every gradient finite instead of producing 0/0. Normalisers that have
-    underflowed to denormals are treated the same way (:func:`_inverse_normaliser`).
+    supports); with non-negative features the numerator is then zero too, and the row returns
+    zeros with finite gradients instead of 0/0. A normaliser below the floor (features that are
+    nearly one-hot in different directions, at large input scales) is raised to it: the output
+    shrinks towards zero and every gradient stays finite.
     """
     if not (o.requires_grad and torch.is_grad_enabled()):
         # the same arithmetic as _Normalise.forward, without the Function's per-call cost (decoding)
-        return (o[..., :dv] * _inverse_normaliser(o[..., dv:])).to(out_dtype)
-    return _Normalise.apply(o, dv).to(out_dtype)
+        return (o[..., :dv] * _guarded_normaliser(o[..., dv:], floor)[0].reciprocal_()).to(out_dtype)
+    return _Normalise.apply(o, dv, floor).to(out_dtype)
 
 
 def _state_from(s: Tensor, dv: int) -> LinearAttentionState:
@@ -653,7 +688,8 @@ def _decoding_step(fn, q, k, v, feature_map, state, return_state, dt):
     _check_state(fn, state, B, H, Fd, v.shape[-1], q.device)
     S = torch.addcmul(state.S.to(dt), kf.transpose(-1, -2), v.to(dt))  # (B, H, F, Dv)
     z = state.z.to(dt) + kf[:, :, 0]  # (B, H, F)
-    out = _divide_by_normaliser_(qf @ S, qf @ z[..., None]).to(q.dtype)
+    floor = normaliser_floor(qf, z[:, :, None])  # (B, H, 1, 1)
+    out = _divide_by_normaliser_(qf @ S, qf @ z[..., None], floor).to(q.dtype)
     return (out, LinearAttentionState(S=S, z=z)) if return_state else out
 
 
@@ -716,7 +752,7 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
     if not causal:
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E)
-        return _normalise(qf @ s, dv, q.dtype)
+        return _normalise(qf @ s, dv, q.dtype, normaliser_floor(qf, s[..., dv].unsqueeze(-2)))
     s0 = None
     if initial_state is not None:
         B, H, _, Fd = qf.shape
@@ -729,9 +765,11 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         o = (qf @ kf.transpose(-1, -2)).tril_() @ w
         s_final = kf.transpose(-1, -2) @ w
+        z_seen = kf.detach().cumsum(2)  # (B, H, N, F): the normaliser state at each position
         if s0 is not None:
             o, s_final = o + qf @ s0, s_final + s0
-        out = _normalise(o, dv, q.dtype)
+            z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)
+        out = _normalise(o, dv, q.dtype, normaliser_floor(qf, z_seen))
     if return_state:
         return out, _state_from(s_final, dv)
     return out
@@ -758,11 +796,13 @@ def linear_attention_reference(
     dt = compute_dtype(q.dtype)
     qf, kf = _features(fn, feature_map, q, k, key_padding_mask, dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
-    sim = qf @ kf.transpose(-1, -2)  # (B, H, Nq, Nk)
+    seen = torch.ones(q.shape[2], k.shape[2], dtype=dt, device=q.device)  # (Nq, Nk): key j visible to query i
     if causal:
-        sim = sim.tril()
+        seen = seen.tril()
+    sim = (qf @ kf.transpose(-1, -2)) * seen  # (B, H, Nq, Nk)
     num = sim @ v  # (B, H, Nq, Dv)
     den = sim.sum(-1, keepdim=True)  # (B, H, Nq, 1)
+    z_seen = seen @ kf  # (B, H, Nq, F): the normaliser state each query sees
     S = kf.transpose(-1, -2) @ v  # (B, H, F, Dv)
     z = kf.sum(-2)  # (B, H, F)
     if initial_state is not None:
@@ -771,8 +811,12 @@ def linear_attention_reference(
         S0, z0 = initial_state.S.to(dt), initial_state.z.to(dt)
         num = num + qf @ S0
         den = den + (qf @ z0[..., None])
+        z_seen = z_seen + z0[:, :, None]
         S, z = S + S0, z + z0
-    out = (num / torch.where(den != 0, den, torch.ones_like(den))).to(q.dtype)
+    # the normaliser's magnitude is raised to its floor as in the fast forms (normaliser_floor)
+    floor = normaliser_floor(qf, z_seen)
+    den = torch.where(den.abs() >= floor, den, torch.where(den < 0, -floor, floor))
+    out = (num / torch.where(den.abs() >= torch.finfo(dt).tiny, den, torch.ones_like(den))).to(q.dtype)
     if return_state:
         return out, LinearAttentionState(S=S, z=z)
     return out
