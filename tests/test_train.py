@@ -4,6 +4,10 @@ import json
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -330,3 +334,41 @@ def test_resume_drops_a_torn_last_metrics_line_and_refuses_real_damage(tmp_path,
     metrics.write_text("".join(line + "\n" for line in lines))
     with pytest.raises(ValueError, match=re.escape(f"{metrics}: line 2 is not a metrics record")):
         train(_config(tmp_path, "cut", max_steps=7, eval_every=0), resume=True, quiet=True)
+
+
+def _start_cli_run(tmp_path, name, **kw):
+    """A real ``python -m linattn train`` process, returned once it has logged its first step."""
+    cfg = _config(tmp_path, name, max_steps=100_000, eval_every=0, **kw)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "linattn", "train", "--config", str(path), "--quiet"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / name / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.stat().st_size):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the training process did not start: {proc.communicate()}")
+        time.sleep(0.1)
+    return cfg, proc
+
+
+def test_a_second_run_on_a_busy_out_dir_fails_at_once(tmp_path, capsys):
+    cfg, proc = _start_cli_run(tmp_path, "run")
+    try:
+        with pytest.raises(SystemExit) as e:  # the CLI, in this process, on the same out_dir
+            main(["train", "--config", str(tmp_path / "run.json"), "--max-steps", "2", "--quiet"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(rf"linattn train: error: {re.escape(cfg.out_dir)} is in use by another training run "
+                         rf"\(pid {proc.pid} on {re.escape(socket.gethostname())}, started 20", err), err
+        with pytest.raises(Exception, match=f"in use by another training run \\(pid {proc.pid}"):
+            launch_local(_config(tmp_path, "run", max_steps=3), 2)  # under DDP every rank refuses, none hangs
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    # the lock went with the process: the run continues from its checkpoint
+    stopped = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["step"]
+    r = train(_config(tmp_path, "run", max_steps=stopped + 1, eval_every=0), resume=True, quiet=True)
+    assert r.step == stopped + 1

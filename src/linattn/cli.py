@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import json
 
-    from .train import train
+    from .train import OutDirBusyError, train
     from .train.cli_args import resolve_config
 
     try:
@@ -205,7 +205,7 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     try:
         result = train(config, resume=args.resume, quiet=args.quiet)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, OutDirBusyError) as e:
         parser.error(str(e))
     if result.stopped_by_signal and os.environ.get("RANK", "0") == "0":
         print(f"stopped at step {result.step}; continue with: linattn train --resume --out-dir {config.out_dir}",

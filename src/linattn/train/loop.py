@@ -13,6 +13,10 @@ exactly: weights, optimiser, per-rank RNG states, sampler position and step are 
 ``metrics.jsonl`` records after the checkpoint's step (left by a crash) are dropped, so an
 interrupted and resumed run logs the same losses and ends with the same weights as one that was
 never interrupted (bitwise on CPU in float32 with the same thread count).
+
+One run per ``out_dir``: rank 0 holds an exclusive lock on ``out_dir/train.lock`` (see
+:mod:`linattn.train.lock`) from before it reads or writes anything there until :func:`train`
+returns or raises; a second run on the folder raises :class:`linattn.train.OutDirBusyError` on every rank.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .checkpoint import capture_rng, latest_checkpoint, load_train_checkpoint, r
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .data import TokenData, WindowSampler, _mix, make_data
 from .dist import DistInfo, setup, teardown
+from .lock import OutDirLock
 
 __all__ = ["TrainResult", "lr_at", "train"]
 
@@ -241,11 +246,31 @@ def train(config: TrainConfig, *, resume: bool = False, handle_signals: bool = T
     flag = _StopFlag()
     if handle_signals:
         flag.install()
+    lock = OutDirLock(config.out_dir)
     try:
+        _on_main(info, lock.acquire)  # rank 0 holds it for all ranks
         return _train(config, info, flag, resume=resume, on_step=on_step, quiet=quiet)
     finally:
+        lock.release()
         flag.restore()
         teardown(info)
+
+
+def _on_main(info: DistInfo, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on rank 0 only; when it raises, every rank raises its exception, so that no rank
+    waits at a collective for one that has given up."""
+    error = None
+    if info.is_main:
+        try:
+            fn()
+        except Exception as e:
+            error = e
+    if info.world_size > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
 
 
 def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool,
@@ -290,8 +315,6 @@ def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool
         sampler.load_state_dict(meta["sampler"])
         restore_rng(ck["rng"][info.rank], info.device)
         step = int(meta["step"])
-        if info.is_main:
-            _truncate_metrics(metrics_path, step)
         log(f"[linattn train] resumed from {existing} at step {step}")
         saved_steps = meta["train_config"]["max_steps"]
         if c.decay_steps is None and saved_steps != c.max_steps:
@@ -301,13 +324,15 @@ def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool
         raise FileExistsError(
             f"{out} already holds checkpoints ({existing}); pass --resume to continue, or choose another out_dir"
         )
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if not resume:
+
+    def prepare_out_dir() -> None:  # the lock made the folder
+        if resume:
+            _truncate_metrics(metrics_path, step)
+        else:
             metrics_path.unlink(missing_ok=True)  # a run that died before its first checkpoint
         (out / CONFIG_FILE).write_text(json.dumps(c.to_dict(), indent=2) + "\n")
-    if W > 1:
-        dist.barrier()
+
+    _on_main(info, prepare_out_dir)  # a collective too: no rank starts before the folder is ready
 
     raw_model = model
     if W > 1:
