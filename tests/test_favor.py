@@ -484,3 +484,20 @@ def test_tiled_equals_one_piece(monkeypatch, kernel, features, causal, tile):
     assert_close(tiled, whole)
     for x, y in zip(grads(tiled, (q, k, v)), grads(whole, (q, k, v))):
         assert_close(x, y)
+
+
+@pytest.mark.parametrize("kernel,features", KINDS)
+@pytest.mark.parametrize("nq,nk", [(0, 0), (3, 0), (0, 3)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_empty_inputs_give_zeros_in_every_form_and_the_reference(kernel, features, nq, nk, masked):
+    """No keys (or no queries): zeros of the right shape with zero gradients, in the fast forms
+    and the reference (issue 18, defect 4: the reference raised IndexError on Nk = 0)."""
+    W = projection(16, 8)
+    for causal in ([False, True] if nq == nk else [False]):
+        q, k, v = make_qkv(2, 2, nq, nk, 8, 4, seed=1)
+        mask = torch.ones(2, nk, dtype=torch.bool) if masked else None
+        for f in (fast, lambda *a, **kw: favor_attention_reference(*a[:4], kernel=a[4], features=a[5], **kw)):
+            out = f(q, k, v, W, kernel, features, causal=causal, key_padding_mask=mask)
+            assert out.shape == (2, 2, nq, 4) and bool((out == 0).all())
+            for gr in grads(out, (q, k, v)):
+                assert bool((gr == 0).all())

@@ -518,6 +518,14 @@ def _state(s: Tensor, dv: int, log_scale: Tensor) -> LinearAttentionState:
     return LinearAttentionState(S=s[..., :dv], z=s[..., dv], log_scale=log_scale)
 
 
+def _row_max(x: Tensor) -> Tensor:
+    """``x (..., Nk) -> (..., 1)``, the largest entry of each row of non-negative weights; 0 for a
+    row of no keys (Nk = 0), where ``amax`` refuses an empty dimension."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(*x.shape[:-1], 1)
+    return x.amax(-1, keepdim=True)
+
+
 def favor_attention_reference(
     q: Tensor,
     k: Tensor,
@@ -560,7 +568,7 @@ def favor_attention_reference(
         # query's own magnitude exp(||q'||^2/2)
         xs_q, xs_k = q * scale**0.5, k * scale**0.5
         wk = torch.exp(xs_k.square().sum(-1) / 2)[:, :, None, :]  # (B, H, 1, Nk)
-        heaviest = torch.where(allowed, wk, 0.0).amax(-1, keepdim=True)
+        heaviest = _row_max(torch.where(allowed, wk, 0.0))
         wq = torch.exp(xs_q.square().sum(-1, keepdim=True) / 2)
         # the heaviest key's weight is held constant (it is the stabiliser); the query's own
         # magnitude is a common factor of every term, as in the fast forms, where it is dropped
@@ -572,7 +580,7 @@ def favor_attention_reference(
         # visible keys' features), here in unstabilised units
         seen = allowed.to(dt)  # (B or 1, 1, Nq, Nk)
         if kernel == "softmax":
-            heaviest = (seen * kf.detach().amax(-1)[:, :, None, :]).amax(-1, keepdim=True)  # (B, H, Nq, 1)
+            heaviest = _row_max(seen * kf.detach().amax(-1)[:, :, None, :])  # (B, H, Nq, 1)
             floor = normaliser_floor(qf, heaviest)
         else:
             floor = normaliser_floor(qf, seen @ kf.detach())
