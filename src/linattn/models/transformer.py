@@ -314,10 +314,12 @@ class TransformerLM(_Transformer):
         new token costs one :meth:`step`. Dropout follows the module's mode: call ``eval()`` first.
 
         Args:
-            temperature: logits are divided by it; 0 means greedy (argmax).
-            top_k: sample among the k most likely tokens only.
-            top_p: sample from the smallest set of most likely tokens whose probability reaches
-                top_p (nucleus sampling, Holtzman et al., arXiv 1904.09751).
+            temperature: a finite float >= 0; logits are divided by it; 0 means greedy (argmax).
+                A tiny positive temperature is the greedy limit: every token below the most
+                likely gets probability 0 (tokens tied at the maximum share the draw).
+            top_k: None or an int >= 1: sample among the k most likely tokens only.
+            top_p: None or a float in (0, 1]: sample from the smallest set of most likely tokens
+                whose probability reaches top_p (nucleus sampling, Holtzman et al., arXiv 1904.09751).
             generator: for the sampling draws (explicit randomness).
             compile: run :meth:`step` through :meth:`compiled_step` (torch.compile): faster per
                 token where eager per-operation overhead dominates (batch 1 on a CPU), after
@@ -333,12 +335,7 @@ class TransformerLM(_Transformer):
                 f"TransformerLM.generate: prompt length {prompt_ids.shape[1]} + max_new_tokens "
                 f"{max_new_tokens} exceeds max_len = {self.config.max_len}"
             )
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"TransformerLM.generate: temperature must be a float >= 0, got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"TransformerLM.generate: top_k must be None or an int >= 1, got {top_k!r}")
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-            raise ValueError(f"TransformerLM.generate: top_p must be None or a float in (0, 1], got {top_p!r}")
+        _check_sampling("TransformerLM.generate", temperature, top_k, top_p)
         self._check_recurrent("generate")
         if max_new_tokens == 0:
             return prompt_ids
@@ -354,12 +351,45 @@ class TransformerLM(_Transformer):
         return torch.cat(out, dim=1)
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_sampling(fn: str, temperature, top_k, top_p) -> None:
+    """Reject sampling arguments that would only fail (or give NaN) inside torch.multinomial."""
+    if not _is_number(temperature):
+        raise TypeError(f"{fn}: temperature must be a float >= 0, got {type(temperature).__name__}")
+    try:
+        finite = math.isfinite(temperature)
+    except OverflowError:  # an int beyond float range
+        finite = False
+    if not (finite and temperature >= 0):  # NaN fails both
+        raise ValueError(f"{fn}: temperature must be a float >= 0 and finite (0 means greedy), got {temperature!r}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"{fn}: top_k must be None or an int >= 1, got {type(top_k).__name__}")
+        if top_k < 1:
+            raise ValueError(f"{fn}: top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None:
+        if not _is_number(top_p):
+            raise TypeError(f"{fn}: top_p must be None or a float in (0, 1], got {type(top_p).__name__}")
+        if not 0 < top_p <= 1:  # NaN fails too
+            raise ValueError(f"{fn}: top_p must be None or a float in (0, 1], got {top_p!r}")
+
+
 def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
             generator: torch.Generator | None) -> Tensor:
     """One token id per row of ``logits (B, V)`` -> ``(B, 1)``."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    # Divide after subtracting each row's maximum: the scaled logits are <= 0 with the maximum at
+    # exactly 0, so a tiny temperature sends the others to -inf (probability 0), where dividing
+    # first overflows every logit to +inf and the softmax gives inf - inf = NaN. A temperature
+    # below float32's smallest subnormal rounds to 0 in the division: 0 / 0 at the maxima is
+    # then set to 0, the same limit (tied maxima share the draw).
+    logits = logits.float()
+    shifted = logits - logits.amax(-1, keepdim=True)  # (B, V), <= 0
+    logits = torch.where(shifted == 0, 0.0, shifted / temperature)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, -math.inf)
