@@ -15,10 +15,16 @@ from linattn.cli import main
 TINY_LM = {"d_model": 16, "n_layers": 2, "n_heads": 2, "vocab_size": 50}
 
 
-def test_demo_tiny(tmp_path):
-    result = run_demo((64, 128), out_dir=tmp_path, quiet=True, generate_positions=(4, 8), generate_model=TINY_LM,
+def test_demo_tiny(tmp_path, capsys):
+    result = run_demo((64, 128), out_dir=tmp_path, generate_positions=(4, 8), generate_model=TINY_LM,
                       measure_memory=False)
     saved = json.loads((tmp_path / "demo.json").read_text())
+    # the load and the machine's speed it measured are in the JSON, demo.md and the printed summary
+    share, ref = saved["load"]["other_cpu_share"], saved["load"]["reference_gflops"]
+    assert 0 <= share <= 1 and ref["start"] > 0 and ref["end"] > 0
+    line = (f"other processes used {share:.0%} of the CPU time; a reference 512 x 512 float32 matmul ran at "
+            f"{ref['start']:.0f} GFLOP/s at the start, {ref['end']:.0f} at the end")
+    assert line in (tmp_path / "demo.md").read_text() and line in capsys.readouterr().out
     assert saved["command"] == f"linattn demo --ns 64,128 --out {tmp_path}"
     for name in saved["files"]:  # the parts' own files are there too
         assert (tmp_path / name).exists(), name
@@ -31,6 +37,35 @@ def test_demo_tiny(tmp_path):
     assert len(errors) == 8 and all(e < 1e-4 for e in errors.values()), errors
     assert set(saved["generate"]["seconds_per_token"]) == {"linear@4", "linear@8", "softmax@4", "softmax@8",
                                                            "softmax-recompute@4", "softmax-recompute@8"}
+
+
+class _Load:
+    """A stand-in load meter: what OtherLoad.finish() would have measured."""
+
+    def __init__(self, share, start, end):
+        self.measured = {"other_cpu_share": share, "reference_gflops": {"start": start, "end": end}}
+
+    def finish(self):
+        return self.measured
+
+
+@pytest.mark.parametrize("share, start, end, busy", [(0.02, 200.0, 195.0, False), (0.60, 200.0, 190.0, True),
+                                                     (0.02, 200.0, 90.0, True)])
+def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, share, start, end, busy):
+    from linattn.bench.harness import REFERENCE_DRIFT, OtherLoad
+
+    assert OtherLoad.QUIET < 0.60 and 90.0 < REFERENCE_DRIFT * 200.0 < 195.0  # the cases straddle the thresholds
+    result = run_demo((32,), out_dir=tmp_path, generate_positions=(4,), generate_model=TINY_LM,
+                      measure_memory=False, load=_Load(share, start, end))
+    printed, md = capsys.readouterr().out, (tmp_path / "demo.md").read_text()
+    assert f"other processes used {share:.0%} of the CPU time" in md
+    assert f"matmul ran at {start:.0f} GFLOP/s at the start, {end:.0f} at the end" in md
+    assert ("WARNING: the machine was busy" in md) is busy
+    assert ("WARNING: the machine was busy" in printed.splitlines()[-1]) is busy  # the last line printed
+    assert bool(json.loads((tmp_path / "demo.json").read_text())["busy"]) is busy and bool(result["busy"]) is busy
+    if busy:
+        reason = "other processes used 60%" if share > 0.5 else f"ran at {start:.0f} GFLOP/s at the start and {end:.0f}"
+        assert reason in md
 
 
 def test_errors_detect_a_wrong_fast_form(monkeypatch):
@@ -290,6 +325,18 @@ def test_favor_speed_table_has_both_allocators_and_their_ratios():
     assert "| default | causal | linattn | 100 ms | 5.00x | 1 MiB |" in md
     assert "| tuned | causal | linattn | 100 ms | 4.00x | - |" in md
     assert "| tuned | bidirectional | linattn | 200 ms | 0.50x | - |" in md
+
+
+def test_busy_reasons_from_the_load_and_the_reference_drift():
+    from linattn.bench.harness import REFERENCE_DRIFT, OtherLoad, busy_reasons, describe_load
+
+    quiet = {"other_cpu_share": OtherLoad.QUIET / 2, "reference_gflops": {"start": 200.0, "end": 200.0 * 0.9}}
+    assert busy_reasons(quiet) == [] and busy_reasons(None) == [] and "A quiet machine." in describe_load(quiet)
+    loaded = {**quiet, "other_cpu_share": OtherLoad.QUIET * 2}
+    assert len(busy_reasons(loaded)) == 1 and "more than 10%" in busy_reasons(loaded)[0]
+    for start, end in ((200.0, 200.0 * REFERENCE_DRIFT * 0.95), (200.0 * REFERENCE_DRIFT * 0.95, 200.0)):
+        drift = {**quiet, "reference_gflops": {"start": start, "end": end}}  # a slow spell at either end
+        assert len(busy_reasons(drift)) == 1 and "The machine was busy" in describe_load(drift)
 
 
 def test_other_load_records_the_machine_speed_when_asked():

@@ -8,7 +8,9 @@ Three parts, all written to ``report/`` (or ``--out``):
 3. per-token generation time of linear vs softmax + KV cache language models at two positions
    (``bench/generate.py``, generate.json/md).
 demo.json and demo.md hold the summary (crossover N per mechanism, the table at the largest N, the
-errors, the generation claims); the summary table is printed.
+errors, the generation claims, the load from other processes and a reference matmul's speed at the
+start and end, with a warning when the machine was busy: see ``harness.busy_reasons``); the summary
+is printed.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from linattn.functional import (
 )
 
 from ..extras import require_extra
-from .harness import format_seconds, machine_info, write_atomically
+from .harness import OtherLoad, busy_reasons, format_seconds, machine_info, write_atomically
 
 DEFAULT_NS = (256, 1024, 4096, 16384)
 GENERATE_POSITIONS = (100, 4096)
@@ -103,8 +105,12 @@ def fast_vs_reference_errors(n: int = 1000, d: int = 64, seed: int = 0) -> dict[
 
 def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = False,
              generate_positions: tuple[int, ...] = GENERATE_POSITIONS, generate_model: dict | None = None,
-             measure_memory: bool = True) -> dict:
-    """Run the three parts, write demo.json/md (and the parts' own files), print the summary."""
+             measure_memory: bool = True, load: OtherLoad | None = None) -> dict:
+    """Run the three parts, write demo.json/md (and the parts' own files), print the summary.
+
+    ``load`` measures how busy the machine was over the whole demo (default: an ``OtherLoad``
+    with the reference matmul, started here); anything with its ``finish() -> dict`` will do.
+    """
     require_extra("bench", command="linattn demo")  # the sweep part draws plots
     from .generate import run_generate
     from .sweep import SweepConfig, run_sweep
@@ -114,6 +120,7 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
     command = ("linattn demo" + ("" if tuple(ns) == DEFAULT_NS else " --ns " + ",".join(map(str, ns)))
                + ("" if str(out_dir) == "report" else f" --out {out_dir}"))
     t_start = time.perf_counter()
+    load = load or OtherLoad(reference=True)
     say(f"linattn demo [1/3]: sweep, forward+backward, N = {list(ns)}, B=1 H=8 D=64 float32, "
         f"{torch.get_num_threads()} threads")
     # LSH is left to the full sweep: slower than softmax at every N here (docs/benchmarks.md), it
@@ -138,12 +145,29 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
                                    "what": "max |diff| over output and q, k, v gradients", "errors": errors},
         "generate": {"config": gen["config"], "seconds_per_token": gen["seconds_per_token"], "claim": gen["claim"]},
         "elapsed_seconds": time.perf_counter() - t_start,
+        "load": load.finish(),
     }
+    result["busy"] = busy_reasons(result["load"])
     md = format_summary(result)
     out_dir = write_atomically(out_dir, {"demo.json": json.dumps(result, indent=2), "demo.md": md})
     say(md)
     say(f"written: {out_dir}/demo.json, demo.md and the parts' files ({result['elapsed_seconds']:.0f} s)")
+    if result["busy"]:  # again last, where it cannot scroll away above the tables
+        say(_busy_warning(result["busy"]))
     return result
+
+
+def _busy_warning(reasons: list[str]) -> str:
+    return (f"WARNING: the machine was busy during this demo: {'; '.join(reasons)}. Its timings are "
+            "inflated and noisy, its ratios can be off several times; rerun it on a quiet machine.")
+
+
+def _load_line(load: dict) -> str:
+    share, ref = load.get("other_cpu_share"), load.get("reference_gflops")
+    share_s = "not recorded" if share is None else f"{share:.0%} of the CPU time"
+    ref_s = "not recorded" if not ref else f"{ref['start']:.0f} GFLOP/s at the start, {ref['end']:.0f} at the end"
+    return (f"Machine during the demo: other processes used {share_s}; a reference 512 x 512 float32 matmul "
+            f"ran at {ref_s}.")
 
 
 def _largest_n(sweep: dict) -> dict:
@@ -166,6 +190,8 @@ def format_summary(result: dict) -> str:
         f"Written by `{result['command']}` on {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}, "
         f"{m['threads']} threads, in {result['elapsed_seconds']:.0f} s; do not edit by hand. Full tables: "
         "sweep.md (and the PNG plots), generate.md.", "",
+        _load_line(result["load"]), "",
+        *([_busy_warning(result["busy"]), ""] if result["busy"] else []),
         f"## At N = {big['n']} (forward+backward, B = 1, H = 8, D = 64, float32)", "",
         "| contender | causal | vs softmax | peak memory | bidirectional | vs softmax | peak memory |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -30,8 +30,8 @@ import torch
 
 import linattn
 
-__all__ = ["Case", "IMPLS", "Impl", "OtherLoad", "describe_load", "format_seconds", "machine_info", "peak_memory", "time_calls",
-           "write_atomically"]
+__all__ = ["Case", "IMPLS", "Impl", "OtherLoad", "REFERENCE_DRIFT", "busy_reasons", "describe_load", "format_seconds",
+           "machine_info", "peak_memory", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -320,7 +320,11 @@ class OtherLoad:
     measurement subprocesses), from ``/proc/stat`` and ``getrusage``; ``None`` off Linux.
     """
 
-    QUIET = 0.10  # above this share the docs flag the timings as taken on a busy machine
+    # Above this share of all CPUs' time taken by other processes a run counts as busy
+    # (busy_reasons): the benchmarks run 2 threads, as many as this project's reference machine
+    # has cores, so every other process's CPU second is one taken from the timed code; at 10% the
+    # timings are already inflated by about as much as the run-to-run noise of a quiet machine.
+    QUIET = 0.10
 
     def __init__(self, *, reference: bool = False) -> None:
         # This VM's own speed drifts by up to 2x with no other process running (the host's load is
@@ -369,20 +373,45 @@ def reference_gflops(seconds: float = 0.3) -> float:
     return 2 * 512**3 / statistics.median(times) / 1e9
 
 
+# A run counts as busy (busy_reasons) when the reference matmul at one end ran below this fraction
+# of its speed at the other end. Runs with almost no other load still see the two ends differ by up
+# to about a fifth (the VM's own drift, not worth a warning); a larger change is a slow spell of
+# the host that stretches the timings taken in between unevenly, contender by contender.
+REFERENCE_DRIFT = 0.75
+
+
+def busy_reasons(load: dict | None) -> list[str]:
+    """Why the machine counts as busy during a run measured by :class:`OtherLoad` (``[]``: it does
+    not, or nothing was recorded): other processes took over ``OtherLoad.QUIET`` of the CPU time,
+    or the reference matmul's speed changed between start and end beyond ``REFERENCE_DRIFT``."""
+    load = load or {}
+    reasons = []
+    share = load.get("other_cpu_share")
+    if share is not None and share > OtherLoad.QUIET:
+        reasons.append(f"other processes used {share:.0%} of the CPU time, more than {OtherLoad.QUIET:.0%}")
+    ref = load.get("reference_gflops")
+    if ref and min(ref["start"], ref["end"]) < REFERENCE_DRIFT * max(ref["start"], ref["end"]):
+        reasons.append(f"the reference matmul ran at {ref['start']:.0f} GFLOP/s at the start and {ref['end']:.0f} "
+                       f"at the end, a change of more than {1 - REFERENCE_DRIFT:.0%}")
+    return reasons
+
+
 def describe_load(load: dict | None) -> str:
-    """One sentence for a results document: how busy the machine was (see :class:`OtherLoad`)."""
+    """A few sentences for a results document: how busy the machine was (see :class:`OtherLoad`)."""
     share = (load or {}).get("other_cpu_share")
     if share is None:
         return "Load from other processes during the run: not recorded."
-    text = f"Other processes used {share:.0%} of the machine's CPU time during the run"
-    if share > OtherLoad.QUIET:
-        text += ": the machine was busy, so these timings are inflated and noisy; rerun on a quiet machine."
-    else:
-        text += " (a quiet machine)."
+    text = f"Other processes used {share:.0%} of the machine's CPU time during the run."
     ref = load.get("reference_gflops")
     if ref:
         text += (f" A reference 512 x 512 float32 matmul ran at {ref['start']:.0f} GFLOP/s at the start and "
                  f"{ref['end']:.0f} at the end (the machine's own speed; compare runs by it).")
+    reasons = busy_reasons(load)
+    if reasons:
+        text += (f" The machine was busy: {'; '.join(reasons)}. These timings are inflated and noisy; "
+                 "rerun on a quiet machine.")
+    else:
+        text += " A quiet machine."
     return text
 
 
