@@ -89,7 +89,7 @@ def test_signal_then_resume_is_bitwise_identical(tmp_path, attention):
             os.kill(os.getpid(), signal.SIGINT)  # the real handler: stop at the next step boundary
 
     r = train(cut, quiet=True, on_step=interrupt)
-    assert r.stopped_by_signal and r.step == 3
+    assert r.stopped_by_signal and r.stop_signal == signal.SIGINT and r.step == 3
     assert r.checkpoint.name == "step_00000003"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
     r = train(cut, resume=True, quiet=True)
@@ -372,3 +372,16 @@ def test_a_second_run_on_a_busy_out_dir_fails_at_once(tmp_path, capsys):
     stopped = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())["step"]
     r = train(_config(tmp_path, "run", max_steps=stopped + 1, eval_every=0), resume=True, quiet=True)
     assert r.step == stopped + 1
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_cli_exits_128_plus_the_signal_after_checkpointing(tmp_path, sig, code):
+    cfg, proc = _start_cli_run(tmp_path, "run")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err  # so `linattn train ... && next_step` stops here
+    folder = load_train_checkpoint(os.path.join(cfg.out_dir, "checkpoints",
+                                                json.loads((tmp_path / "run" / "checkpoints" / "latest.json")
+                                                           .read_text())["dir"]))
+    step = folder["meta"]["step"]
+    assert step >= 1 and f"stopped by {sig.name} at step {step}; continue with: linattn train --resume" in err

@@ -207,10 +207,13 @@ def _train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         result = train(config, resume=args.resume, quiet=args.quiet)
     except (ValueError, FileNotFoundError, FileExistsError, OutDirBusyError) as e:
         parser.error(str(e))
-    if result.stopped_by_signal and os.environ.get("RANK", "0") == "0":
-        print(f"stopped at step {result.step}; continue with: linattn train --resume --out-dir {config.out_dir}",
-              file=sys.stderr)
-    return 0
+    if result.stop_signal is None:
+        return 0
+    if os.environ.get("RANK", "0") == "0":
+        print(f"stopped by {result.stop_signal.name} at step {result.step}; continue with: "
+              f"linattn train --resume --out-dir {config.out_dir}", file=sys.stderr)
+    # interrupted, not done: 128 + signal as a shell reports it, so `linattn train ... && next` stops
+    return 128 + result.stop_signal
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ DDP averages over ranks, so the gradient is the mean over the global batch whate
 ``grad_accum`` are (up to float rounding).
 
 Stopping: SIGINT or SIGTERM sets a flag; at the next step boundary the ranks agree (all-reduce of
-the flag), rank 0 writes a checkpoint and :func:`train` returns. A second SIGINT raises
+the flag), rank 0 writes a checkpoint and :func:`train` returns, its ``stop_signal`` naming the
+signal (``linattn train`` then exits 130 or 143, not 0). A second SIGINT raises
 KeyboardInterrupt at once. ``train(config, resume=True)`` continues from ``checkpoints/latest.json``
 exactly: weights, optimiser, per-rank RNG states, sampler position and step are restored, and
 ``metrics.jsonl`` records after the checkpoint's step (left by a crash) are dropped, so an
@@ -65,27 +66,37 @@ def lr_at(config: TrainConfig, step: int) -> float:
 
 @dataclass
 class TrainResult:
-    """What :func:`train` did (on rank 0; other ranks get the same step and flags)."""
+    """What :func:`train` did (on rank 0; other ranks get the same step and flags).
+
+    ``stop_signal``: the signal (SIGINT or SIGTERM) that stopped the run before ``max_steps``, after
+    its checkpoint was written; None when it ran to the end. ``linattn train`` exits with
+    ``128 + stop_signal`` (130, 143), as a shell reports a process killed by it.
+    """
 
     step: int
-    stopped_by_signal: bool
+    stop_signal: signal.Signals | None
     checkpoint: Path | None
     last_loss: float | None
     last_val_loss: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def stopped_by_signal(self) -> bool:
+        return self.stop_signal is not None
+
 
 class _StopFlag:
-    """Set by SIGINT/SIGTERM; a second SIGINT raises KeyboardInterrupt."""
+    """Holds the first SIGINT/SIGTERM received; a second SIGINT raises KeyboardInterrupt."""
 
     def __init__(self) -> None:
-        self.set = False
+        self.signal: signal.Signals | None = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
-        if self.set and signum == signal.SIGINT:
+        if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.set = True
+        if self.signal is None:
+            self.signal = signal.Signals(signum)
         print(f"\n[linattn train] {signal.Signals(signum).name}: checkpointing and stopping at the next step "
               "boundary (SIGINT again to abort without a checkpoint)", file=sys.stderr, flush=True)
 
@@ -177,12 +188,12 @@ class _Reducer:
         dist.all_reduce(t)
         return (t / self.info.world_size).tolist()
 
-    def any(self, flag: bool) -> bool:
+    def max(self, value: int) -> int:
         if self.info.world_size == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=self.info.device)
+            return value
+        t = torch.tensor([value], device=self.info.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return int(t.item())
 
 
 def _micro_slices(batch: list[int], accum: int, info: DistInfo) -> list[list[int]]:
@@ -369,17 +380,19 @@ def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool
     saved_at = step if resume else -1
     last_ckpt: Path | None = existing if resume else None
     last_loss = last_val = None
-    stopped = False
+    stop_signal: signal.Signals | None = None
     t0 = time.perf_counter()
     start_step = step
     try:
         while True:
-            stopped = reducer.any(flag.set)
-            if stopped or step >= c.max_steps:
+            # the ranks agree on stopping, and on which signal (the largest one any rank received)
+            received = reducer.max(int(flag.signal or 0))
+            stop_signal = signal.Signals(received) if received else None
+            if stop_signal is not None or step >= c.max_steps:
                 if saved_at != step:
                     last_ckpt, saved_at = checkpoint(), step
-                if stopped:
-                    log(f"[linattn train] stopped by signal at step {step}; checkpoint {last_ckpt}")
+                if stop_signal is not None:
+                    log(f"[linattn train] stopped by {stop_signal.name} at step {step}; checkpoint {last_ckpt}")
                 break
             lr = lr_at(c, step)
             for group in optimizer.param_groups:
@@ -427,5 +440,5 @@ def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool
     finally:
         if metrics is not None:
             metrics.close()
-    return TrainResult(step=step, stopped_by_signal=stopped, checkpoint=last_ckpt, last_loss=last_loss,
+    return TrainResult(step=step, stop_signal=stop_signal, checkpoint=last_ckpt, last_loss=last_loss,
                        last_val_loss=last_val, history=history)
