@@ -154,3 +154,26 @@ def test_floor_leaves_ordinary_rows_alone_and_scales_with_the_data():
     assert_close(out, want)
     z = kf.sum(-2, keepdim=True)
     assert_close(normaliser_floor(qf * 1e-10, z * 1e-10), normaliser_floor(qf, z) * 1e-20, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("scale", SCALES)
+def test_hedgehog_guard_matches_reference_and_keeps_gradients_finite(window, scale):
+    """Hedgehog normalises with the same floor (its windowed normaliser adds the window's softmax
+    mass to the floor's scale): finite gradients at every scale, and the fast form equals the
+    reference, which applies the same floor, in float32 outputs and gradients."""
+    from linattn.functional import HedgehogMaps, hedgehog_attention, hedgehog_attention_reference
+
+    g = torch.Generator().manual_seed(5)
+    H, D, F = 2, 16, 16
+    maps = HedgehogMaps(*(torch.randn(*s, generator=g) for s in [(H, D, F), (H, F), (H, D, F), (H, F), (H,)]))
+    q, k, v = (torch.randn(1, H, 70, D, generator=g) for _ in range(3))
+    q, k = (q * scale).requires_grad_(), (k * scale).requires_grad_()
+    v.requires_grad_()
+    out = hedgehog_attention(q, k, v, maps, window=window)
+    want = hedgehog_attention_reference(q, k, v, maps, window=window)
+    assert torch.isfinite(out).all()
+    assert_close(out, want, atol=1e-4, rtol=1e-3)
+    for a, b in zip(grads(out, (q, k, v)), grads(want, (q, k, v))):
+        assert torch.isfinite(a).all()
+        assert_close(a, b, atol=1e-4 * max(b.abs().max().item(), 1e-30), rtol=1e-3)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
+from .linear import divide_by_normaliser, normaliser_floor
 
 __all__ = [
     "HedgehogMaps",
@@ -130,9 +131,13 @@ def _weights(q: Tensor, k: Tensor, maps: HedgehogMaps, *, window: int, key_paddi
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     keep = torch.ones(q.shape[0], N, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     keep = keep[:, None, None, :]  # (B, 1, 1, N)
-    a = hedgehog_features(q, maps.q_weight, maps.q_bias) @ hedgehog_features(k, maps.k_weight, maps.k_bias).transpose(-1, -2)
+    fq, fk = hedgehog_features(q, maps.q_weight, maps.q_bias), hedgehog_features(k, maps.k_weight, maps.k_bias)
+    a = fq @ fk.transpose(-1, -2)  # (B, H, N, N)
+    # the normaliser floor of the fast form: of phi alone, with z the sum of every real key's phi
+    z = (fk * keep[:, :, 0, :, None]).sum(2, keepdim=True)  # (B, H, 1, 2F)
     if window == 0:
         w = a.masked_fill(~keep, 0.0)
+        floor = normaliser_floor(fq, z)
     else:
         pos = torch.arange(N, device=q.device)
         band = (pos[:, None] - pos[None, :]).abs() <= window  # (N, N)
@@ -144,7 +149,18 @@ def _weights(q: Tensor, k: Tensor, maps: HedgehogMaps, *, window: int, key_paddi
         e = torch.exp((s - m).masked_fill(~inside, float("-inf")))
         gain = maps.log_gain.exp()[None, :, None, None]
         w = e + gain * a.masked_fill(band | ~keep, 0.0)
-    return w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+        floor = _windowed_floor(e.detach().sum(-1, keepdim=True), gain.detach(), fq, z)
+    return divide_by_normaliser(w, w.sum(dim=-1, keepdim=True), floor)
+
+
+def _windowed_floor(window_mass: Tensor, gain: Tensor, fq: Tensor, z: Tensor) -> Tensor:
+    """The normaliser floor with a window, ``(..., 1)``: :func:`normaliser_floor` of the linear
+    part times the gain, plus the same fraction of the window's own softmax mass (>= 1 whenever
+    the window holds a real key: its heaviest key has weight exactly 1). The windowed normaliser
+    subtracts the in-window linear mass from the total, so it can cancel; this keeps its floor
+    on the scale of what it is made of. ``window_mass (..., 1)``, ``gain`` broadcastable."""
+    rel = torch.finfo(fq.dtype).max ** -0.5
+    return normaliser_floor(fq, z) * gain + window_mass * rel
 
 
 def hedgehog_attention_reference(
@@ -202,8 +218,9 @@ def _hedgehog(q: Tensor, k: Tensor, v: Tensor, maps: HedgehogMaps, *, window: in
     z = fk.sum(dim=2)  # (B, H, 2F)
     num_lin = fq @ S  # (B, H, N, Dv)
     den_lin = torch.einsum("bhnf,bhf->bhn", fq, z)  # (B, H, N)
+    floor_lin = normaliser_floor(fq, z[:, :, None])  # (B, H, N, 1)
     if window == 0:
-        return num_lin / den_lin.clamp_min(torch.finfo(den_lin.dtype).tiny)[..., None]
+        return divide_by_normaliser(num_lin, den_lin[..., None], floor_lin)
 
     C = max(window, MIN_BLOCK)
     Nb = -(-N // C)
@@ -236,4 +253,6 @@ def _hedgehog(q: Tensor, k: Tensor, v: Tensor, maps: HedgehogMaps, *, window: in
     den_w = (e - gain[..., None] * a).sum(dim=-1)  # (B, H, Nb, C)
     num = num_w.reshape(B, H, Nb * C, v.shape[-1])[:, :, :N] + gain * num_lin  # Dv spelled out: Nb = 0 at N = 0
     den = den_w.reshape(B, H, Nb * C)[:, :, :N] + gain[..., 0] * den_lin
-    return num / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None]
+    window_mass = e.detach().sum(-1).reshape(B, H, Nb * C)[:, :, :N, None]  # (B, H, N, 1)
+    floor = _windowed_floor(window_mass, gain.detach(), fq, z[:, :, None])
+    return divide_by_normaliser(num, den[..., None], floor)

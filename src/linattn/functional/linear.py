@@ -618,6 +618,13 @@ def _guarded_normaliser(den: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, d, 1.0), active & ok
 
 
+def divide_by_normaliser(num: Tensor, den: Tensor, floor: Tensor) -> Tensor:
+    """``num (..., Dv) / den (..., 1)`` with the guard of :func:`_guarded_normaliser` and
+    ``floor`` from :func:`normaliser_floor`, through autograd (the gradient reaches ``den`` only
+    where it was used): for mechanisms outside this file that normalise kernel weights."""
+    return num / _guarded_normaliser(den, floor)[0]
+
+
 def _divide_by_normaliser_(num: Tensor, den: Tensor, floor: Tensor) -> Tensor:
     """``num / den`` in place in ``num``, guarded as in :func:`_guarded_normaliser` (no graph:
     for decoding steps)."""
