@@ -305,26 +305,99 @@ def test_other_load_separates_our_cpu_time_from_other_processes():
     assert "not recorded" in describe_load(None)
 
 
-def test_favor_speed_table_has_both_allocators_and_their_ratios():
-    from linattn.bench.favor import format_speed
+def _spread_of(xs):
+    xs = sorted(xs)
+    return {"min": xs[0], "median": xs[len(xs) // 2], "max": xs[-1]}
 
-    def pair(ours, theirs):
-        return {"linattn": {"median_s": ours}, "performer_pytorch": {"median_s": theirs}}
 
-    result = {
-        "command": "linattn bench favor --what speed", "machine": {"torch": "x", "threads": 2},
-        "config": {"n": 64, "heads": 2, "head_dim": 8, "m": 16, "repeats": 3},
-        "times": {
-            "default": {"times": {"causal": pair(0.1, 0.5), "bidirectional": pair(0.1, 0.2)}},
-            "tuned": {"times": {"causal": pair(0.1, 0.4), "bidirectional": pair(0.2, 0.1)}},
-            "peak_memory_bytes": {f"{m}/{n}": 2**20 for m in ("causal", "bidirectional")
-                                  for n in ("linattn", "performer_pytorch")},
-        },
-    }
-    md = format_speed(result)
-    assert "| default | causal | linattn | 100 ms | 5.00x | 1 MiB |" in md
-    assert "| tuned | causal | linattn | 100 ms | 4.00x | - |" in md
-    assert "| tuned | bidirectional | linattn | 200 ms | 0.50x | - |" in md
+def test_core_runs_three_times_and_states_the_median_ratio(tmp_path):
+    """A tiny `bench core` (no peers): every run in its own processes with its own load; each
+    ratio's min / median / max come from the runs' own ratios, and the claims name the median."""
+    from linattn.bench.core import run_core
+
+    result = run_core(out_dir=tmp_path, n=32, repeats=1, runs=3, quiet=True)
+    saved = json.loads((tmp_path / "core.json").read_text())
+    assert saved["command"] == f"linattn bench core --n 32 --repeats 1 --out {tmp_path}"  # 3 = the default
+    assert saved["config"]["runs"] == 3 and len(saved["runs"]) == 3
+    md = (tmp_path / "core.md").read_text()
+    for run in saved["runs"]:
+        assert set(run["allocators"]) == {"default", "tuned"}
+        ref = run["load"]["reference_gflops"]
+        assert ref["start"] > 0 and ref["end"] > 0 and 0 <= run["load"]["other_cpu_share"] <= 1
+        assert f"| {ref['start']:.0f} → {ref['end']:.0f} |" in md  # each run's machine speed
+    for alloc in ("default", "tuned"):
+        per_run = [r["allocators"][alloc]["times"]["causal"]["softmax_sdpa"]["median_s"]
+                   / r["allocators"][alloc]["times"]["causal"]["linattn"]["median_s"] for r in saved["runs"]]
+        s = saved["ratios"][alloc]["causal"]["softmax_sdpa"]
+        assert s["runs"] == pytest.approx(per_run)
+        assert {k: s[k] for k in ("min", "median", "max")} == pytest.approx(_spread_of(per_run))
+        claim = saved["claims"][f"{alloc} causal softmax_sdpa"]
+        assert f"{s['median']:.2f}x, the median of 3 runs (min {s['min']:.2f}x, max {s['max']:.2f}x)" in claim
+        assert f"- {claim}" in md
+        assert (f"| {alloc} | causal | softmax_sdpa | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
+                + ", ".join(f"{x:.2f}x" for x in per_run) + " |") in md
+    assert saved["step_s"]["default"]["100"]["median"] > 0 and len(saved["step_s"]["tuned"]["60000"]["runs"]) == 3
+    assert result["ratios"] == saved["ratios"]
+
+
+def test_favor_speed_runs_three_times_and_states_the_median_ratio(monkeypatch, tmp_path):
+    """`bench favor --what speed` with each child's timings injected (performer-pytorch is a peer the
+    tests do not need): one child per run and allocator, the claim by the median run, not the best."""
+    import dataclasses
+
+    import linattn.bench.favor as favor
+    import linattn.bench.harness as harness
+
+    # performer-pytorch / linattn in runs 1, 2, 3: the best run (5x) is not the median (4x)
+    ratios = {("default", "causal"): [5.0, 2.0, 4.0], ("default", "bidirectional"): [1.5, 1.2, 1.4],
+              ("tuned", "causal"): [3.0, 3.5, 2.5], ("tuned", "bidirectional"): [0.5, 0.6, 0.4]}
+    calls = []
+
+    def child(module, args, env):
+        alloc = "tuned" if env else "default"
+        run = sum(1 for c in calls if c == alloc)
+        calls.append(alloc)
+        assert module == "linattn.bench.favor" and args == ["child", "64", "1", "8", "64"]
+        return {"times": {mode: {"linattn": {"median_s": 0.1, "all_s": [0.1]},
+                                 "performer_pytorch": {"median_s": 0.1 * ratios[alloc, mode][run], "all_s": [0.0]}}
+                          for mode in ("causal", "bidirectional")}}
+
+    monkeypatch.setattr(harness, "run_child", child)
+    monkeypatch.setattr(favor, "peak_memory", lambda case: 2**20)
+    monkeypatch.setitem(harness.IMPLS, "performer_pytorch",
+                        dataclasses.replace(harness.IMPLS["performer_pytorch"], available=lambda: True))
+    favor.run_favor(out_dir=tmp_path, what=("speed",), n=64, repeats=1, runs=3, quiet=True)
+    assert calls == ["default", "tuned"] * 3  # allocators interleaved run by run
+    saved = json.loads((tmp_path / "favor_speed.json").read_text())
+    md = (tmp_path / "favor_speed.md").read_text()
+    assert saved["config"]["runs"] == 3 and len(saved["runs"]) == 3
+    for (alloc, mode), per_run in ratios.items():
+        s = saved["ratios"][alloc][mode]["performer_pytorch"]
+        assert s["runs"] == pytest.approx(per_run)
+        assert {k: s[k] for k in ("min", "median", "max")} == pytest.approx(_spread_of(per_run))
+        assert (f"| {alloc} | {mode} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
+                + ", ".join(f"{x:.2f}x" for x in per_run) + " |") in md
+    claim = saved["claims"]["default causal"]
+    assert claim == ("causal, default malloc: linattn is faster than performer-pytorch by 4.00x, the median of 3 "
+                     "runs (min 2.00x, max 5.00x)") and f"- {claim}" in md
+    assert saved["claims"]["tuned bidirectional"] == ("bidirectional, tuned malloc: performer-pytorch / linattn time "
+                                                      "0.50x, the median of 3 runs (min 0.40x, max 0.60x): linattn is slower")
+    assert "| default | causal | linattn | 100 ms | 100 ms, 100 ms, 100 ms | 1 MiB |" in md
+    assert "| tuned | causal | performer_pytorch | 300 ms | 300 ms, 350 ms, 250 ms | - |" in md
+    for i, run in enumerate(saved["runs"], 1):  # each run's load and reference matmul speed, start → end
+        ref = run["load"]["reference_gflops"]
+        assert f"| {i} | " in md and f" | {ref['start']:.0f} → {ref['end']:.0f} |" in md
+
+
+def test_favor_speed_without_performer_fails_before_any_part(monkeypatch, tmp_path):
+    import linattn.bench.favor as favor
+
+    monkeypatch.setattr(favor, "approximation_errors", lambda *a, **k: pytest.fail("the approximation part ran"))
+    if not favor.IMPLS["performer_pytorch"].available():
+        with pytest.raises(RuntimeError, match="needs performer-pytorch"):
+            favor.run_favor(out_dir=tmp_path, what=("approx", "speed"), quiet=True)
+    with pytest.raises(ValueError, match="runs must be >= 1"):
+        favor.run_favor(out_dir=tmp_path, what=("approx", "speed"), runs=0, quiet=True)
 
 
 def test_busy_reasons_from_the_load_and_the_reference_drift():

@@ -9,7 +9,10 @@ At B = 1, H = 8, D = Dv = 64, float32 (default N = 16384):
 Every timing runs twice, in fresh processes: with glibc's default malloc and with the tuned malloc
 settings of ``TUNED_MALLOC_ENV`` (see docs), because the allocator changes the O(N) methods' times
 by up to 2x and affects the contenders differently. Linear contenders are interleaved A B A B.
-Writes core.json and core.md to the output folder; every number there comes from this code.
+The whole measurement is repeated ``runs`` times (default 3), each run in fresh processes with its
+own load and reference matmul speed; each ratio is stated by its median over the runs, with min and
+max. Peak memory is measured once. Writes core.json and core.md to the output folder; every number
+there comes from this code.
 """
 
 from __future__ import annotations
@@ -25,15 +28,19 @@ import torch
 import linattn
 
 from .harness import (
-    ALLOCATORS,
     IMPLS,
+    RUNS,
     Case,
     call,
+    format_run_loads,
     machine_info,
     make_inputs,
     median,
     peak_memory,
-    run_child,
+    ratio_claim,
+    ratio_spreads,
+    run_repeated,
+    spread,
     time_calls,
     write_atomically,
 )
@@ -85,62 +92,87 @@ def _child(n: int, repeats: int) -> dict:
     return out
 
 
-def run_core(*, out_dir: str | Path = "docs/benchmarks", n: int = 16384, repeats: int = 7) -> dict:
+def run_core(*, out_dir: str | Path = "docs/benchmarks", n: int = 16384, repeats: int = 7, runs: int = RUNS,
+             quiet: bool = False) -> dict:
+    """Time the contenders ``runs`` times (fresh processes per run and allocator), measure peak
+    memory once, write core.json and core.md, print the Markdown; return the result."""
+    if runs < 1:
+        raise ValueError(f"run_core: runs must be >= 1, got {runs}")
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     have_ft = IMPLS["fast_transformers"].available()
-    print(f"linattn bench core: N={n}, B=1 H=8 D=64 float32; fast-transformers "
-          f"{'found' if have_ft else 'NOT installed (see docs/benchmarks/README.md to install it)'}", flush=True)
+    say(f"linattn bench core: N={n}, B=1 H=8 D=64 float32, {runs} runs; fast-transformers "
+        f"{'found' if have_ft else 'NOT installed (see docs/benchmarks/README.md to install it)'}")
     result: dict = {
-        "command": f"linattn bench core --n {n} --repeats {repeats} --out {out_dir}",
+        "command": f"linattn bench core --n {n} --repeats {repeats}" + (f" --runs {runs}" if runs != RUNS else "")
+                   + f" --out {out_dir}",
         "machine": machine_info(),
         "config": {"n": n, "batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32",
-                   "repeats": repeats, "pass": "forward+backward"},
-        "allocators": {},
+                   "repeats": repeats, "runs": runs, "pass": "forward+backward"},
+        "runs": run_repeated("linattn.bench.core", [str(n), str(repeats)], runs=runs, say=say),
     }
-    for alloc, env in ALLOCATORS.items():
-        print(f"  [{alloc} malloc] timing ...", flush=True)
-        res = run_child("linattn.bench.core", ["child", str(n), str(repeats)], env)
-        mem = {}
-        # with a tuned malloc freed pages stay resident, so RSS says nothing of the call
-        if not env:
-            print(f"  [{alloc} malloc] peak memory ...", flush=True)
-            for label, impl, causal in MEMORY_CASES:
-                if impl != "fast_transformers" or have_ft:
-                    mem[label] = peak_memory(Case(impl, causal, n), env=env)
-        result["allocators"][alloc] = {"env": env, **res, "peak_memory_bytes": mem}
-    write_atomically(out_dir, {"core.json": json.dumps(result, indent=2), "core.md": format_core(result)})
-    print(format_core(result))
+    # with a tuned malloc freed pages stay resident, so RSS says nothing of the call: default only
+    say("  peak memory (default malloc) ...")
+    result["peak_memory_bytes"] = {label: peak_memory(Case(impl, causal, n)) for label, impl, causal in MEMORY_CASES
+                                   if impl != "fast_transformers" or have_ft}
+    result["ratios"] = ratio_spreads(result["runs"], "linattn")
+    first = result["runs"][0]["allocators"]
+    result["step_s"] = {alloc: {pos: spread([r["allocators"][alloc]["step_s"][pos] for r in result["runs"]])
+                                for pos in first[alloc]["step_s"]} for alloc in first}
+    result["claims"] = {f"{alloc} {mode} {name}": ratio_claim(f"{mode}, {alloc} malloc", "linattn", name, s)
+                        for alloc, modes in result["ratios"].items() for mode, names in modes.items()
+                        for name, s in names.items()}
+    md = format_core(result)
+    write_atomically(out_dir, {"core.json": json.dumps(result, indent=2), "core.md": md})
+    say(md)
     return result
 
 
 def format_core(result: dict) -> str:
     cfg = result["config"]
     m = result["machine"]
+    runs = result["runs"]
     lines = [
         f"# Core benchmark: N = {cfg['n']}, B = 1, H = 8, D = Dv = 64, float32, forward+backward",
         "",
         f"Written by `{result['command']}`; do not edit by hand.",
         f"Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}, {m['threads']} threads"
         + (f", fast-transformers {m['fast_transformers']}" if "fast_transformers" in m else "") + ".",
-        f"Median of {cfg['repeats']} interleaved repeats after warm-up (softmax: 3 repeats); peak memory = "
-        "peak RSS above the inputs, one fresh process per configuration, default malloc only (a tuned "
-        "malloc keeps freed pages resident, so RSS would not measure the call).",
+        f"The whole measurement ran {len(runs)} times, each run in fresh processes (one per allocator); "
+        f"within a run, the median of {cfg['repeats']} interleaved repeats after warm-up (softmax: 3 "
+        "repeats). Each ratio below is stated by its median over the runs, with min and max; each run's "
+        "ratio comes from that run's own medians. Peak memory = peak RSS above the inputs, measured once, "
+        "one fresh process per configuration, default malloc only (a tuned malloc keeps freed pages "
+        "resident, so RSS would not measure the call).",
         "",
-        "| allocator | mode | contender | time | vs linattn | peak memory |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "## Claims",
+        "",
+        *[f"- {text}" for text in result["claims"].values()],
+        "",
+        "| allocator | mode | contender | its time / linattn's: median | min | max | per run |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for alloc, res in result["allocators"].items():
+    for alloc, modes in result["ratios"].items():
+        for mode, names in modes.items():
+            for name, s in names.items():
+                lines.append(f"| {alloc} | {mode} | {name} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
+                             + ", ".join(f"{x:.2f}x" for x in s["runs"]) + " |")
+    lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in runs]), "",
+              "## Times", "", "| allocator | mode | contender | time: median over runs | per run | peak memory |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for alloc, res in runs[0]["allocators"].items():
         for mode, contenders in res["times"].items():
-            base = contenders["linattn"]["median_s"]
-            for name, t in contenders.items():
-                mem = res["peak_memory_bytes"].get(f"{mode}/{name}")
+            for name in contenders:
+                per_run = [r["allocators"][alloc]["times"][mode][name]["median_s"] for r in runs]
+                mem = result["peak_memory_bytes"].get(f"{mode}/{name}") if alloc == "default" else None
                 mem_s = f"{mem / 2**20:.0f} MiB" if mem is not None else "-"
-                ratio = "1.00x" if name == "linattn" else f"linattn {t['median_s'] / base:.2f}x faster"
-                lines.append(f"| {alloc} | {mode} | {name} | {t['median_s'] * 1e3:.0f} ms | {ratio} | {mem_s} |")
+                lines.append(f"| {alloc} | {mode} | {name} | {median(per_run) * 1e3:.0f} ms | "
+                             + ", ".join(f"{x * 1e3:.0f} ms" for x in per_run) + f" | {mem_s} |")
     lines += ["", "One recurrent step (Nq = 1, B = 1, H = 8, D = 64, no grad):", "",
-              "| allocator | position | time per step |", "| --- | --- | --- |"]
-    for alloc, res in result["allocators"].items():
-        for pos, t in res["step_s"].items():
-            lines.append(f"| {alloc} | {pos} | {t * 1e6:.0f} µs |")
+              "| allocator | position | time per step: median over runs | per run |", "| --- | --- | --- | --- |"]
+    for alloc, steps in result["step_s"].items():
+        for pos, s in steps.items():
+            lines.append(f"| {alloc} | {pos} | {s['median'] * 1e6:.0f} µs | "
+                         + ", ".join(f"{x * 1e6:.0f} µs" for x in s["runs"]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,8 +11,10 @@
   with glibc's default malloc and with the tuned settings of ``TUNED_MALLOC_ENV`` (as in
   ``linattn bench core``): performer-pytorch's causal path allocates about 0.7 GB per call,
   and the default allocator faults those pages in afresh each time, which costs it far more
-  than it costs linattn. Peak memory under the default malloc. Writes favor_speed.json and
-  favor_speed.md.
+  than it costs linattn. The whole timing is repeated ``runs`` times (default 3), each run in
+  fresh processes with its own load and reference matmul speed; each ratio is stated by its median
+  over the runs, with min and max. Peak memory once, under the default malloc. Writes
+  favor_speed.json and favor_speed.md.
 
 Every number in those files is written by this code.
 """
@@ -31,18 +33,19 @@ import linattn
 
 from ..extras import require_extra
 from .harness import (
-    ALLOCATORS,
     IMPLS,
+    RUNS,
     TUNED_MALLOC_ENV,
     Case,
-    OtherLoad,
     call,
-    describe_load,
+    format_run_loads,
     machine_info,
     make_inputs,
     median,
     peak_memory,
-    run_child,
+    ratio_claim,
+    ratio_spreads,
+    run_repeated,
     time_calls,
     write_atomically,
 )
@@ -135,55 +138,77 @@ def _times_vs_performer(n: int, repeats: int, heads: int, d: int) -> dict:
     return result
 
 
-def speed_vs_performer(*, n: int = 4096, repeats: int = 7, heads: int = 8, d: int = 64) -> dict:
-    """Interleaved forward+backward times of linattn and performer-pytorch under each allocator
-    (a fresh process each), and peak memory under the default one."""
+def _require_performer() -> None:
     if not IMPLS["performer_pytorch"].available():
         raise RuntimeError(
             "linattn bench favor --what speed needs performer-pytorch 1.1.4 and fast-transformers 0.4.0 "
             "(see docs/benchmarks/README.md); they are benchmark peers, not dependencies"
         )
-    result: dict = {}
-    for alloc, env in ALLOCATORS.items():
-        times = run_child("linattn.bench.favor", ["child", str(n), str(repeats), str(heads), str(d)], env)
-        result[alloc] = {"env": env, "times": times}
+
+
+def speed_vs_performer(*, n: int = 4096, repeats: int = 7, runs: int = RUNS, heads: int = 8, d: int = 64,
+                       say=lambda text: None) -> dict:
+    """Interleaved forward+backward times of linattn and performer-pytorch, ``runs`` times under
+    each allocator (a fresh process each, with each run's load), peak memory once under the default
+    allocator, and the spread over runs of each performer-pytorch / linattn ratio."""
+    _require_performer()
+    result: dict = {"runs": run_repeated("linattn.bench.favor", [str(n), str(repeats), str(heads), str(d)],
+                                         runs=runs, say=say)}
+    say("  peak memory (default malloc) ...")
     result["peak_memory_bytes"] = {
         f"{'causal' if causal else 'bidirectional'}/{name}": peak_memory(Case(impl, causal, n, heads=heads, head_dim=d))
         for causal in (True, False)
         for name, impl in (("linattn", "favor"), ("performer_pytorch", "performer_pytorch"))
     }
+    result["ratios"] = ratio_spreads(result["runs"], "linattn")
+    result["claims"] = {f"{alloc} {mode}": ratio_claim(f"{mode}, {alloc} malloc", "linattn", "performer-pytorch",
+                                                       names["performer_pytorch"])
+                        for alloc, modes in result["ratios"].items() for mode, names in modes.items()}
     return result
 
 
 def format_speed(result: dict) -> str:
     cfg = result["config"]
-    times = result["times"]
+    runs = result["runs"]
     lines = [
         f"# FAVOR+ speed: N = {cfg['n']}, B = 1, H = {cfg['heads']}, D = {cfg['head_dim']}, "
         f"m = {cfg['m']}, float32, forward+backward",
         "",
         f"Written by `{result['command']}`; do not edit by hand. "
         f"torch {result['machine']['torch']}, {result['machine']['threads']} threads. "
-        f"Median of {cfg['repeats']} interleaved repeats, timed in a fresh process per allocator: glibc's "
+        f"The whole timing ran {len(runs)} times, each run in a fresh process per allocator: glibc's "
         "default malloc, and the tuned settings `"
         + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC_ENV.items())
         + "` under which freed pages stay resident (what a long training job would use; "
         "performer-pytorch's causal path allocates about 0.7 GB per call and gains most from it). "
-        "Peak memory = peak RSS above the inputs in a fresh process per configuration, default malloc. "
-        "performer-pytorch causal uses fast-transformers' CPU kernel (its fastest CPU path). "
-        + describe_load(result.get("load")),
+        f"Within a run, the median of {cfg['repeats']} interleaved repeats; each ratio is stated by its "
+        "median over the runs, with min and max, each run's ratio from that run's own medians. "
+        "Peak memory = peak RSS above the inputs in a fresh process per configuration, default malloc, "
+        "measured once. performer-pytorch causal uses fast-transformers' CPU kernel (its fastest CPU path).",
         "",
-        "| allocator | mode | contender | time | performer-pytorch / linattn | peak memory |",
+        "## Claims",
+        "",
+        *[f"- {text}" for text in result["claims"].values()],
+        "",
+        "| allocator | mode | performer-pytorch / linattn: median | min | max | per run |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for alloc in ALLOCATORS:
-        for mode, res in times[alloc]["times"].items():
-            ours, theirs = res["linattn"], res["performer_pytorch"]
-            ratio = theirs["median_s"] / ours["median_s"]
-            for name, r, col in (("linattn", ours, f"{ratio:.2f}x"), ("performer_pytorch", theirs, "")):
-                mem = times["peak_memory_bytes"][f"{mode}/{name}"] / 2**20 if alloc == "default" else None
-                mem_s = "-" if mem is None else f"{mem:.0f} MiB"
-                lines.append(f"| {alloc} | {mode} | {name} | {r['median_s'] * 1e3:.0f} ms | {col} | {mem_s} |")
+    for alloc, modes in result["ratios"].items():
+        for mode, names in modes.items():
+            s = names["performer_pytorch"]
+            lines.append(f"| {alloc} | {mode} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
+                         + ", ".join(f"{x:.2f}x" for x in s["runs"]) + " |")
+    lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in runs]), "",
+              "## Times", "", "| allocator | mode | contender | time: median over runs | per run | peak memory |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for alloc, res in runs[0]["allocators"].items():
+        for mode, contenders in res["times"].items():
+            for name in contenders:
+                per_run = [r["allocators"][alloc]["times"][mode][name]["median_s"] for r in runs]
+                mem = result["peak_memory_bytes"].get(f"{mode}/{name}") if alloc == "default" else None
+                mem_s = "-" if mem is None else f"{mem / 2**20:.0f} MiB"
+                lines.append(f"| {alloc} | {mode} | {name} | {median(per_run) * 1e3:.0f} ms | "
+                             + ", ".join(f"{x * 1e3:.0f} ms" for x in per_run) + f" | {mem_s} |")
     return "\n".join(lines) + "\n"
 
 
@@ -208,10 +233,15 @@ def format_approx(result: dict) -> str:
 
 def run_favor(
     *, out_dir: str | Path = "docs/benchmarks", what: tuple[str, ...] = ("approx", "speed"),
-    ms: tuple[int, ...] = APPROX_MS, seeds: int = 20, n: int = 4096, repeats: int = 7, quiet: bool = False,
+    ms: tuple[int, ...] = APPROX_MS, seeds: int = 20, n: int = 4096, repeats: int = 7, runs: int = RUNS,
+    quiet: bool = False,
 ) -> dict:
     if "approx" in what:  # its figure needs matplotlib: fail before any part runs
         require_extra("bench", command="linattn bench favor --what approx")
+    if "speed" in what:  # nor run the approximation part first when the speed part cannot run
+        if runs < 1:
+            raise ValueError(f"run_favor: runs must be >= 1, got {runs}")
+        _require_performer()
     out_dir = Path(out_dir)
     results: dict = {}
     if "approx" in what:
@@ -226,14 +256,16 @@ def run_favor(
         if not quiet:
             print(md)
     if "speed" in what:
-        load = OtherLoad(reference=True)
+        say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+        say(f"linattn bench favor --what speed: N={n}, {runs} runs")
         res = {
-            "command": f"linattn bench favor --what speed --n {n} --repeats {repeats} --out {out_dir}",
+            "command": f"linattn bench favor --what speed --n {n} --repeats {repeats}"
+                       + (f" --runs {runs}" if runs != RUNS else "") + f" --out {out_dir}",
             "machine": machine_info(),
-            "config": {"n": n, "heads": 8, "head_dim": 64, "m": 256, "repeats": repeats, "dtype": "float32"},
-            "times": speed_vs_performer(n=n, repeats=repeats),
+            "config": {"n": n, "heads": 8, "head_dim": 64, "m": 256, "repeats": repeats, "runs": runs,
+                       "dtype": "float32"},
+            **speed_vs_performer(n=n, repeats=repeats, runs=runs, say=say),
         }
-        res["load"] = load.finish()
         md = format_speed(res)
         write_atomically(out_dir, {"favor_speed.json": json.dumps(res, indent=2), "favor_speed.md": md})
         results["speed"] = res
@@ -245,6 +277,6 @@ def run_favor(
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "child":
         torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-        print(json.dumps(_times_vs_performer(*(int(a) for a in sys.argv[2:]))))
+        print(json.dumps({"times": _times_vs_performer(*(int(a) for a in sys.argv[2:]))}))
     else:
         raise SystemExit("usage: python -m linattn.bench.favor child N REPEATS HEADS HEAD_DIM")

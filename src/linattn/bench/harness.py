@@ -30,8 +30,9 @@ import torch
 
 import linattn
 
-__all__ = ["Case", "IMPLS", "Impl", "OtherLoad", "REFERENCE_DRIFT", "busy_reasons", "describe_load", "format_seconds",
-           "machine_info", "peak_memory", "time_calls", "write_atomically"]
+__all__ = ["Case", "IMPLS", "Impl", "OtherLoad", "REFERENCE_DRIFT", "RUNS", "busy_reasons", "describe_load",
+           "format_run_loads", "format_seconds", "format_spread", "machine_info", "peak_memory", "ratio_claim",
+           "ratio_spreads", "run_repeated", "spread", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -298,6 +299,47 @@ def run_child(module: str, args: list[str], env: dict[str, str], *, timeout: flo
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# How many times `bench core` and `bench favor --what speed` repeat their whole measurement, each
+# time in fresh processes: one run's ratio can be off by a slow spell of the machine, so a claim is
+# the median over at least three runs, with the spread beside it.
+RUNS = 3
+
+
+def run_repeated(module: str, args: list[str], *, runs: int = RUNS,
+                 say: Callable[[str], None] = lambda text: None) -> list[dict]:
+    """The whole measurement of ``python -m module child *args`` ``runs`` times. Each run starts one
+    fresh child per allocator of ``ALLOCATORS`` in turn (so allocators interleave run by run) and
+    records its own load and reference matmul speed (:class:`OtherLoad`). Returns one
+    ``{"allocators": {name: {"env": env, **child's JSON}}, "load": {...}}`` per run."""
+    if runs < 1:
+        raise ValueError(f"run_repeated: runs must be >= 1, got {runs}")
+    out = []
+    for i in range(runs):
+        load = OtherLoad(reference=True)
+        allocators = {}
+        for alloc, env in ALLOCATORS.items():
+            say(f"  run {i + 1}/{runs}, {alloc} malloc: timing ...")
+            allocators[alloc] = {"env": env, **run_child(module, ["child", *args], env)}
+        out.append({"allocators": allocators, "load": load.finish()})
+    return out
+
+
+def ratio_spreads(runs: list[dict], base: str) -> dict[str, dict[str, dict[str, dict]]]:
+    """``[allocator][mode][contender]``: the :func:`spread` over runs of contender time / ``base``
+    time, each run's ratio from that run's own medians (runs as :func:`run_repeated` returns them,
+    each child's JSON holding ``times[mode][contender]["median_s"]``)."""
+    out: dict = {}
+    for alloc in runs[0]["allocators"]:
+        for mode, contenders in runs[0]["allocators"][alloc]["times"].items():
+            for name in contenders:
+                if name == base:
+                    continue
+                per_run = [r["allocators"][alloc]["times"][mode][name]["median_s"]
+                           / r["allocators"][alloc]["times"][mode][base]["median_s"] for r in runs]
+                out.setdefault(alloc, {}).setdefault(mode, {})[name] = spread(per_run)
+    return out
+
+
 def peak_memory(case: Case, *, env: dict[str, str] | None = None, timeout: float = 600) -> int:
     """Peak memory above the baseline for one call of ``case``, in bytes, from a fresh subprocess:
     resident set size on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU."""
@@ -413,6 +455,42 @@ def describe_load(load: dict | None) -> str:
     else:
         text += " A quiet machine."
     return text
+
+
+def spread(values: list[float]) -> dict:
+    """One quantity measured in several runs: ``{"median", "min", "max", "runs"}``. A claim is
+    stated by the median, never the best run, with min and max as its spread."""
+    if not values:
+        raise ValueError("spread: no values (at least one run is needed)")
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+def format_spread(s: dict) -> str:
+    """A ratio's :func:`spread` in words, the median first: ``4.05x, the median of 3 runs (min 3.90x,
+    max 4.20x)``."""
+    n = len(s["runs"])
+    return (f"{s['median']:.2f}x, the median of {n} run{'s' if n != 1 else ''} "
+            f"(min {s['min']:.2f}x, max {s['max']:.2f}x)")
+
+
+def ratio_claim(setting: str, ours: str, theirs: str, s: dict) -> str:
+    """One claim from the spread of ``theirs`` time / ``ours`` time, stated by its median."""
+    if s["median"] >= 1:
+        return f"{setting}: {ours} is faster than {theirs} by {format_spread(s)}"
+    return f"{setting}: {theirs} / {ours} time {format_spread(s)}: {ours} is slower"
+
+
+def format_run_loads(loads: list[dict]) -> list[str]:
+    """Markdown table lines: each run's load from other processes and reference matmul speed."""
+    lines = ["| run | other processes' CPU share | reference matmul GFLOP/s (start → end) | busy |",
+             "| --- | --- | --- | --- |"]
+    for i, load in enumerate(loads, 1):
+        share, ref = load.get("other_cpu_share"), load.get("reference_gflops")
+        share_s = "-" if share is None else f"{share:.0%}"
+        ref_s = "-" if not ref else f"{ref['start']:.0f} → {ref['end']:.0f}"
+        busy = "; ".join(busy_reasons(load)) or "no"
+        lines.append(f"| {i} | {share_s} | {ref_s} | {busy} |")
+    return lines
 
 
 def _cpu_caches() -> dict[str, int]:
