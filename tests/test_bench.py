@@ -422,3 +422,22 @@ def test_other_load_records_the_machine_speed_when_asked():
     assert 0.5 < reference_gflops(0.05) < 1e5
     text = describe_load({"other_cpu_share": 0.01, "reference_gflops": {"start": 150.0, "end": 75.0}})
     assert "150 GFLOP/s at the start and 75 at the end" in text
+
+
+@pytest.mark.parametrize("suite,target", [("core", "linattn.bench.core.run_core"), ("favor", "linattn.bench.favor.run_favor")])
+def test_cli_runs_flag_reaches_the_benchmark(monkeypatch, tmp_path, capsys, suite, target):
+    """--runs sets the number of separate runs; without it the benchmark's own default (3) holds;
+    0 is refused as a usage error."""
+    import importlib
+
+    from linattn.bench.harness import RUNS
+
+    module_name, attr = target.rsplit(".", 1)
+    seen = []
+    monkeypatch.setattr(importlib.import_module(module_name), attr, lambda **kw: seen.append(kw))
+    main(["bench", suite, "--out", str(tmp_path), "--runs", "5"])
+    main(["bench", suite, "--out", str(tmp_path)])
+    assert seen[0]["runs"] == 5 and seen[1].get("runs", RUNS) == RUNS == 3
+    with pytest.raises(SystemExit) as info:
+        main(["bench", suite, "--runs", "0"])
+    assert info.value.code == 2 and "--runs" in capsys.readouterr().err

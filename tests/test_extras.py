@@ -12,7 +12,7 @@ import linattn.bench.full
 import linattn.bench.sweep
 import linattn.experiments.common
 from linattn.cli import main
-from linattn.extras import EXTRAS, MissingExtraError, require_extra
+from linattn.extras import EXTRAS, require_extra
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,15 +46,16 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("argv", COMMANDS)
-def test_plotting_commands_fail_before_work_without_matplotlib(argv, no_matplotlib, monkeypatch, tmp_path):
+def test_plotting_commands_fail_before_work_without_matplotlib(argv, no_matplotlib, monkeypatch, tmp_path, capsys):
     (module, first_work), command, extra = COMMANDS[argv]
     monkeypatch.setattr(module, first_work, _refuse)
     monkeypatch.chdir(tmp_path)  # default output folders would land here
-    with pytest.raises(MissingExtraError) as info:
+    with pytest.raises(SystemExit) as info:  # the usual one-line usage error, not a traceback
         main(argv.split())
-    message = str(info.value)
-    assert message.startswith(f"{command} needs matplotlib") and f"pip install 'linattn[{extra}]'" in message
-    assert isinstance(info.value, ImportError) and info.value.name == "matplotlib"
+    assert info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith(f"linattn: error: {command} needs matplotlib")
+    assert f"pip install 'linattn[{extra}]'" in message
     assert list(tmp_path.iterdir()) == []  # no run folder, no report
 
 

@@ -18,6 +18,16 @@ def _parse_ns(text: str) -> tuple[int, ...]:
     return ns
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     core.add_argument("--out", default="docs/benchmarks", help="folder for core.json and core.md")
     core.add_argument("--n", type=int, default=16384, help="sequence length (default 16384)")
     core.add_argument("--repeats", type=int, default=7)
+    core.add_argument("--runs", type=_positive, default=None,
+                      help="separate runs (fresh processes) whose ratios give the claim's median and spread (default 3)")
 
     favor = bench_sub.add_parser("favor", help="FAVOR+ approximation figure and speed against performer-pytorch")
     favor.add_argument("--out", default="docs/benchmarks", help="folder for favor_*.json/md/png")
@@ -56,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     favor.add_argument("--seeds", type=int, default=20)
     favor.add_argument("--n", type=int, default=4096, help="sequence length of the speed comparison")
     favor.add_argument("--repeats", type=int, default=7)
+    favor.add_argument("--runs", type=_positive, default=None,
+                       help="speed: separate runs (fresh processes) whose ratios give the claim's median and spread "
+                       "(default 3)")
     family = bench_sub.add_parser("family", help="local attention at N = 65536 against softmax at N = 4096")
     family.add_argument("--out", default="docs/benchmarks", help="folder for family.json and family.md")
     family.add_argument("--n-local", type=int, default=65536, help="local attention's N (default 65536)")
@@ -115,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     # key=value overrides of an experiment may come after its options (`copy --quick steps=50`),
     # which argparse leaves unparsed once the positional list has matched; they are collected here.
     args, extra = parser.parse_known_args(argv)
+    from .extras import MissingExtraError
+
+    try:
+        return _run(parser, args, argv, extra, tr, ex, conv)
+    except MissingExtraError as e:  # checked before any work: a usage error, not a crash
+        parser.error(str(e))
+
+
+def _run(parser, args, argv, extra, tr, ex, conv) -> int:
     if extra and not (args.command == "experiment" and all("=" in x and not x.startswith("-") for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "experiment":
@@ -154,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "bench" and args.suite == "core":
         from .bench.core import run_core
 
-        run_core(out_dir=args.out, n=args.n, repeats=args.repeats)
+        run_core(out_dir=args.out, n=args.n, repeats=args.repeats, **({} if args.runs is None else {"runs": args.runs}))
     elif args.command == "bench" and args.suite == "favor":
         from .bench.favor import APPROX_MS, run_favor
 
@@ -163,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--what: unknown parts {unknown}; choose from approx, speed")
         run_favor(out_dir=args.out, what=what, ms=args.ms or APPROX_MS, seeds=args.seeds, n=args.n,
-                  repeats=args.repeats)
+                  repeats=args.repeats, **({} if args.runs is None else {"runs": args.runs}))
     elif args.command == "bench" and args.suite == "family":
         from .bench.family import run_family
 
