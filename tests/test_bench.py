@@ -112,24 +112,75 @@ def test_favor_approximation_benchmark_tiny(tmp_path):
     assert (tmp_path / "favor_approx.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "positive-orthogonal" in (tmp_path / "favor_approx.md").read_text()
 def test_family_tiny(tmp_path):
+    """A tiny `bench family`: every run in its own process with its own load; the claim's verdicts
+    and the ratios' spreads come from the runs' own times."""
     from linattn.bench.family import run_family
 
-    result = run_family(out_dir=tmp_path, n_local=300, n_softmax=40, repeats=1, quiet=True)
+    result = run_family(out_dir=tmp_path, n_local=300, n_softmax=40, repeats=1, runs=2, quiet=True)
     saved = json.loads((tmp_path / "family.json").read_text())
-    assert saved["command"] == f"linattn bench family --n-local 300 --n-softmax 40 --repeats 1 --out {tmp_path}"
-    assert set(saved["seconds"]) == {"local causal", "local bidirectional", "softmax bidirectional", "softmax causal"}
-    assert all(t > 0 for t in saved["seconds"].values())
+    assert saved["command"] == f"linattn bench family --n-local 300 --n-softmax 40 --repeats 1 --runs 2 --out {tmp_path}"
+    assert saved["config"]["runs"] == 2 and len(saved["runs"]) == 2
+    labels = {"local causal", "local bidirectional", "softmax bidirectional", "softmax causal"}
+    assert set(saved["seconds"]) == labels and all(t > 0 for t in saved["seconds"].values())
+    assert set(saved["ratios"]) == labels - {"softmax bidirectional"}
     assert saved["cases"]["local causal"]["n"] == 300 and saved["cases"]["softmax causal"]["n"] == 40
     md = (tmp_path / "family.md").read_text()
+    for run in saved["runs"]:
+        child = run["allocators"]["inherited"]
+        assert set(child["seconds"]) == labels and all(len(v) == 1 for v in child["all_seconds"].values())
+        ref = run["load"]["reference_gflops"]
+        assert f"| {ref['start']:.0f} → {ref['end']:.0f} |" in md  # each run's machine speed
     for key, holds in saved["claim"].items():
         if key != "text":  # the markdown states each verdict the JSON holds
             assert f"- {key}: {'holds' if holds else 'does NOT hold'}" in md
+            label = key.split(" < ")[0]
+            assert holds is (saved["ratios"][label]["median"] < 1)
+    assert result["claim"] == saved["claim"]
+
+
+def test_family_decides_its_claim_on_the_median_run_not_the_best(monkeypatch, tmp_path):
+    """`bench family` with each run's timings injected: the verdicts follow the median ratio over
+    the runs, and in this case the best run would have said the opposite."""
+    import linattn.bench.harness as harness
+    from linattn.bench.family import run_family
+
+    # local / softmax bidirectional in runs 1, 2, 3: causal's best run (0.8) would hold, its median
+    # (1.1) does not; bidirectional's worst run (1.2) would not hold, its median (0.9) does
+    ratios = {"local causal": [0.8, 1.3, 1.1], "local bidirectional": [1.2, 0.7, 0.9], "softmax causal": [0.5] * 3}
+    calls = []
+
+    def child(module, args, env):
+        calls.append((module, args, env))
+        run = len(calls) - 1
+        seconds = {"softmax bidirectional": 2.0, **{k: 2.0 * v[run] for k, v in ratios.items()}}
+        return {"seconds": seconds, "all_seconds": {k: [v] for k, v in seconds.items()}}
+
+    monkeypatch.setattr(harness, "run_child", child)
+    result = run_family(out_dir=tmp_path, n_local=300, n_softmax=40, repeats=1, runs=3, quiet=True)
+    assert calls == [("linattn.bench.family", ["child", "300", "40", "1"], {})] * 3  # one fresh child per run
+    saved = json.loads((tmp_path / "family.json").read_text())
+    md = (tmp_path / "family.md").read_text()
+    for label, per_run in ratios.items():
+        s = saved["ratios"][label]
+        assert s["runs"] == pytest.approx(per_run)
+        assert {k: s[k] for k in ("min", "median", "max")} == pytest.approx(_spread_of(per_run))
+        assert f"| {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x |" in md
+    assert saved["claim"]["local causal < softmax bidirectional"] is False
+    assert saved["claim"]["local bidirectional < softmax bidirectional"] is True
+    assert ("- local causal < softmax bidirectional: does NOT hold (local causal time / softmax bidirectional time "
+            "1.10x, the median of 3 runs (min 0.80x, max 1.30x))") in md
+    assert "- local bidirectional < softmax bidirectional: holds (" in md
+    assert saved["seconds"]["local causal"] == pytest.approx(2.2)  # the median of the runs' times
+    assert "| local causal | 300 | 2.20 s | 1.60 s, 2.60 s, 2.20 s | 1.10x | 0.80x | 1.30x |" in md
     assert result["claim"] == saved["claim"]
 
 
 def test_cli_bench_family(tmp_path, capsys):
-    assert main(["bench", "family", "--n-local", "64", "--n-softmax", "16", "--repeats", "1", "--out", str(tmp_path)]) == 0
-    assert "local causal" in capsys.readouterr().out
+    assert main(["bench", "family", "--n-local", "64", "--n-softmax", "16", "--repeats", "1", "--runs", "1",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "local causal" in out and "run 1/1" in out
+    assert json.loads((tmp_path / "family.json").read_text())["config"]["runs"] == 1
 
 
 @pytest.mark.parametrize("impl", ["local", "linformer", "lsh", "favor"])
@@ -194,40 +245,156 @@ def test_cli_bench_without_suite_is_the_sweep(monkeypatch, tmp_path):
 
 
 def test_generate_benchmark_tiny(tmp_path):
+    """A tiny `bench generate`, twice in fresh processes: every run's data is kept, the summary is
+    the median over the runs, and the Markdown has a row per run for the machine."""
     main(["bench", "generate", "--positions", "5,40", "--steps", "3", "--d-model", "16", "--layers", "2",
           "--heads", "2", "--vocab", "50", "--images", "2", "--image-d-model", "16", "--image-layers", "1",
-          "--out", str(tmp_path)])
+          "--runs", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "generate.json").read_text())
     assert saved["command"].startswith("linattn bench generate --positions 5,40 --steps 3")
+    assert saved["command"].endswith(f"--runs 2 --out {tmp_path}") and saved["config"]["runs"] == 2
     decoders = {f"{m}@{p}" for m in ("linear", "favor", "local", "softmax", "softmax-recompute") for p in (5, 40)}
     assert set(saved["seconds_per_token"]) == decoders
-    assert all(len(v) == 3 for k, v in saved["all_seconds"].items() if "recompute" not in k)
+    runs = [r["allocators"]["inherited"] for r in saved["runs"]]
+    assert len(runs) == 2
+    for key in decoders:
+        assert saved["seconds_per_token"][key] == pytest.approx(_median([r["seconds_per_token"][key] for r in runs]))
+    for r in runs:
+        assert all(len(v) == 3 for k, v in r["all_seconds"].items() if "recompute" not in k)
+        sizes = r["state_bytes_after_prefill"]
+        assert sizes["softmax@40"] == 8 * sizes["softmax@5"]  # the KV cache grows with position
+        assert sizes["favor@40"] == sizes["favor@5"]  # a recurrent state does not
+        assert r["read_rates"]["weights, matrix-vector products alone (GB/s)"] > 0
+        assert set(r["images"]["seconds"]) == {"linear (recurrent)", "favor (recurrent)", "softmax (KV cache)",
+                                               "softmax (recompute prefix)"}
     assert saved["claim"]["linear state size independent of position"] is True
-    sizes = saved["state_bytes_after_prefill"]
-    assert sizes["softmax@40"] == 8 * sizes["softmax@5"]  # the KV cache grows with position
-    assert sizes["favor@40"] == sizes["favor@5"]  # a recurrent state does not
+    ratio = saved["ratios"]["softmax@40 / linear@40"]
+    assert ratio["runs"] == pytest.approx([r["seconds_per_token"]["softmax@40"] / r["seconds_per_token"]["linear@40"]
+                                           for r in runs])
+    assert saved["claim"]["softmax@40 / linear@40"] == ratio["median"]
     images = saved["images"]
     assert set(images["images_per_second"]) == {"linear (recurrent)", "favor (recurrent)", "softmax (KV cache)",
                                                 "softmax (recompute prefix)"}
     assert images["config"]["pixels"] == 784 and images["config"]["batch"] == 2
     md = (tmp_path / "generate.md").read_text()
     assert "| linear | 40 |" in md and "| softmax-recompute | 40 |" in md and "softmax (recompute prefix)" in md
-    assert saved["read_rates"]["weights, matrix-vector products alone (GB/s)"] > 0
+    assert "The whole measurement ran 2 times" in md and "| 2 | " in md  # the second run's machine
 
 
 def test_generate_benchmark_times_compiled_steps(tmp_path):
     main(["bench", "generate", "--positions", "5,40", "--steps", "2", "--d-model", "16", "--layers", "1",
           "--heads", "2", "--vocab", "50", "--mechanisms", "linear,softmax", "--no-recompute", "--images", "0",
-          "--compile", "--out", str(tmp_path)])
+          "--compile", "--runs", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "generate.json").read_text())
-    assert saved["command"].endswith(f"--compile --out {tmp_path}") and saved["config"]["compile"] is True
+    assert saved["command"].endswith(f"--compile --runs 1 --out {tmp_path}") and saved["config"]["compile"] is True
     assert set(saved["seconds_per_token"]) == {f"{m}{c}@{p}" for m in ("linear", "softmax")
                                                for c in ("", "+compile") for p in (5, 40)}
     # each decoder stepped from its own copy of the prefilled state: the same positions reached
-    sizes = saved["state_bytes_after_steps"]
+    sizes = saved["runs"][0]["allocators"]["inherited"]["state_bytes_after_steps"]
     assert sizes["softmax+compile@40"] == sizes["softmax@40"] and sizes["linear+compile@5"] == sizes["linear@5"]
     assert "softmax+compile@40 / linear+compile@40" in saved["claim"]
     assert "| linear+compile | 40 |" in (tmp_path / "generate.md").read_text()
+
+
+def _median(xs):
+    import statistics
+
+    return statistics.median(xs)
+
+
+def test_generate_decides_its_claims_on_the_median_run_not_the_best(monkeypatch, tmp_path):
+    """`bench generate --compile` with each run's child injected (one real tiny run as the template,
+    its times replaced): every ratio's min / median / max come from the runs' own ratios, and each
+    verdict follows the median, which here is never the best run."""
+    import copy
+
+    import linattn.bench.generate as generate
+    import linattn.bench.harness as harness
+
+    template = generate._measure(positions=[5, 40], steps=2, warmup=1, d_model=16, n_layers=1, n_heads=2,
+                                 vocab_size=50, mechanisms=["linear", "softmax"], recompute=False,
+                                 recompute_budget_s=1.0, image_batch=1, image_d_model=16, image_layers=1,
+                                 compile=False)
+    # per run 1, 2, 3; the best run is never the median, and each verdict differs from the best run's
+    flat = [1.0, 1.5, 1.4]  # linear@40 / linear@5: median 1.4 > 1.3 (best 1.0 would hold)
+    faster = [6.0, 3.0, 4.0]  # softmax@40 / linear@40: median 4.0 < 5 (best 6.0 would hold)
+    faster_compiled = [4.0, 7.0, 5.5]  # median 5.5 >= 5 (the worst run, 4.0, would not hold)
+    kv_over_linear = [2.0, 1.0, 1.5]  # images: softmax (KV cache) time / linear's
+    calls = []
+
+    def child(module, args, env):
+        calls.append((module, args, env))
+        i = len(calls) - 1
+        run = copy.deepcopy(template)
+        for table in ("seconds_per_token", "prefill_seconds", "state_bytes_after_prefill", "state_bytes_after_steps"):
+            run[table].update({k.replace("@", "+compile@"): v for k, v in run[table].items()})
+        lin40, clin40 = 0.010 * flat[i], 0.008 * 1.2
+        run["seconds_per_token"].update({
+            "linear@5": 0.010, "linear@40": lin40, "softmax@5": 0.010, "softmax@40": lin40 * faster[i],
+            "linear+compile@5": 0.008, "linear+compile@40": clin40, "softmax+compile@40": clin40 * faster_compiled[i]})
+        run["images"]["seconds"].update({"linear (recurrent)": 0.5, "softmax (KV cache)": 0.5 * kv_over_linear[i]})
+        return run
+
+    monkeypatch.setattr(harness, "run_child", child)
+    result = generate.run_generate(out_dir=tmp_path, positions=(5, 40), steps=2, d_model=16, n_layers=1, n_heads=2,
+                                   vocab_size=50, mechanisms=("linear", "softmax"), recompute=False, image_batch=1,
+                                   image_d_model=16, image_layers=1, compile=True, runs=3, quiet=True)
+    assert [(m, a[0], e) for m, a, e in calls] == [("linattn.bench.generate", "child", {})] * 3  # a fresh child each
+    spec = json.loads(calls[0][1][1])
+    assert spec["compile"] is True and spec["positions"] == [5, 40] and spec["image_batch"] == 1
+    saved = json.loads((tmp_path / "generate.json").read_text())
+    md = (tmp_path / "generate.md").read_text()
+    assert result["claim"] == saved["claim"] and len(saved["runs"]) == 3
+    for key, per_run in {"linear@40 / linear@5": flat, "softmax@40 / linear@40": faster,
+                         "softmax+compile@40 / linear+compile@40": faster_compiled}.items():
+        s = saved["ratios"][key]
+        assert s["runs"] == pytest.approx(per_run)
+        assert {k: s[k] for k in ("min", "median", "max")} == pytest.approx(_spread_of(per_run))
+        assert saved["claim"][key] == pytest.approx(_spread_of(per_run)["median"])  # the median, not the best
+        assert (f"| {key} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
+                + ", ".join(f"{x:.2f}x" for x in per_run) + " |") in md
+    verdicts = {"linear@40 within 1.3x of linear@5": False,
+                "linear at least 5x faster than softmax (KV cache) at 40": False,
+                "linear+compile@40 within 1.3x of linear+compile@5": True,
+                "linear+compile at least 5x faster than softmax+compile (KV cache) at 40": True}
+    for key, holds in verdicts.items():
+        assert saved["claim"][key] is holds
+        assert f"| {key} | {'holds' if holds else 'does NOT hold'} |" in md
+    assert saved["seconds_per_token"]["softmax@40"] == pytest.approx(0.056)  # median of 0.060, 0.045, 0.056
+    assert "| softmax | 40 | 56.00 | 60.00, 45.00, 56.00 |" in md
+    speed_up = saved["images"]["linear speed-up"]["softmax (KV cache)"]
+    assert speed_up["runs"] == pytest.approx(kv_over_linear) and speed_up["median"] == pytest.approx(1.5)
+    assert "| softmax (KV cache) | 0.75 | 1.00, 0.50, 0.75 |" in md and "| 1.5x | 1.0x | 2.0x |" in md
+    for i, run in enumerate(saved["runs"], 1):  # each run's load and reference matmul speed, start → end
+        ref = run["load"]["reference_gflops"]
+        assert f"| {i} | " in md and f" | {ref['start']:.0f} → {ref['end']:.0f} |" in md
+        assert run["allocators"]["inherited"]["read_rates"] == template["read_rates"]  # every run's data kept
+
+
+def test_generate_state_size_claim_must_hold_in_every_run(monkeypatch, tmp_path):
+    import copy
+
+    import linattn.bench.generate as generate
+    import linattn.bench.harness as harness
+
+    template = generate._measure(positions=[3, 6], steps=1, warmup=0, d_model=8, n_layers=1, n_heads=2,
+                                 vocab_size=20, mechanisms=["linear", "softmax"], recompute=False,
+                                 recompute_budget_s=1.0, image_batch=0, image_d_model=8, image_layers=1,
+                                 compile=False)
+    calls = []
+
+    def child(module, args, env):
+        calls.append(module)
+        run = copy.deepcopy(template)
+        if len(calls) == 2:  # one run out of three grew the linear state
+            run["state_bytes_after_steps"]["linear@6"] += 4
+        return run
+
+    monkeypatch.setattr(harness, "run_child", child)
+    result = generate.run_generate(out_dir=tmp_path, positions=(3, 6), steps=1, d_model=8, n_layers=1, n_heads=2,
+                                   vocab_size=20, mechanisms=("linear", "softmax"), recompute=False, runs=3,
+                                   quiet=True)
+    assert result["claim"]["linear state size independent of position"] is False
 
 
 def test_generate_recompute_matches_generate():
@@ -262,7 +429,7 @@ def test_full_writes_the_document_from_its_own_files(tmp_path):
     text = run_full(out_dir=out, doc=doc, sweep_config=config, quiet=True,
                     generate_kwargs={"positions": (3, 6), "steps": 2, "d_model": 16, "n_layers": 1, "n_heads": 2,
                                      "vocab_size": 30, "image_batch": 1, "image_d_model": 16, "image_layers": 1,
-                                     "compile": False})
+                                     "compile": False, "runs": 2})
     assert doc.read_text() == text
     for name in ("sweep.json", "sweep.md", "sweep_time.png", "generate.json", "generate.md"):
         assert (out / name).exists(), name
@@ -273,9 +440,47 @@ def test_full_writes_the_document_from_its_own_files(tmp_path):
     assert "![time against N](full/sweep_time.png)" in text
     assert "| efficient | - | - |" in text  # no causal form: shown, not dropped
     assert "### Images per second" in text and "Where linear attention loses" in text
+    assert "Generation: 2 runs" in text and "The whole measurement ran 2 times" in text
     assert run_full(out_dir=out, doc=doc, doc_only=True, quiet=True) == text
+    # a generate.json as written before the runs were repeated: one run's fields at the top level
+    gen = json.loads((out / "generate.json").read_text())
+    first = gen["runs"][0]
+    single = {**first["allocators"]["inherited"], "command": gen["command"], "machine": gen["machine"],
+              "config": {k: v for k, v in gen["config"].items() if k != "runs"}, "load": first["load"]}
+    del single["env"]
+    (out / "generate.json").write_text(json.dumps(single))
+    old_text = run_full(out_dir=out, doc=doc, doc_only=True, quiet=True)
+    assert "Generation: 1 run" in old_text and "it holds one run" in old_text
+    ratio = single["seconds_per_token"]["softmax@6"] / single["seconds_per_token"]["linear@6"]
+    assert f"| softmax@6 / linear@6 | {ratio:.2f}x | {ratio:.2f}x | {ratio:.2f}x | {ratio:.2f}x |" in old_text
     with pytest.raises(FileNotFoundError, match="sweep.json"):
         run_full(out_dir=tmp_path / "empty", doc=doc, doc_only=True, quiet=True)
+
+
+def test_full_doc_only_reads_a_generate_file_from_before_the_runs(tmp_path):
+    """The committed full/generate.json is a single-run file (no `runs`): `--doc-only` reads it as
+    one run and says so; a file that is no generate result at all is refused by name."""
+    import shutil
+    from pathlib import Path
+
+    from linattn.bench.full import run_full
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "full"
+    old = json.loads((committed / "generate.json").read_text())
+    if "runs" in old:
+        pytest.skip("docs/benchmarks/full/generate.json has been rewritten in the repeated form")
+    out, doc = tmp_path / "full", tmp_path / "benchmarks.md"
+    out.mkdir()
+    for name in ("sweep.json", "generate.json"):
+        shutil.copy(committed / name, out / name)
+    text = run_full(out_dir=out, doc=doc, doc_only=True, quiet=True)
+    assert "Generation: 1 run, " in text and "it holds one run" in text
+    key = next(k for k in old["claim"] if k.startswith("softmax@") and "compile" not in k)
+    v = old["claim"][key]
+    assert f"| {key} | {v:.2f}x | {v:.2f}x | {v:.2f}x | {v:.2f}x |" in text  # the one run's ratio, as written
+    (out / "generate.json").write_text(json.dumps({"command": "something else"}))
+    with pytest.raises(ValueError, match="generate.json is not a result of linattn bench generate"):
+        run_full(out_dir=out, doc=doc, doc_only=True, quiet=True)
 
 
 def test_other_load_separates_our_cpu_time_from_other_processes():
@@ -424,7 +629,9 @@ def test_other_load_records_the_machine_speed_when_asked():
     assert "150 GFLOP/s at the start and 75 at the end" in text
 
 
-@pytest.mark.parametrize("suite,target", [("core", "linattn.bench.core.run_core"), ("favor", "linattn.bench.favor.run_favor")])
+@pytest.mark.parametrize("suite,target", [("core", "linattn.bench.core.run_core"), ("favor", "linattn.bench.favor.run_favor"),
+                                          ("family", "linattn.bench.family.run_family"),
+                                          ("generate", "linattn.bench.generate.run_generate")])
 def test_cli_runs_flag_reaches_the_benchmark(monkeypatch, tmp_path, capsys, suite, target):
     """--runs sets the number of separate runs; without it the benchmark's own default (3) holds;
     0 is refused as a usage error."""

@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     family.add_argument("--n-local", type=int, default=65536, help="local attention's N (default 65536)")
     family.add_argument("--n-softmax", type=int, default=4096, help="softmax attention's N (default 4096)")
     family.add_argument("--repeats", type=int, default=3)
+    family.add_argument("--runs", type=_positive, default=None,
+                        help="separate runs (fresh processes) whose ratios give the claim's median and spread (default 3)")
 
     full = bench_sub.add_parser("full", help="the full sweep and generation benchmark, and docs/benchmarks.md")
     full.add_argument("--out", default="docs/benchmarks/full", help="folder for the sweep and generation files")
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--image-layers", type=int, default=8)
     gen.add_argument("--compile", action="store_true",
                      help="also time each model's torch.compile'd decoding step (TransformerLM.compiled_step)")
+    gen.add_argument("--runs", type=_positive, default=None,
+                     help="separate runs (fresh processes) whose ratios give the claims' medians and spreads "
+                     "(default 3)")
 
     from .train.cli_args import add_train_arguments
 
@@ -191,7 +196,8 @@ def _run(parser, args, argv, extra, tr, ex, conv) -> int:
     elif args.command == "bench" and args.suite == "family":
         from .bench.family import run_family
 
-        run_family(out_dir=args.out, n_local=args.n_local, n_softmax=args.n_softmax, repeats=args.repeats)
+        run_family(out_dir=args.out, n_local=args.n_local, n_softmax=args.n_softmax, repeats=args.repeats,
+                   **({} if args.runs is None else {"runs": args.runs}))
     elif args.command == "bench" and args.suite == "full":
         from .bench.full import run_full
 
@@ -208,7 +214,7 @@ def _run(parser, args, argv, extra, tr, ex, conv) -> int:
                          mechanisms=tuple(x for x in args.mechanisms.split(",") if x),
                          recompute=not args.no_recompute, image_batch=args.images,
                          image_d_model=args.image_d_model, image_layers=args.image_layers,
-                         compile=args.compile)
+                         compile=args.compile, **({} if args.runs is None else {"runs": args.runs}))
         except ValueError as e:
             parser.error(str(e))
     return 0

@@ -5,7 +5,11 @@ runs in less time than softmax_attention forward+backward at N = 4096.
 
 Times local attention (causal and bidirectional) at ``n_local`` and softmax attention (PyTorch SDPA,
 bidirectional and causal) at ``n_softmax``, interleaved A B C D A B C D ..., median of ``repeats``
-after one warm-up round. Writes family.json and family.md; every number there comes from this code.
+after one warm-up round. That whole measurement is repeated ``runs`` times (default 3), each run in
+a fresh process with its own load and reference matmul speed; each contender's time / softmax
+bidirectional's is computed within a run and stated by its median over the runs, with min and max,
+and the claim is decided on that median. Writes family.json and family.md; every number there comes
+from this code.
 
 What to expect from arithmetic alone: a causal local query scores window + 1 = 257 keys, a
 bidirectional one 2 window + 1 = 513, a softmax query at N = 4096 scores 4096 (2048 on average
@@ -17,12 +21,29 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .harness import LOCAL_WINDOW, Case, call, machine_info, make_inputs, median, time_calls, write_atomically
+from .harness import (
+    INHERITED_ALLOCATOR,
+    LOCAL_WINDOW,
+    RUNS,
+    Case,
+    call,
+    format_run_loads,
+    format_seconds,
+    format_spread,
+    machine_info,
+    make_inputs,
+    median,
+    run_repeated,
+    spread,
+    time_calls,
+    write_atomically,
+)
 
 CONTENDERS = [  # (label, impl, causal, which n)
     ("local causal", "local", True, "n_local"),
@@ -30,39 +51,52 @@ CONTENDERS = [  # (label, impl, causal, which n)
     ("softmax bidirectional", "softmax", False, "n_softmax"),
     ("softmax causal", "softmax", True, "n_softmax"),
 ]
+BASE = "softmax bidirectional"  # every ratio is a contender's time / this one's
+CLAIMED = ("local causal", "local bidirectional")  # the claim: each of these takes less time than BASE
 
 
-def run_family(*, out_dir: str | Path = "docs/benchmarks", n_local: int = 65536, n_softmax: int = 4096,
-               repeats: int = 3, quiet: bool = False) -> dict:
-    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+def _cases(n_local: int, n_softmax: int) -> dict[str, Case]:
     ns = {"n_local": n_local, "n_softmax": n_softmax}
-    say(f"linattn bench family: local (window {LOCAL_WINDOW}) at N = {n_local} vs softmax at N = {n_softmax}, "
-        f"B=1 H=8 D=64 float32, forward+backward, {torch.get_num_threads()} threads")
-    t_start = time.perf_counter()
-    cases = {label: Case(impl, causal, ns[which]) for label, impl, causal, which in CONTENDERS}
+    return {label: Case(impl, causal, ns[which]) for label, impl, causal, which in CONTENDERS}
+
+
+def _child(n_local: int, n_softmax: int, repeats: int) -> dict:
+    """One run, in this process: every contender interleaved, ``{"seconds": {label: median},
+    "all_seconds": {label: [every repeat]}}``."""
+    cases = _cases(n_local, n_softmax)
     inputs = {label: make_inputs(c) for label, c in cases.items()}
     fns = {label: (lambda c=c, x=inputs[label]: call(c, x)) for label, c in cases.items()}
     times = time_calls(fns, repeats=repeats, warmup=1)
-    seconds = {label: median(ts) for label, ts in times.items()}
+    return {"seconds": {label: median(ts) for label, ts in times.items()}, "all_seconds": times}
+
+
+def run_family(*, out_dir: str | Path = "docs/benchmarks", n_local: int = 65536, n_softmax: int = 4096,
+               repeats: int = 3, runs: int = RUNS, quiet: bool = False) -> dict:
+    """Time the contenders ``runs`` times (a fresh process per run), write family.json and
+    family.md, print the Markdown; return the result."""
+    if runs < 1:
+        raise ValueError(f"run_family: runs must be >= 1, got {runs}")
+    # the children read the same variable; set here too so that machine_info records their count
+    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say(f"linattn bench family: local (window {LOCAL_WINDOW}) at N = {n_local} vs softmax at N = {n_softmax}, "
+        f"B=1 H=8 D=64 float32, forward+backward, {torch.get_num_threads()} threads, {runs} runs")
+    t_start = time.perf_counter()
+    cases = _cases(n_local, n_softmax)
     result = {
-        "command": f"linattn bench family --n-local {n_local} --n-softmax {n_softmax} --repeats {repeats} --out {out_dir}",
+        "command": f"linattn bench family --n-local {n_local} --n-softmax {n_softmax} --repeats {repeats}"
+                   + (f" --runs {runs}" if runs != RUNS else "") + f" --out {out_dir}",
         "machine": machine_info(),
         "config": {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "window": LOCAL_WINDOW,
-                   "n_local": n_local, "n_softmax": n_softmax, "repeats": repeats, "pass": "forward+backward",
+                   "n_local": n_local, "n_softmax": n_softmax, "repeats": repeats, "runs": runs,
+                   "pass": "forward+backward",
                    "timing": "median of interleaved repeats after one warm-up round"},
         "cases": {label: cases[label].to_dict() for label in cases},
-        "seconds": seconds,
-        "all_seconds": times,
-        "claim": {
-            "text": f"local attention fwd+bwd at N = {n_local}, window {LOCAL_WINDOW} takes less time than "
-                    f"softmax_attention fwd+bwd at N = {n_softmax}",
-            "local causal < softmax bidirectional": seconds["local causal"] < seconds["softmax bidirectional"],
-            "local bidirectional < softmax bidirectional":
-                seconds["local bidirectional"] < seconds["softmax bidirectional"],
-        },
-        "elapsed_seconds": time.perf_counter() - t_start,
+        "runs": run_repeated("linattn.bench.family", [str(n_local), str(n_softmax), str(repeats)], runs=runs,
+                             allocators=INHERITED_ALLOCATOR, say=say),
     }
+    result.update(_summarise(result))
+    result["elapsed_seconds"] = time.perf_counter() - t_start
     md = format_family(result)
     out_dir = write_atomically(out_dir, {"family.json": json.dumps(result, indent=2), "family.md": md})
     say(md)
@@ -70,24 +104,62 @@ def run_family(*, out_dir: str | Path = "docs/benchmarks", n_local: int = 65536,
     return result
 
 
+def _per_run(result: dict) -> list[dict]:
+    (alloc,) = INHERITED_ALLOCATOR
+    return [r["allocators"][alloc] for r in result["runs"]]
+
+
+def _summarise(result: dict) -> dict:
+    """From ``result["runs"]``: ``seconds`` (each contender's median over the runs of its run
+    medians), ``ratios`` (the :func:`~linattn.bench.harness.spread` over runs of its time / BASE's,
+    each run's ratio from that run's own medians) and ``claim`` (decided on the median ratio)."""
+    runs = _per_run(result)
+    cfg = result["config"]
+    labels = list(runs[0]["seconds"])
+    ratios = {label: spread([r["seconds"][label] / r["seconds"][BASE] for r in runs])
+              for label in labels if label != BASE}
+    claim: dict = {"text": f"local attention fwd+bwd at N = {cfg['n_local']}, window {cfg['window']} takes less "
+                           f"time than softmax_attention fwd+bwd at N = {cfg['n_softmax']}"}
+    for label in CLAIMED:
+        claim[f"{label} < {BASE}"] = ratios[label]["median"] < 1
+    return {"seconds": {label: median([r["seconds"][label] for r in runs]) for label in labels},
+            "ratios": ratios, "claim": claim}
+
+
 def format_family(result: dict) -> str:
     cfg, m, s = result["config"], result["machine"], result["seconds"]
+    runs = _per_run(result)
     lines = [
         f"# Local attention at N = {cfg['n_local']} vs softmax attention at N = {cfg['n_softmax']}",
         "",
         f"Written by `{result['command']}`; do not edit by hand.",
         f"Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}, {m['threads']} threads. "
-        f"Forward+backward, B = 1, H = 8, D = 64, float32, window {cfg['window']}; {cfg['timing']} "
-        f"({cfg['repeats']} repeats).",
+        f"Forward+backward, B = 1, H = 8, D = 64, float32, window {cfg['window']}. The whole measurement ran "
+        f"{len(runs)} time{'s' if len(runs) != 1 else ''}, each run in a fresh process; within a run, the "
+        f"{cfg['timing']} ({cfg['repeats']} repeats). Each ratio is computed "
+        f"within a run from that run's medians and stated by its median over the runs, with min and max; "
+        "the claim is decided on the median, never on the best run.",
         "",
-        "| contender | N | time | vs softmax bidirectional |",
-        "| --- | --- | --- | --- |",
+        f"Claim: {result['claim']['text']}.",
     ]
-    base = s["softmax bidirectional"]
+    for label in CLAIMED:
+        key = f"{label} < {BASE}"
+        lines.append(f"- {key}: {'holds' if result['claim'][key] else 'does NOT hold'} ({label} time / {BASE} "
+                     f"time {format_spread(result['ratios'][label])})")
+    lines += ["", f"| contender | N | time: median over runs | per run | its time / {BASE}'s: median | min | max |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for label, case in result["cases"].items():
-        lines.append(f"| {label} | {case['n']} | {s[label]:.2f} s | {s[label] / base:.2f}x |")
-    lines += ["", f"Claim: {result['claim']['text']}."]
-    for key, holds in result["claim"].items():
-        if key != "text":
-            lines.append(f"- {key}: {'holds' if holds else 'does NOT hold'}")
+        per_run = ", ".join(format_seconds(r["seconds"][label]) for r in runs)
+        r = result["ratios"].get(label)
+        ratio = "1.00x | - | -" if r is None else f"{r['median']:.2f}x | {r['min']:.2f}x | {r['max']:.2f}x"
+        lines.append(f"| {label} | {case['n']} | {format_seconds(s[label])} | {per_run} | {ratio} |")
+    lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in result["runs"]])]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "child":
+        torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+        print(json.dumps(_child(*(int(a) for a in sys.argv[2:]))))
+    else:
+        raise SystemExit("usage: python -m linattn.bench.family child N_LOCAL N_SOFTMAX REPEATS")

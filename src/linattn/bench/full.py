@@ -4,7 +4,8 @@ One command produces the document: it runs ``linattn bench sweep`` with its defa
 mechanism and installed peer, N = 256 ... 65536, forward and forward+backward, causal and
 bidirectional) and ``linattn bench generate`` (tokens/s against position, images/s) into
 ``out_dir``, then writes the Markdown document from their JSON files, linking the plots. With
-``doc_only`` it rebuilds the document from the JSON files already in ``out_dir`` (no measuring).
+``doc_only`` it rebuilds the document from the JSON files already in ``out_dir`` (no measuring);
+a generate.json written before the generation benchmark repeated its runs is read as one run.
 
 Every number in the document comes from those files; the prose around them says what is measured
 and where linear attention loses, and the losing cases it lists (slower than softmax at short N,
@@ -33,7 +34,7 @@ def run_full(*, out_dir: str | Path = "docs/benchmarks/full", doc: str | Path = 
     """Measure (unless ``doc_only``), write the document, return its text."""
     if not doc_only:  # the sweep draws plots; the document alone does not
         require_extra("bench", command="linattn bench full")
-    from .generate import run_generate
+    from .generate import as_repeated, run_generate
 
     out_dir, doc = Path(out_dir), Path(doc)
     command = command or f"linattn bench full --out {out_dir} --doc {doc}"
@@ -48,7 +49,11 @@ def run_full(*, out_dir: str | Path = "docs/benchmarks/full", doc: str | Path = 
     if missing:
         raise FileNotFoundError(f"run_full: {missing} not in {out_dir}; run without doc_only first")
     sweep = json.loads((out_dir / "sweep.json").read_text())
-    gen = json.loads((out_dir / "generate.json").read_text())
+    try:  # a generate.json from before the runs were repeated is read as its one run
+        gen = as_repeated(json.loads((out_dir / "generate.json").read_text()))
+    except ValueError as e:
+        raise ValueError(f"run_full: {out_dir / 'generate.json'} is not a result of linattn bench generate: "
+                         f"{e}") from None
     approx_path = doc.parent / "benchmarks" / "favor_approx.json"
     approx = json.loads(approx_path.read_text()) if approx_path.exists() else None
     link = Path(os.path.relpath(out_dir, doc.parent))
@@ -111,7 +116,9 @@ def _losses(sweep: dict) -> list[str]:
 
 
 def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, link: Path) -> str:
-    from .generate import _markdown as generate_markdown
+    """The document from sweep.json, generate.json (either form, see ``generate.as_repeated``) and
+    favor_approx.json (optional)."""
+    from .generate import describe_runs_load, format_generate
 
     m = sweep["machine"]
     cfg = sweep["config"]
@@ -123,7 +130,7 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
         f"{m['linattn']}, peers: {', '.join(c for c in sweep['contenders'] if c in ('fast_transformers', 'performer_pytorch')) or 'none installed'}."
         f" Sweep wall time {sweep['seconds'] / 60:.0f} min, generation {gen['wall_seconds'] / 60:.0f} min.",
         "",
-        f"Sweep: {describe_load(sweep.get('load'))} Generation: {describe_load(gen.get('load'))}",
+        f"Sweep: {describe_load(sweep.get('load'))} Generation: {describe_runs_load(gen)}",
         "",
         "The raw data (every repeat, predictions for skipped configurations, machine details) is in "
         f"[{link}/sweep.json]({link}/sweep.json) and [{link}/generate.json]({link}/generate.json).",
@@ -167,7 +174,7 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
               "softmax time / contender time (> 1: faster than softmax) at the smallest N and at the largest N "
               "where both ran; beyond that softmax was over budget.", ""]
     lines += _speedups(sweep)
-    gen_md = generate_markdown(gen).split("\n")
+    gen_md = format_generate(gen).split("\n")
     lines += ["", "## Generation", ""]
     lines += [("#" + line if line.startswith("## ") else line) for line in gen_md[2:]]
     lines += ["## Where linear attention loses", ""]

@@ -43,6 +43,15 @@ Part 2, images/s (issue 6): ``image_batch`` images of 28 x 28 = 784 pixel tokens
 from the start token: recurrently (linear, favor), softmax with a KV cache, and softmax
 recomputing the prefix for each pixel. The models are untrained (speed does not depend on the
 weights); each generation is timed once, in full, after a 16-token warm-up generation.
+
+Repeated runs: both parts together are one run, and a run is repeated ``runs`` times (default 3),
+each in a fresh process (``python -m linattn.bench.generate child SPEC``) with its own load and
+reference matmul speed: models built from the same seed, the prefill, the interleaved timed steps,
+the recompute timings, the read rates and the images. Each ratio of the claims (and each images/s
+speed-up) is computed within a run from that run's medians; generate.json keeps every run's data
+(``runs``) and gives each ratio's per-run values with min / median / max (``ratios``), and the
+claims are decided on the median ratio, never on the best run. ``seconds_per_token`` is each
+pair's median over the runs.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -57,9 +67,19 @@ import torch
 
 from ..models import TransformerConfig, TransformerLM, count_parameters
 from ..nn import FavorConfig, LinearConfig, LocalConfig, SoftmaxConfig
-from .harness import OtherLoad, describe_load, machine_info, write_atomically
+from .harness import (
+    INHERITED_ALLOCATOR,
+    RUNS,
+    busy_reasons,
+    format_run_loads,
+    machine_info,
+    run_repeated,
+    spread,
+    write_atomically,
+)
 
-__all__ = ["IMAGE_PIXELS", "MECHANISMS", "generate_recompute", "run_generate", "state_bytes"]
+__all__ = ["IMAGE_PIXELS", "MECHANISMS", "as_repeated", "describe_runs_load", "format_generate",
+           "generate_recompute", "run_generate", "state_bytes"]
 
 # The recurrent contenders and the KV-cache baseline. Local's window is the one the family
 # benchmark uses; FAVOR+ has its default m = 256 positive orthogonal features.
@@ -68,6 +88,10 @@ MECHANISMS = {"linear": LinearConfig(), "favor": FavorConfig(), "local": LocalCo
 IMAGE_PIXELS = 28 * 28
 COMPILE_STEPS = 3  # untimed steps per pair before the timed rounds when compiled steps are timed
 IMAGE_MECHANISMS = ("linear", "favor", "softmax")
+# The claims' thresholds (issue 5): linear's time per token at the largest position within this
+# factor of its time at the smallest, and softmax (KV cache) / linear at the largest at least this.
+FLAT_WITHIN = 1.3
+FASTER_BY = 5.0
 
 
 def weight_read_rate(lm: TransformerLM, repeats: int = 20) -> float:
@@ -134,12 +158,13 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
                  steps: int = 20, warmup: int = 2, d_model: int = 512, n_layers: int = 8, n_heads: int = 8,
                  vocab_size: int = 32000, mechanisms: tuple[str, ...] = tuple(MECHANISMS),
                  recompute: bool = True, recompute_budget_s: float = 5.0, image_batch: int = 0,
-                 image_d_model: int = 256, image_layers: int = 8, compile: bool = False,
+                 image_d_model: int = 256, image_layers: int = 8, compile: bool = False, runs: int = RUNS,
                  quiet: bool = False) -> dict:
-    """Run both parts (part 2 only when ``image_batch`` > 0), write generate.json/md, return the
-    result. ``mechanisms`` must include "linear" and "softmax" (the claims compare them).
-    ``compile``: also time every mechanism's ``TransformerLM.compiled_step()`` (as
-    ``<name>+compile``), from its own copy of the prefilled state."""
+    """Run both parts (part 2 only when ``image_batch`` > 0) ``runs`` times, each run in a fresh
+    process, write generate.json/md, return the result. ``mechanisms`` must include "linear" and
+    "softmax" (the claims compare them). ``compile``: also time every mechanism's
+    ``TransformerLM.compiled_step()`` (as ``<name>+compile``), from its own copy of the prefilled
+    state."""
     unknown = sorted(set(mechanisms) - set(MECHANISMS))
     if unknown or not {"linear", "softmax"} <= set(mechanisms):
         raise ValueError(f"run_generate: mechanisms must include 'linear' and 'softmax' and come from "
@@ -148,14 +173,54 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
         raise ValueError(f"run_generate: positions must be >= 1, got {positions}")
     if image_batch < 0:
         raise ValueError(f"run_generate: image_batch must be >= 0, got {image_batch}")
+    if runs < 1:
+        raise ValueError(f"run_generate: runs must be >= 1, got {runs}")
+    # the children read the same variable; set here too so that machine_info records their count
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     t_start = time.perf_counter()
-    load = OtherLoad(reference=True)
-    max_len = max(positions) + warmup + steps + 1 + (COMPILE_STEPS if compile else 0)
     say(f"linattn bench generate: d_model {d_model}, {n_layers} layers, {n_heads} heads, vocab {vocab_size}, "
         f"float32, batch 1, positions {list(positions)}, {steps} timed steps, mechanisms {list(mechanisms)}, "
-        f"{torch.get_num_threads()} threads")
+        f"{torch.get_num_threads()} threads, {runs} runs")
+    spec = {"positions": list(positions), "steps": steps, "warmup": warmup, "d_model": d_model,
+            "n_layers": n_layers, "n_heads": n_heads, "vocab_size": vocab_size, "mechanisms": list(mechanisms),
+            "recompute": recompute, "recompute_budget_s": recompute_budget_s, "image_batch": image_batch,
+            "image_d_model": image_d_model, "image_layers": image_layers, "compile": compile}
+    command = (f"linattn bench generate --positions {','.join(map(str, positions))} --steps {steps} "
+               f"--d-model {d_model} --layers {n_layers} --heads {n_heads} --vocab {vocab_size} "
+               f"--mechanisms {','.join(mechanisms)}" + ("" if recompute else " --no-recompute")
+               + f" --images {image_batch}"
+               + (f" --image-d-model {image_d_model} --image-layers {image_layers}" if image_batch else "")
+               + (" --compile" if compile else "") + (f" --runs {runs}" if runs != RUNS else "")
+               + f" --out {out_dir}")
+    result = {
+        "command": command,
+        "machine": machine_info(),
+        "config": {"d_model": d_model, "n_layers": n_layers, "n_heads": n_heads, "d_ff": 4 * d_model,
+                   "vocab_size": vocab_size, "positional": "sinusoidal", "dtype": "float32", "batch": 1,
+                   "positions": list(positions), "steps": steps, "warmup": warmup,
+                   "mechanisms": {n: MECHANISMS[n].to_dict() for n in mechanisms},
+                   "compile": compile, "runs": runs,
+                   "timing": "median per-token step time over interleaved steps after warm-up"
+                             + (f" ({COMPILE_STEPS} more untimed steps per pair first, for compiling)" if compile else "")},
+        "runs": run_repeated("linattn.bench.generate", [json.dumps(spec)], runs=runs,
+                             allocators=INHERITED_ALLOCATOR, say=say),
+    }
+    result.update(_summarise(result))
+    result["wall_seconds"] = time.perf_counter() - t_start
+    md = format_generate(result)
+    write_atomically(out_dir, {"generate.json": json.dumps(result, indent=2), "generate.md": md})
+    say(md)
+    return result
+
+
+def _measure(*, positions: list[int], steps: int, warmup: int, d_model: int, n_layers: int, n_heads: int,
+             vocab_size: int, mechanisms: list[str], recompute: bool, recompute_budget_s: float, image_batch: int,
+             image_d_model: int, image_layers: int, compile: bool) -> dict:
+    """One run of both parts in this process (a benchmark child): every time, size and rate one run
+    measures; no claims (those are decided over the runs)."""
+    t_start = time.perf_counter()
+    max_len = max(positions) + warmup + steps + 1 + (COMPILE_STEPS if compile else 0)
     models = {name: _lm(vocab_size, max_len, d_model, n_layers, n_heads, 4 * d_model, MECHANISMS[name])
               for name in mechanisms}
     params = {name: count_parameters(lm) for name, lm in models.items()}
@@ -175,7 +240,6 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
                 prefill_s[f"{name}@{p}"] = time.perf_counter() - t0
                 states[(name, p)], tokens[(name, p)] = state, logits[:, -1].argmax(-1, keepdim=True)
                 size_at_prefill[f"{name}@{p}"] = state_bytes(state)
-                say(f"  prefilled {name} at {p} in {prefill_s[f'{name}@{p}']:.2f} s")
                 if compile:  # its own copy: a KV cache is written in place
                     key = f"{name}+compile"
                     states[(key, p)], tokens[(key, p)] = _cloned(state), tokens[(name, p)]
@@ -194,7 +258,6 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
             for name, p in list(states):
                 for _ in range(COMPILE_STEPS):
                     advance(name, p)
-            say(f"  compiled and stepped {COMPILE_STEPS} steps per pair ({time.perf_counter() - t_start:.0f} s so far)")
         times: dict[str, list[float]] = {f"{n}@{p}": [] for n, p in states}
         for i in range(warmup + steps):  # interleaved: one step of every pair per round
             for name, p in list(states):
@@ -211,24 +274,11 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
                     models["softmax"](prompts[p], last_only=True)
                     ts.append(time.perf_counter() - t0)
                 recompute_times[key] = ts
-                say(f"  softmax recomputing the prefix at {p}: {statistics.median(ts):.3f} s per token")
     seconds = {k: statistics.median(v) for k, v in times.items()}
     seconds.update({k: statistics.median(v) for k, v in recompute_times.items()})
     weight_bytes = {n: sum(p.numel() * p.element_size() for p in lm.parameters()) for n, lm in models.items()}
     traffic = {f"{n}@{p}": weight_bytes[n] + size_at_prefill[f"{n}@{p}"] for n, p in states if n in models}
-    size_after = {f"{n}@{p}": state_bytes(s) for (n, p), s in states.items()}
     lo, hi = min(positions), max(positions)
-    claim = {}
-    for suffix in ("", "+compile") if compile else ("",):
-        lin, soft = f"linear{suffix}", f"softmax{suffix}"
-        lin_ratio = seconds[f"{lin}@{hi}"] / seconds[f"{lin}@{lo}"]
-        speedup = seconds[f"{soft}@{hi}"] / seconds[f"{lin}@{hi}"]
-        claim.update({
-            f"{lin}@{hi} / {lin}@{lo}": lin_ratio,
-            f"{lin}@{hi} within 1.3x of {lin}@{lo}": lin_ratio <= 1.3,
-            f"{soft}@{hi} / {lin}@{hi}": speedup,
-            f"{lin} at least 5x faster than {soft} (KV cache) at {hi}": speedup >= 5.0,
-        })
     # how fast each kind of byte was read: the linear model's weights alone, and the KV cache as
     # the softmax model's extra time per extra byte between the two positions
     kv_extra = size_at_prefill[f"softmax@{hi}"] - size_at_prefill[f"softmax@{lo}"]
@@ -236,73 +286,45 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
     if kv_extra > 0 and seconds[f"softmax@{hi}"] > seconds[f"softmax@{lo}"]:
         read_rates["KV cache, softmax's extra time per extra byte (GB/s)"] = (
             kv_extra / (seconds[f"softmax@{hi}"] - seconds[f"softmax@{lo}"]) / 1e9)
-    claim["linear state size independent of position"] = len(
-        {size_at_prefill[f"linear@{p}"] for p in positions} | {size_after[f"linear@{p}"] for p in positions}) == 1
-    command = (f"linattn bench generate --positions {','.join(map(str, positions))} --steps {steps} "
-               f"--d-model {d_model} --layers {n_layers} --heads {n_heads} --vocab {vocab_size} "
-               f"--mechanisms {','.join(mechanisms)}" + ("" if recompute else " --no-recompute")
-               + f" --images {image_batch}"
-               + (f" --image-d-model {image_d_model} --image-layers {image_layers}" if image_batch else "")
-               + (" --compile" if compile else "") + f" --out {out_dir}")
-    result = {
-        "command": command,
-        "machine": machine_info(),
-        "config": {"d_model": d_model, "n_layers": n_layers, "n_heads": n_heads, "d_ff": 4 * d_model,
-                   "vocab_size": vocab_size, "positional": "sinusoidal", "dtype": "float32", "batch": 1,
-                   "positions": list(positions), "steps": steps, "warmup": warmup,
-                   "mechanisms": {n: MECHANISMS[n].to_dict() for n in mechanisms},
-                   "compile": compile,
-                   "timing": "median per-token step time over interleaved steps after warm-up"
-                             + (f" ({COMPILE_STEPS} more untimed steps per pair first, for compiling)" if compile else "")},
+    out = {
         "parameters": params,
         "seconds_per_token": seconds,
-        "tokens_per_second": {k: 1.0 / s for k, s in seconds.items()},
         "all_seconds": {**times, **recompute_times},
         "prefill_seconds": prefill_s,
         "state_bytes_after_prefill": size_at_prefill,
-        "state_bytes_after_steps": size_after,
+        "state_bytes_after_steps": {f"{n}@{p}": state_bytes(s) for (n, p), s in states.items()},
         "weight_bytes": weight_bytes,
         "bytes_read_per_token_estimate": traffic,
         "read_rates": read_rates,
         "bytes_ratio": {f"softmax@{p} / linear@{p}": traffic[f"softmax@{p}"] / traffic[f"linear@{p}"]
                         for p in positions},
-        "claim": claim,
     }
     if image_batch:
-        say(f"  images: {image_batch} x {IMAGE_PIXELS} pixels, d_model {image_d_model}, {image_layers} layers "
-            f"({time.perf_counter() - t_start:.0f} s so far)")
-        result["images"] = _images(image_batch, image_d_model, image_layers, n_heads, say)
-    result["wall_seconds"] = time.perf_counter() - t_start
-    result["load"] = load.finish()
-    md = _markdown(result)
-    write_atomically(out_dir, {"generate.json": json.dumps(result, indent=2), "generate.md": md})
-    say(md)
-    return result
+        out["images"] = _images(image_batch, image_d_model, image_layers, n_heads)
+    out["wall_seconds"] = time.perf_counter() - t_start
+    return out
 
 
-def _images(batch: int, d_model: int, n_layers: int, n_heads: int, say) -> dict:
+def _images(batch: int, d_model: int, n_layers: int, n_heads: int) -> dict:
     """Part 2: time one full generation of ``batch`` 784-pixel images per contender."""
     start = 256  # pixel values are 0..255; the start token is one more id
     models = {name: _lm(257, IMAGE_PIXELS + 1, d_model, n_layers, n_heads, 4 * d_model, MECHANISMS[name])
               for name in IMAGE_MECHANISMS}
     prompt = torch.full((batch, 1), start, dtype=torch.long)
-    runs = {f"{name} (recurrent)" if name != "softmax" else "softmax (KV cache)":
-            (lambda n, lm=lm: lm.generate(prompt, n, generator=torch.Generator().manual_seed(0)))
-            for name, lm in models.items()}
-    runs["softmax (recompute prefix)"] = lambda n: generate_recompute(
+    decoders = {f"{name} (recurrent)" if name != "softmax" else "softmax (KV cache)":
+                (lambda n, lm=lm: lm.generate(prompt, n, generator=torch.Generator().manual_seed(0)))
+                for name, lm in models.items()}
+    decoders["softmax (recompute prefix)"] = lambda n: generate_recompute(
         models["softmax"], prompt, n, generator=torch.Generator().manual_seed(0))
     seconds = {}
     with torch.no_grad():
-        for name, run in runs.items():
-            out = run(16)  # warm-up
+        for name, decode in decoders.items():
+            out = decode(16)  # warm-up
             t0 = time.perf_counter()
-            out = run(IMAGE_PIXELS)
+            out = decode(IMAGE_PIXELS)
             seconds[name] = time.perf_counter() - t0
             if out.shape != (batch, IMAGE_PIXELS + 1):
                 raise AssertionError(f"{name} generated {tuple(out.shape)}, expected {(batch, IMAGE_PIXELS + 1)}")
-            say(f"    {name}: {seconds[name]:.2f} s for {batch} images")
-    ips = {k: batch / s for k, s in seconds.items()}
-    lin = ips["linear (recurrent)"]
     return {
         "config": {"batch": batch, "pixels": IMAGE_PIXELS, "vocab_size": 257, "d_model": d_model,
                    "n_layers": n_layers, "n_heads": n_heads, "d_ff": 4 * d_model, "dtype": "float32",
@@ -310,66 +332,205 @@ def _images(batch: int, d_model: int, n_layers: int, n_heads: int, say) -> dict:
                    "16-token warm-up"},
         "parameters": {k: count_parameters(m) for k, m in models.items()},
         "seconds": seconds,
-        "images_per_second": ips,
-        "linear speed-up": {k: lin / v for k, v in ips.items() if k != "linear (recurrent)"},
     }
 
 
-def _markdown(r: dict) -> str:
+LINEAR_IMAGES = "linear (recurrent)"  # the images/s speed-ups are over this decoder
+
+
+def _per_run(result: dict) -> list[dict]:
+    (alloc,) = INHERITED_ALLOCATOR
+    return [r["allocators"][alloc] for r in result["runs"]]
+
+
+def _claim_ratios(seconds: dict[str, float], lo: int, hi: int, suffixes: tuple[str, ...]) -> dict[str, float]:
+    """One run's ratios behind the claims, from that run's median seconds per token."""
+    out = {}
+    for suffix in suffixes:
+        lin, soft = f"linear{suffix}", f"softmax{suffix}"
+        out[f"{lin}@{hi} / {lin}@{lo}"] = seconds[f"{lin}@{hi}"] / seconds[f"{lin}@{lo}"]
+        out[f"{soft}@{hi} / {lin}@{hi}"] = seconds[f"{soft}@{hi}"] / seconds[f"{lin}@{hi}"]
+    return out
+
+
+def _summarise(result: dict) -> dict:
+    """From ``result["runs"]``: ``seconds_per_token`` and ``tokens_per_second`` (each pair's median
+    over the runs), ``ratios`` (each claim ratio's spread over the runs, each run's ratio from its
+    own medians), ``claim`` (each ratio's median and the verdicts decided on it; the state size
+    must not depend on position in any run) and, with images, their median times and the
+    speed-ups' spreads."""
+    runs = _per_run(result)
+    cfg = result["config"]
+    positions = cfg["positions"]
+    lo, hi = min(positions), max(positions)
+    suffixes = ("", "+compile") if cfg.get("compile") else ("",)
+    per_run = [_claim_ratios(r["seconds_per_token"], lo, hi, suffixes) for r in runs]
+    ratios = {k: spread([x[k] for x in per_run]) for k in per_run[0]}
+    claim: dict = {}
+    for suffix in suffixes:
+        lin, soft = f"linear{suffix}", f"softmax{suffix}"
+        flat, faster = ratios[f"{lin}@{hi} / {lin}@{lo}"]["median"], ratios[f"{soft}@{hi} / {lin}@{hi}"]["median"]
+        claim.update({
+            f"{lin}@{hi} / {lin}@{lo}": flat,
+            f"{lin}@{hi} within {FLAT_WITHIN}x of {lin}@{lo}": flat <= FLAT_WITHIN,
+            f"{soft}@{hi} / {lin}@{hi}": faster,
+            f"{lin} at least {FASTER_BY:g}x faster than {soft} (KV cache) at {hi}": faster >= FASTER_BY,
+        })
+    claim["linear state size independent of position"] = all(
+        len({r["state_bytes_after_prefill"][f"linear@{p}"] for p in positions}
+            | {r["state_bytes_after_steps"][f"linear@{p}"] for p in positions}) == 1 for r in runs)
+    seconds = {k: statistics.median(r["seconds_per_token"][k] for r in runs) for k in runs[0]["seconds_per_token"]}
+    out = {"seconds_per_token": seconds, "tokens_per_second": {k: 1.0 / s for k, s in seconds.items()},
+           "ratios": ratios, "claim": claim}
+    if "images" in runs[0]:
+        first = runs[0]["images"]
+        names = list(first["seconds"])
+        im_seconds = {k: statistics.median(r["images"]["seconds"][k] for r in runs) for k in names}
+        out["images"] = {
+            "config": first["config"], "parameters": first["parameters"], "seconds": im_seconds,
+            "images_per_second": {k: first["config"]["batch"] / s for k, s in im_seconds.items()},
+            "linear speed-up": {k: spread([r["images"]["seconds"][k] / r["images"]["seconds"][LINEAR_IMAGES]
+                                           for r in runs]) for k in names if k != LINEAR_IMAGES},
+        }
+    return out
+
+
+def as_repeated(result: dict) -> dict:
+    """A generate.json result in the current form. A file written before the measurement was
+    repeated (one run's fields at the top level, no ``runs``) becomes a result of that one run, with
+    ``config["runs"] = 1`` and ``single_run_file = True``; a current result is returned unchanged."""
+    if "runs" in result:
+        return result
+    missing = [k for k in ("command", "machine", "config", "seconds_per_token", "state_bytes_after_prefill",
+                           "wall_seconds") if k not in result]
+    if missing:
+        raise ValueError(f"as_repeated: not a generate.json result (no 'runs', and no {missing})")
+    (alloc,) = INHERITED_ALLOCATOR
+    run = {k: v for k, v in result.items()
+           if k not in ("command", "machine", "config", "load", "claim", "tokens_per_second")}
+    out = {"command": result["command"], "machine": result["machine"], "config": {**result["config"], "runs": 1},
+           "single_run_file": True,
+           "runs": [{"allocators": {alloc: {"env": {}, **run}}, "load": result.get("load") or {}}]}
+    out.update(_summarise(out))
+    out["wall_seconds"] = result["wall_seconds"]
+    return out
+
+
+def _ratio_cells(s: dict) -> str:
+    return f"{s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | " + ", ".join(f"{x:.2f}x" for x in s["runs"])
+
+
+def format_generate(result: dict) -> str:
+    """generate.md from a result of :func:`run_generate` (or from an older single-run file, see
+    :func:`as_repeated`)."""
+    r = as_repeated(result)
     c = r["config"]
+    runs = _per_run(r)
+    first, n = runs[0], len(runs)
+    if r.get("single_run_file"):
+        how = ("This file was written before the measurement was repeated: it holds one run, so every ratio and "
+               "verdict below is that run's alone, not a median over runs; rerun the command to get three.")
+    else:
+        how = (f"The whole measurement ran {n} time{'s' if n != 1 else ''}, each run in a fresh process (models "
+               "built from the same seed, prefilled, every (model, position) pair stepped interleaved within the "
+               "run, then the recompute timings and the images). Each ratio is computed within a run from that "
+               "run's own medians and stated by its median over the runs, with min and max; the claims are "
+               "decided on the median, never on the best run. Times below: the median over the runs, each run's "
+               "beside it.")
     lines = [
         "# Generation speed: recurrent decoding vs softmax with a KV cache vs softmax recomputing the prefix",
         "",
-        f"Written by `{r['command']}`; do not edit by hand. " + describe_load(r.get("load")),
+        f"Written by `{r['command']}`; do not edit by hand. {how}",
+        "",
+        "## Claims",
+        "",
+        "| ratio | median | min | max | per run |",
+        "| --- | ---: | ---: | ---: | --- |",
+        *[f"| {k} | {_ratio_cells(s)} |" for k, s in r["ratios"].items()],
+        "",
+        "| claim | verdict (on the median ratio) |",
+        "| --- | --- |",
+        *[f"| {k} | {'holds' if v else 'does NOT hold'} |" for k, v in r["claim"].items() if isinstance(v, bool)],
+        "",
+        "## Each run's machine",
+        "",
+        *format_run_loads([run["load"] for run in r["runs"]]),
         "",
         "## Time per token against position",
         "",
         f"TransformerLM, d_model {c['d_model']}, {c['n_layers']} layers, {c['n_heads']} heads, vocab "
-        f"{c['vocab_size']}, float32, batch 1, {r['machine']['threads']} threads. {c['timing']} "
-        f"({c['steps']} steps); softmax-recompute = one causal forward over the whole prefix per token.",
+        f"{c['vocab_size']}, float32, batch 1, {r['machine']['threads']} threads. In each run, the {c['timing']} "
+        f"({c['steps']} steps); softmax-recompute = one causal forward over the whole prefix per token. "
+        "Prefill: the median over the runs; state sizes depend on the configuration only (from run 1).",
         "",
-        "| model | position | ms / token | tokens / s | state after prefill (MiB) | prefill (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| model | position | ms / token: median over runs | per run | tokens / s | state after prefill (MiB) | "
+        "prefill (s) |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for key, s in r["seconds_per_token"].items():
         name, p = key.split("@")
-        if key in r["prefill_seconds"]:
-            size, prefill = f"{r['state_bytes_after_prefill'][key] / 2**20:.2f}", f"{r['prefill_seconds'][key]:.2f}"
+        per_run = ", ".join(f"{1e3 * run['seconds_per_token'][key]:.2f}" for run in runs)
+        if key in first["prefill_seconds"]:
+            size = f"{first['state_bytes_after_prefill'][key] / 2**20:.2f}"
+            prefill = f"{statistics.median(run['prefill_seconds'][key] for run in runs):.2f}"
         else:  # recomputing the prefix keeps no state and needs no prefill
             size, prefill = "0 (no state)", "-"
-        lines.append(f"| {name} | {p} | {1e3 * s:.2f} | {1 / s:.2f} | {size} | {prefill} |")
+        lines.append(f"| {name} | {p} | {1e3 * s:.2f} | {per_run} | {1 / s:.2f} | {size} | {prefill} |")
     l3 = r["machine"].get("cpu_caches", {}).get("L3")
-    weights = r["weight_bytes"]["linear"]
+    weights = first["weight_bytes"]["linear"]
     if l3 is None:
         where = "(the last-level cache's size is unknown here)"
     elif weights <= l3:
         where = (f"here the {l3 / 2**20:.0f} MiB L3 cache is large enough to keep the {weights / 1e6:.0f} MB of "
                  "weights from one step to the next while a longer KV cache streams from memory, so the ratio "
                  "need not bound anything (the L3 is shared with whatever else runs on the host; the read "
-                 "rates below are what this run got)")
+                 "rates below are what these runs got)")
     else:
         where = f"the {weights / 1e6:.0f} MB of weights exceed the {l3 / 2**20:.0f} MiB L3 cache here"
     lines += ["", "Bytes read per token (weights + decoding state). Their ratio would bound softmax / linear "
               f"if both were read at one rate; {where}:", "",
               "| pair | MB read per token | bytes ratio softmax / linear |", "| --- | ---: | ---: |"]
-    for key, b in r["bytes_read_per_token_estimate"].items():
+    for key, b in first["bytes_read_per_token_estimate"].items():
         name, p = key.split("@")
-        ratio = r["bytes_ratio"][f"softmax@{p} / linear@{p}"] if name == "softmax" else None
+        ratio = first["bytes_ratio"][f"softmax@{p} / linear@{p}"] if name == "softmax" else None
         lines.append(f"| {key} | {b / 1e6:.0f} | {'' if ratio is None else f'{ratio:.2f}'} |")
-    lines += ["", "| read rate | GB/s |", "| --- | ---: |"]
-    lines += [f"| {k.removesuffix(' (GB/s)')} | {v:.1f} |" for k, v in r.get("read_rates", {}).items()]
-    lines += ["", "| claim | value |", "| --- | --- |"]
-    for k, v in r["claim"].items():
-        lines.append(f"| {k} | {v if isinstance(v, bool) else f'{v:.2f}'} |")
+    lines += ["", "| read rate | GB/s: median over runs | per run |", "| --- | ---: | --- |"]
+    for k in dict.fromkeys(k for run in runs for k in run.get("read_rates", {})):
+        # the KV cache's rate is missing from a run where softmax did not slow down with position
+        values = [run["read_rates"].get(k) for run in runs]
+        lines.append(f"| {k.removesuffix(' (GB/s)')} | {statistics.median(v for v in values if v is not None):.1f} | "
+                     + ", ".join("-" if v is None else f"{v:.1f}" for v in values) + " |")
     if "images" in r:
         im = r["images"]
         ic = im["config"]
         lines += ["", f"## Images per second: {ic['batch']} images of {ic['pixels']} pixels", "",
                   f"Pixel model: vocab {ic['vocab_size']}, d_model {ic['d_model']}, {ic['n_layers']} layers, "
                   f"{ic['n_heads']} heads, d_ff {ic['d_ff']}, float32, batch {ic['batch']}; {ic['sampling']}; "
-                  f"{ic['timing']}.", "",
-                  "| decoder | seconds | images / s | linear (recurrent) is faster by |", "| --- | ---: | ---: | ---: |"]
+                  f"{ic['timing']}, in each run. Seconds and images/s: the median over the runs; the speed-up: "
+                  "its time / linear's within each run, the median over the runs with min and max.", "",
+                  f"| decoder | seconds: median over runs | per run | images / s | {LINEAR_IMAGES} is faster by: "
+                  "median | min | max |", "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
         for k, s in im["seconds"].items():
             up = im["linear speed-up"].get(k)
-            lines.append(f"| {k} | {s:.2f} | {im['images_per_second'][k]:.3f} | {'' if up is None else f'{up:.1f}x'} |")
+            cells = " | | " if up is None else f"{up['median']:.1f}x | {up['min']:.1f}x | {up['max']:.1f}x"
+            per_run = ", ".join(f"{run['images']['seconds'][k]:.2f}" for run in runs)
+            lines.append(f"| {k} | {s:.2f} | {per_run} | {im['images_per_second'][k]:.3f} | {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def describe_runs_load(result: dict) -> str:
+    """One sentence for a document that embeds generate.md: how many runs, and which were busy."""
+    r = as_repeated(result)
+    busy = [i for i, run in enumerate(r["runs"], 1) if busy_reasons(run["load"])]
+    n = len(r["runs"])
+    return (f"{n} run{'s' if n != 1 else ''}, "
+            + ("none busy" if not busy else "busy: run " + ", ".join(map(str, busy)))
+            + " (each run's load and reference matmul speed are in the generation section).")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "child":
+        torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+        print(json.dumps(_measure(**json.loads(sys.argv[2]))))
+    else:
+        raise SystemExit("usage: python -m linattn.bench.generate child SPEC_JSON")

@@ -30,9 +30,9 @@ import torch
 
 import linattn
 
-__all__ = ["Case", "IMPLS", "Impl", "OtherLoad", "REFERENCE_DRIFT", "RUNS", "busy_reasons", "describe_load",
-           "format_run_loads", "format_seconds", "format_spread", "machine_info", "peak_memory", "ratio_claim",
-           "ratio_spreads", "run_repeated", "spread", "time_calls", "write_atomically"]
+__all__ = ["Case", "IMPLS", "INHERITED_ALLOCATOR", "Impl", "OtherLoad", "REFERENCE_DRIFT", "RUNS", "busy_reasons",
+           "describe_load", "format_run_loads", "format_seconds", "format_spread", "machine_info", "peak_memory",
+           "ratio_claim", "ratio_spreads", "run_repeated", "spread", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -299,28 +299,37 @@ def run_child(module: str, args: list[str], env: dict[str, str], *, timeout: flo
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# How many times `bench core` and `bench favor --what speed` repeat their whole measurement, each
-# time in fresh processes: one run's ratio can be off by a slow spell of the machine, so a claim is
-# the median over at least three runs, with the spread beside it.
+# How many times `bench core`, `bench favor --what speed`, `bench family` and `bench generate`
+# repeat their whole measurement, each time in fresh processes: one run's ratio can be off by a slow
+# spell of the machine, so a claim is the median over at least three runs, with the spread beside it.
 RUNS = 3
+
+# For benchmarks that time under one allocator, the one of the environment they were started in
+# (`bench family`, `bench generate`): no settings of its own, so whatever malloc settings that
+# environment has (machine_info's malloc_env) carry into every child.
+INHERITED_ALLOCATOR = {"inherited": {}}
 
 
 def run_repeated(module: str, args: list[str], *, runs: int = RUNS,
+                 allocators: dict[str, dict[str, str]] = ALLOCATORS,
                  say: Callable[[str], None] = lambda text: None) -> list[dict]:
     """The whole measurement of ``python -m module child *args`` ``runs`` times. Each run starts one
-    fresh child per allocator of ``ALLOCATORS`` in turn (so allocators interleave run by run) and
-    records its own load and reference matmul speed (:class:`OtherLoad`). Returns one
+    fresh child per allocator of ``allocators`` (default ``ALLOCATORS``; ``INHERITED_ALLOCATOR`` for
+    one child per run in this process's environment) in turn, so allocators interleave run by run,
+    and records its own load and reference matmul speed (:class:`OtherLoad`). Returns one
     ``{"allocators": {name: {"env": env, **child's JSON}}, "load": {...}}`` per run."""
     if runs < 1:
         raise ValueError(f"run_repeated: runs must be >= 1, got {runs}")
+    if not allocators:
+        raise ValueError("run_repeated: allocators is empty; give at least one (INHERITED_ALLOCATOR for none)")
     out = []
     for i in range(runs):
         load = OtherLoad(reference=True)
-        allocators = {}
-        for alloc, env in ALLOCATORS.items():
+        results = {}
+        for alloc, env in allocators.items():
             say(f"  run {i + 1}/{runs}, {alloc} malloc: timing ...")
-            allocators[alloc] = {"env": env, **run_child(module, ["child", *args], env)}
-        out.append({"allocators": allocators, "load": load.finish()})
+            results[alloc] = {"env": env, **run_child(module, ["child", *args], env)}
+        out.append({"allocators": results, "load": load.finish()})
     return out
 
 
