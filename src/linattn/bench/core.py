@@ -32,6 +32,7 @@ from .harness import (
     RUNS,
     Case,
     call,
+    format_allocator_times,
     format_run_loads,
     machine_info,
     make_inputs,
@@ -157,16 +158,7 @@ def format_core(result: dict) -> str:
                 lines.append(f"| {alloc} | {mode} | {name} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
                              + ", ".join(f"{x:.2f}x" for x in s["runs"]) + " |")
     lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in runs]), "",
-              "## Times", "", "| allocator | mode | contender | time: median over runs | per run | peak memory |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for alloc, res in runs[0]["allocators"].items():
-        for mode, contenders in res["times"].items():
-            for name in contenders:
-                per_run = [r["allocators"][alloc]["times"][mode][name]["median_s"] for r in runs]
-                mem = result["peak_memory_bytes"].get(f"{mode}/{name}") if alloc == "default" else None
-                mem_s = f"{mem / 2**20:.0f} MiB" if mem is not None else "-"
-                lines.append(f"| {alloc} | {mode} | {name} | {median(per_run) * 1e3:.0f} ms | "
-                             + ", ".join(f"{x * 1e3:.0f} ms" for x in per_run) + f" | {mem_s} |")
+              "## Times", "", *format_allocator_times(runs, result["peak_memory_bytes"])]
     lines += ["", "One recurrent step (Nq = 1, B = 1, H = 8, D = 64, no grad):", "",
               "| allocator | position | time per step: median over runs | per run |", "| --- | --- | --- | --- |"]
     for alloc, steps in result["step_s"].items():

@@ -38,6 +38,7 @@ from .harness import (
     TUNED_MALLOC_ENV,
     Case,
     call,
+    format_allocator_times,
     format_run_loads,
     machine_info,
     make_inputs,
@@ -199,16 +200,7 @@ def format_speed(result: dict) -> str:
             lines.append(f"| {alloc} | {mode} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
                          + ", ".join(f"{x:.2f}x" for x in s["runs"]) + " |")
     lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in runs]), "",
-              "## Times", "", "| allocator | mode | contender | time: median over runs | per run | peak memory |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for alloc, res in runs[0]["allocators"].items():
-        for mode, contenders in res["times"].items():
-            for name in contenders:
-                per_run = [r["allocators"][alloc]["times"][mode][name]["median_s"] for r in runs]
-                mem = result["peak_memory_bytes"].get(f"{mode}/{name}") if alloc == "default" else None
-                mem_s = "-" if mem is None else f"{mem / 2**20:.0f} MiB"
-                lines.append(f"| {alloc} | {mode} | {name} | {median(per_run) * 1e3:.0f} ms | "
-                             + ", ".join(f"{x * 1e3:.0f} ms" for x in per_run) + f" | {mem_s} |")
+              "## Times", "", *format_allocator_times(runs, result["peak_memory_bytes"])]
     return "\n".join(lines) + "\n"
 
 

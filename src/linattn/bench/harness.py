@@ -31,8 +31,9 @@ import torch
 import linattn
 
 __all__ = ["Case", "IMPLS", "INHERITED_ALLOCATOR", "Impl", "OtherLoad", "REFERENCE_DRIFT", "RUNS", "busy_reasons",
-           "describe_load", "format_run_loads", "format_seconds", "format_spread", "machine_info", "peak_memory",
-           "ratio_claim", "ratio_spreads", "run_repeated", "spread", "time_calls", "write_atomically"]
+           "describe_load", "format_allocator_times", "format_run_loads", "format_seconds", "format_spread",
+           "machine_info", "peak_memory", "ratio_claim", "ratio_spreads", "run_repeated", "spread", "time_calls",
+           "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -499,6 +500,24 @@ def format_run_loads(loads: list[dict]) -> list[str]:
         ref_s = "-" if not ref else f"{ref['start']:.0f} → {ref['end']:.0f}"
         busy = "; ".join(busy_reasons(load)) or "no"
         lines.append(f"| {i} | {share_s} | {ref_s} | {busy} |")
+    return lines
+
+
+def format_allocator_times(runs: list[dict], peak_memory_bytes: dict[str, int]) -> list[str]:
+    """Markdown table lines: each contender's time per allocator and mode, the median over the
+    runs and every run's, and its peak memory (measured under the default allocator only).
+    ``runs``: results of :func:`run_repeated` whose allocators hold ``times[mode][contender]``
+    with a ``median_s``; ``peak_memory_bytes``: ``{"mode/contender": bytes}``."""
+    lines = ["| allocator | mode | contender | time: median over runs | per run | peak memory |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for alloc, res in runs[0]["allocators"].items():
+        for mode, contenders in res["times"].items():
+            for name in contenders:
+                per_run = [r["allocators"][alloc]["times"][mode][name]["median_s"] for r in runs]
+                mem = peak_memory_bytes.get(f"{mode}/{name}") if alloc == "default" else None
+                mem_s = "-" if mem is None else f"{mem / 2**20:.0f} MiB"
+                lines.append(f"| {alloc} | {mode} | {name} | {median(per_run) * 1e3:.0f} ms | "
+                             + ", ".join(f"{x * 1e3:.0f} ms" for x in per_run) + f" | {mem_s} |")
     return lines
 
 
