@@ -601,8 +601,9 @@ def normaliser_floor(qf: Tensor, z_seen: Tensor) -> Tensor:
     ``1e-20`` times their own scale: their features are nearly one-hot in different directions.
     """
     rel = torch.finfo(qf.dtype).max ** -0.5
-    with torch.no_grad():
-        return qf.abs().amax(-1, keepdim=True).mul_(rel) * z_seen.abs().amax(-1, keepdim=True)
+    q_max = (qf.detach() if qf.requires_grad else qf).abs().amax(-1, keepdim=True)
+    z_max = (z_seen.detach() if z_seen.requires_grad else z_seen).abs().amax(-1, keepdim=True)
+    return q_max.mul_(z_max).mul_(rel)
 
 
 def _guarded_normaliser(den: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
@@ -613,7 +614,7 @@ def _guarded_normaliser(den: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
     raised row comes out smaller, never larger, than the unguarded one, and a row with no key
     gets zeros."""
     active = den.abs() >= floor
-    d = torch.where(active, den, torch.where(den < 0, -floor, floor))
+    d = torch.where(active, den, floor.copysign(den))
     ok = d.abs() >= torch.finfo(d.dtype).tiny
     return torch.where(ok, d, 1.0), active & ok
 
@@ -628,7 +629,8 @@ def divide_by_normaliser(num: Tensor, den: Tensor, floor: Tensor) -> Tensor:
 def _divide_by_normaliser_(num: Tensor, den: Tensor, floor: Tensor) -> Tensor:
     """``num / den`` in place in ``num``, guarded as in :func:`_guarded_normaliser` (no graph:
     for decoding steps)."""
-    return num.div_(_guarded_normaliser(den, floor)[0])
+    d = torch.where(den.abs() >= floor, den, floor.copysign(den))  # _guarded_normaliser's divisor
+    return num.div_(torch.where(d.abs() >= torch.finfo(d.dtype).tiny, d, 1.0))
 
 
 class _Normalise(torch.autograd.Function):
@@ -822,7 +824,7 @@ def linear_attention_reference(
         S, z = S + S0, z + z0
     # the normaliser's magnitude is raised to its floor as in the fast forms (normaliser_floor)
     floor = normaliser_floor(qf, z_seen)
-    den = torch.where(den.abs() >= floor, den, torch.where(den < 0, -floor, floor))
+    den = torch.where(den.abs() >= floor, den, floor.copysign(den))
     out = (num / torch.where(den.abs() >= torch.finfo(dt).tiny, den, torch.ones_like(den))).to(q.dtype)
     if return_state:
         return out, LinearAttentionState(S=S, z=z)
