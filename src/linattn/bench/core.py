@@ -34,6 +34,7 @@ from .harness import (
     call,
     format_allocator_times,
     format_run_loads,
+    format_spread_cells,
     machine_info,
     make_inputs,
     median,
@@ -155,8 +156,7 @@ def format_core(result: dict) -> str:
     for alloc, modes in result["ratios"].items():
         for mode, names in modes.items():
             for name, s in names.items():
-                lines.append(f"| {alloc} | {mode} | {name} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
-                             + ", ".join(f"{x:.2f}x" for x in s["runs"]) + " |")
+                lines.append(f"| {alloc} | {mode} | {name} | {format_spread_cells(s)} |")
     lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in runs]), "",
               "## Times", "", *format_allocator_times(runs, result["peak_memory_bytes"])]
     lines += ["", "One recurrent step (Nq = 1, B = 1, H = 8, D = 64, no grad):", "",

@@ -40,6 +40,7 @@ from .harness import (
     call,
     format_allocator_times,
     format_run_loads,
+    format_spread_cells,
     machine_info,
     make_inputs,
     median,
@@ -196,9 +197,7 @@ def format_speed(result: dict) -> str:
     ]
     for alloc, modes in result["ratios"].items():
         for mode, names in modes.items():
-            s = names["performer_pytorch"]
-            lines.append(f"| {alloc} | {mode} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
-                         + ", ".join(f"{x:.2f}x" for x in s["runs"]) + " |")
+            lines.append(f"| {alloc} | {mode} | {format_spread_cells(names['performer_pytorch'])} |")
     lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in runs]), "",
               "## Times", "", *format_allocator_times(runs, result["peak_memory_bytes"])]
     return "\n".join(lines) + "\n"

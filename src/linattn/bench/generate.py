@@ -72,6 +72,7 @@ from .harness import (
     RUNS,
     busy_reasons,
     format_run_loads,
+    format_spread_cells,
     machine_info,
     run_repeated,
     spread,
@@ -416,10 +417,6 @@ def as_repeated(result: dict) -> dict:
     return out
 
 
-def _ratio_cells(s: dict) -> str:
-    return f"{s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | " + ", ".join(f"{x:.2f}x" for x in s["runs"])
-
-
 def format_generate(result: dict) -> str:
     """generate.md from a result of :func:`run_generate` (or from an older single-run file, see
     :func:`as_repeated`)."""
@@ -446,7 +443,7 @@ def format_generate(result: dict) -> str:
         "",
         "| ratio | median | min | max | per run |",
         "| --- | ---: | ---: | ---: | --- |",
-        *[f"| {k} | {_ratio_cells(s)} |" for k, s in r["ratios"].items()],
+        *[f"| {k} | {format_spread_cells(s)} |" for k, s in r["ratios"].items()],
         "",
         "| claim | verdict (on the median ratio) |",
         "| --- | --- |",

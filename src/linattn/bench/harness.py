@@ -32,8 +32,8 @@ import linattn
 
 __all__ = ["Case", "IMPLS", "INHERITED_ALLOCATOR", "Impl", "OtherLoad", "REFERENCE_DRIFT", "RUNS", "busy_reasons",
            "describe_load", "format_allocator_times", "format_run_loads", "format_seconds", "format_spread",
-           "machine_info", "peak_memory", "ratio_claim", "ratio_spreads", "run_repeated", "spread", "time_calls",
-           "write_atomically"]
+           "format_spread_cells", "machine_info", "peak_memory", "ratio_claim", "ratio_spreads", "run_repeated",
+           "spread", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -481,6 +481,11 @@ def format_spread(s: dict) -> str:
     n = len(s["runs"])
     return (f"{s['median']:.2f}x, the median of {n} run{'s' if n != 1 else ''} "
             f"(min {s['min']:.2f}x, max {s['max']:.2f}x)")
+
+
+def format_spread_cells(s: dict) -> str:
+    """A ratio's :func:`spread` as Markdown table cells: ``median | min | max | every run``."""
+    return f"{s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | " + ", ".join(f"{x:.2f}x" for x in s["runs"])
 
 
 def ratio_claim(setting: str, ours: str, theirs: str, s: dict) -> str:
