@@ -16,7 +16,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-__all__ = ["check_qkv", "check_key_padding_mask", "compute_dtype", "no_autocast", "sanitize_padded"]
+__all__ = ["check_qkv", "check_key_padding_mask", "compute_dtype", "finite_max", "no_autocast", "sanitize_padded"]
 
 
 def _shape(t: Tensor) -> str:
@@ -118,3 +118,14 @@ def sanitize_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     if key_padding_mask is None:
         return x
     return torch.where(key_padding_mask[:, None, :, None], x, x.new_zeros(()))
+
+
+def finite_max(x: Tensor, dim: int) -> Tensor:
+    """The largest entry of ``x`` along ``dim`` (kept as a dimension of size 1), and 0 where there
+    is no finite one: every entry -inf (all keys masked) or ``dim`` empty (no keys at all, where
+    ``amax`` raises). The shift of a stabilised softmax: ``exp(x - shift) <= 1``, and no ``-inf -
+    (-inf)`` = NaN. Not detached: callers that hold it constant detach it."""
+    if x.shape[dim] == 0:
+        return x.new_zeros(*x.shape[:dim % x.dim()], 1, *x.shape[dim % x.dim() + 1:])
+    m = x.amax(dim, keepdim=True)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))

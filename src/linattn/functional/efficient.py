@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
+from ._checks import check_key_padding_mask, check_qkv, compute_dtype, finite_max, no_autocast, sanitize_padded
 
 __all__ = ["efficient_attention", "efficient_attention_reference"]
 
@@ -38,11 +38,7 @@ def _key_logits(k: Tensor, key_padding_mask: Tensor | None) -> Tensor:
 def _softmax_over_keys(logits: Tensor) -> Tensor:
     """Softmax over dim -2 that returns zeros (not NaN) for a column whose every entry is -inf, and
     an empty ``(B, H, 0, D)`` for no keys at all (whose context sum is then zeros)."""
-    if logits.shape[-2] == 0:  # Nk = 0: amax over no keys is undefined; any shift will do
-        col_max = logits.new_zeros(*logits.shape[:-2], 1, logits.shape[-1])  # (B, H, 1, D)
-    else:
-        col_max = logits.amax(-2, keepdim=True)  # (B, H, 1, D)
-        col_max = torch.where(torch.isfinite(col_max), col_max, torch.zeros_like(col_max)).detach()
+    col_max = finite_max(logits, -2).detach()  # (B, H, 1, D)
     e = torch.exp(logits - col_max)  # exp(-inf) = 0 for padding
     total = e.sum(-2, keepdim=True)
     return e / torch.where(total > 0, total, torch.ones_like(total))
@@ -112,8 +108,7 @@ def efficient_attention_reference(
     real = torch.ones_like(k, dtype=torch.bool)
     if key_padding_mask is not None:
         real = real & key_padding_mask[:, None, :, None]
-    shift = torch.where(real, k, float("-inf")).amax(-2, keepdim=True) if k.shape[2] else k.sum(-2, keepdim=True)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    shift = finite_max(torch.where(real, k, float("-inf")), -2)  # (B, H, 1, D)
     ek = torch.where(real, torch.exp(k - shift), torch.zeros_like(k))
     col = ek.sum(-2, keepdim=True)
     rho_k = ek / torch.where(col > 0, col, torch.ones_like(col))

@@ -51,7 +51,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
+from ._checks import check_key_padding_mask, check_qkv, compute_dtype, finite_max, no_autocast, sanitize_padded
 from ._log_scaled import causal_product_log_scaled
 from .linear import (
     LinearAttentionState,
@@ -518,14 +518,6 @@ def _state(s: Tensor, dv: int, log_scale: Tensor) -> LinearAttentionState:
     return LinearAttentionState(S=s[..., :dv], z=s[..., dv], log_scale=log_scale)
 
 
-def _row_max(x: Tensor) -> Tensor:
-    """``x (..., Nk) -> (..., 1)``, the largest entry of each row of non-negative weights; 0 for a
-    row of no keys (Nk = 0), where ``amax`` refuses an empty dimension."""
-    if x.shape[-1] == 0:
-        return x.new_zeros(*x.shape[:-1], 1)
-    return x.amax(-1, keepdim=True)
-
-
 def favor_attention_reference(
     q: Tensor,
     k: Tensor,
@@ -568,7 +560,7 @@ def favor_attention_reference(
         # query's own magnitude exp(||q'||^2/2)
         xs_q, xs_k = q * scale**0.5, k * scale**0.5
         wk = torch.exp(xs_k.square().sum(-1) / 2)[:, :, None, :]  # (B, H, 1, Nk)
-        heaviest = _row_max(torch.where(allowed, wk, 0.0))
+        heaviest = finite_max(torch.where(allowed, wk, 0.0), -1)
         wq = torch.exp(xs_q.square().sum(-1, keepdim=True) / 2)
         # the heaviest key's weight is held constant (it is the stabiliser); the query's own
         # magnitude is a common factor of every term, as in the fast forms, where it is dropped
@@ -580,7 +572,7 @@ def favor_attention_reference(
         # visible keys' features), here in unstabilised units
         seen = allowed.to(dt)  # (B or 1, 1, Nq, Nk)
         if kernel == "softmax":
-            heaviest = _row_max(seen * kf.detach().amax(-1)[:, :, None, :])  # (B, H, Nq, 1)
+            heaviest = finite_max(seen * kf.detach().amax(-1)[:, :, None, :], -1)  # (B, H, Nq, 1)
             floor = normaliser_floor(qf, heaviest)
         else:
             floor = normaliser_floor(qf, seen @ kf.detach())

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
+from ._checks import check_key_padding_mask, check_qkv, compute_dtype, finite_max, no_autocast, sanitize_padded
 from .linear import divide_by_normaliser, normaliser_floor
 
 __all__ = [
@@ -143,9 +143,7 @@ def _weights(q: Tensor, k: Tensor, maps: HedgehogMaps, *, window: int, key_paddi
         band = (pos[:, None] - pos[None, :]).abs() <= window  # (N, N)
         s = (q @ k.transpose(-1, -2)) * scale  # (B, H, N, N)
         inside = band & keep
-        # N = 0: no key to take a max over (amax would raise); an empty sum keeps the shape
-        m = s.masked_fill(~inside, float("-inf")).amax(dim=-1, keepdim=True) if N else s.sum(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+        m = finite_max(s.masked_fill(~inside, float("-inf")), -1).detach()
         e = torch.exp((s - m).masked_fill(~inside, float("-inf")))
         gain = maps.log_gain.exp()[None, :, None, None]
         w = e + gain * a.masked_fill(band | ~keep, 0.0)
@@ -244,8 +242,7 @@ def _hedgehog(q: Tensor, k: Tensor, v: Tensor, maps: HedgehogMaps, *, window: in
     band = (r[:, None] - c[None, :]).abs() <= window  # (C, 3C): query r of a block vs key c - C
     inside = band & keep_w[:, None, :, None, :]  # (B, 1, Nb, C, 3C)
     s = blocks(q) @ kw.transpose(-1, -2) * scale  # (B, H, Nb, C, 3C)
-    m = s.masked_fill(~inside, float("-inf")).amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
+    m = finite_max(s.masked_fill(~inside, float("-inf")), -1).detach()
     e = torch.exp((s - m).masked_fill(~inside, float("-inf")))  # window softmax weights
     a = (blocks(fq) @ fkw.transpose(-1, -2)).masked_fill(~inside, 0.0)  # linear weights inside the window
     gain = maps.log_gain.exp()[None, :, None, None]  # (1, H, 1, 1)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import _shape, check_key_padding_mask, compute_dtype, no_autocast, sanitize_padded
+from ._checks import _shape, check_key_padding_mask, compute_dtype, finite_max, no_autocast, sanitize_padded
 from .softmax import _check_scale
 
 __all__ = ["lsh_attention", "lsh_attention_reference"]
@@ -103,8 +103,7 @@ def _combine_rounds(o: Tensor, lse: Tensor, v: Tensor, key_padding_mask: Tensor 
     Round r weighs ``exp(lse_r) / sum_r exp(lse_r)``. A position with nothing in any round gets its
     own value (zeros if it is padding). Written so that no -inf reaches a gradient.
     """
-    top = lse.amax(2, keepdim=True)  # (B, H, 1, N)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    top = finite_max(lse, 2).detach()  # (B, H, 1, N)
     w = torch.exp(lse - top)  # 0 for a round with nothing
     total = w.sum(2, keepdim=True)
     w = w / torch.where(total > 0, total, torch.ones_like(total))
@@ -118,11 +117,7 @@ def _combine_rounds(o: Tensor, lse: Tensor, v: Tensor, key_padding_mask: Tensor 
 def _masked_softmax_lse(scores: Tensor, allowed: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax over the last dim restricted to ``allowed``, times ``values``, and the row's
     log-sum-exp (-inf for a row with nothing allowed, whose output is 0). No NaN, even in gradients."""
-    if scores.shape[-1] == 0:  # no keys at all (N = 0): amax over them is undefined
-        top = scores.new_zeros(*scores.shape[:-1], 1)
-    else:
-        top = torch.where(allowed, scores, torch.full_like(scores, float("-inf"))).amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    top = finite_max(torch.where(allowed, scores, torch.full_like(scores, float("-inf"))), -1).detach()
     e = torch.where(allowed, torch.exp(scores - top), torch.zeros_like(scores))
     z = e.sum(-1, keepdim=True)
     some = z > 0
@@ -146,8 +141,7 @@ class _ChunkAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float):
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)  # (.., c, K)
         scores.masked_fill_(~allowed, float("-inf"))
-        top = scores.amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        top = finite_max(scores, -1)
         p = scores.sub_(top).exp_()  # exp(-inf) = 0 where not allowed
         z = p.sum(-1, keepdim=True)
         some = z > 0
