@@ -199,7 +199,7 @@ def test_bad_configs_raise_naming_the_problem():
         TransformerConfig(**SMALL, layer_attention={4: SoftmaxConfig()})
     with pytest.raises(TypeError, match=r"layer_attention\[1\]: attention must be a mechanism config"):
         TransformerConfig(**SMALL, layer_attention={1: "softmax"})
-    with pytest.raises(ValueError, match=r"unknown keys \['n_layer'\]"):
+    with pytest.raises(ValueError, match=r"unknown field\(s\) 'n_layer' \(did you mean 'n_layers'\?\)"):
         TransformerConfig.from_dict({**SMALL, "n_layer": 2})
     with pytest.raises(ValueError, match="unknown attention mechanism 'flash'"):
         TransformerConfig.from_dict({**SMALL, "attention": {"name": "flash"}})

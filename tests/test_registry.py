@@ -55,7 +55,7 @@ def test_registry_names_and_specs():
 def test_unknown_names_and_options_list_what_exists():
     with pytest.raises(ValueError, match=r"unknown attention mechanism 'performer'.*favor.*softmax"):
         attention_config("performer")
-    with pytest.raises(ValueError, match=r"no option\(s\) \['widow'\].*\['window'\]"):
+    with pytest.raises(ValueError, match=r"no option\(s\) 'widow' \(did you mean 'window'\?\).*\['window'\]"):
         attention_config("local", widow=3)
     with pytest.raises(ValueError, match="unknown feature_map 'tanh'"):
         LinearConfig(feature_map="tanh")

@@ -224,7 +224,7 @@ def test_config_round_trip_files_and_overrides(tmp_path):
     ({"lr": 1e-3, "learning_rate": 1, "bogus": 2}, r"unknown fields \['bogus', 'learning_rate'\]"),
     ({"data": {"sorce": "file"}}, r"DataConfig: unknown fields \['sorce'\]"),
     ({"model": {"vocab_size": 20, "max_len": 16, "attention": {"name": "efficient"}}}, "no causal form"),
-    ({"model": {"vocab_size": 20, "max_len": 16, "d_mdoel": 8}}, r"unknown keys \['d_mdoel'\]"),
+    ({"model": {"vocab_size": 20, "max_len": 16, "d_mdoel": 8}}, r"unknown field\(s\) 'd_mdoel' \(did you mean 'd_model'\?\)"),
     ({"seq_len": 200}, "exceeds model.max_len"),
     ({"batch_size": 6, "grad_accum": 4}, "must divide batch_size"),
     ({"bf16": True, "dtype": "float64"}, "bf16 autocast needs"),

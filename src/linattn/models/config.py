@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..config import Config
 from ..nn.mechanisms import SoftmaxConfig
 from ..nn.registry import AttentionConfig, attention_config_from_dict, attention_config_to_dict, spec_for
 
@@ -16,7 +17,7 @@ POSITIONAL = ("learned", "sinusoidal", "rotary")
 
 
 @dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(Config):
     """A stack of ``n_layers`` blocks (attention + MLP with GELU), with embeddings.
 
     Attributes:
@@ -144,28 +145,24 @@ class TransformerConfig:
         """The registered mechanism name of every layer, in order."""
         return [spec_for(self.attention_for(i)).name for i in range(self.n_layers)]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable; ``layer_attention`` becomes ``{"<index>": {"name": ..., ...}}``."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["attention"] = attention_config_to_dict(self.attention)
-        d["layer_attention"] = {str(i): attention_config_to_dict(c) for i, c in self.layer_attention}
-        return d
+    def encode_field(self, name: str, value: Any) -> Any:
+        """``attention`` as ``{"name": ..., **options}``; ``layer_attention`` as
+        ``{"<index>": {"name": ..., ...}}``."""
+        if name == "attention":
+            return attention_config_to_dict(value)
+        if name == "layer_attention":
+            return {str(i): attention_config_to_dict(c) for i, c in value}
+        return super().encode_field(name, value)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TransformerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"TransformerConfig.from_dict: unknown keys {unknown}; known: {sorted(known)}")
-        d = dict(d)
-        if "attention" in d:
-            d["attention"] = attention_config_from_dict(d["attention"])
-        if "layer_attention" in d:
-            la = d["layer_attention"]
-            if not isinstance(la, Mapping):
-                raise TypeError(f"TransformerConfig.from_dict: layer_attention must be a dict, got {type(la).__name__}")
+    def decode_field(cls, name: str, value: Any) -> Any:
+        if name == "attention" and isinstance(value, Mapping):
+            return attention_config_from_dict(dict(value))
+        if name == "layer_attention" and not isinstance(value, (tuple, list)):
+            if not isinstance(value, Mapping):
+                raise TypeError(f"TransformerConfig: layer_attention must be a dict, got {type(value).__name__}")
             try:
-                d["layer_attention"] = {int(i): attention_config_from_dict(c) for i, c in la.items()}
+                return {int(i): attention_config_from_dict(dict(c)) for i, c in value.items()}
             except ValueError as e:
-                raise ValueError(f"TransformerConfig.from_dict: layer_attention: {e}") from None
-        return cls(**d)
+                raise ValueError(f"TransformerConfig: layer_attention: {e}") from None
+        return super().decode_field(name, value)

@@ -13,6 +13,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from ..config import Config
 from ..functional.favor import FAVOR_FEATURES, FAVOR_KERNELS, favor_attention, favor_projection
 from ..functional.linear import LinearAttentionState
 
@@ -20,7 +21,7 @@ __all__ = ["FavorAttention", "FavorConfig"]
 
 
 @dataclass(frozen=True)
-class FavorConfig:
+class FavorConfig(Config):
     """Options of :class:`FavorAttention` (names and defaults as in ``favor_attention``).
 
     Attributes:
@@ -63,17 +64,6 @@ class FavorConfig:
         r = self.redraw_every
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
             raise ValueError(f"FavorConfig: redraw_every must be None or an int >= 1, got {r!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FavorConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"FavorConfig.from_dict: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**d)
 
 
 class FavorAttention(nn.Module):

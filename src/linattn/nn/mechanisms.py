@@ -28,6 +28,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..config import Config
+
 from ..functional.efficient import efficient_attention
 from ..functional.feature_maps import FEATURE_MAPS, resolve_feature_map
 from ..functional.hedgehog import HedgehogMaps, hedgehog_attention, hedgehog_attention_weights
@@ -73,28 +75,13 @@ def _positive_int(owner: str, name: str, value, *, allow_none: bool = False) -> 
         raise ValueError(f"{owner}: {name} must be an int >= 1{extra}, got {value!r}")
 
 
-class _ConfigDict:
-    """``to_dict``/``from_dict`` for the flat configs below (unknown keys raise, listing known)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{cls.__name__}.from_dict: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**d)
-
-
 @dataclass(frozen=True)
-class SoftmaxConfig(_ConfigDict):
+class SoftmaxConfig(Config):
     """Exact softmax attention (:func:`linattn.softmax_attention`); no options."""
 
 
 @dataclass(frozen=True)
-class LinearConfig(_ConfigDict):
+class LinearConfig(Config):
     """Kernel attention (:func:`linattn.linear_attention`).
 
     Attributes:
@@ -112,12 +99,12 @@ class LinearConfig(_ConfigDict):
 
 
 @dataclass(frozen=True)
-class EfficientConfig(_ConfigDict):
+class EfficientConfig(Config):
     """Efficient Attention (:func:`linattn.efficient_attention`); no options, no causal form."""
 
 
 @dataclass(frozen=True)
-class LocalConfig(_ConfigDict):
+class LocalConfig(Config):
     """Sliding-window softmax attention (:func:`linattn.local_attention`).
 
     Attributes:
@@ -131,7 +118,7 @@ class LocalConfig(_ConfigDict):
 
 
 @dataclass(frozen=True)
-class LinformerConfig(_ConfigDict):
+class LinformerConfig(Config):
     """Linformer attention (:class:`linattn.LinformerAttention`); bidirectional only.
 
     Attributes:
@@ -152,7 +139,7 @@ class LinformerConfig(_ConfigDict):
 
 
 @dataclass(frozen=True)
-class HedgehogConfig(_ConfigDict):
+class HedgehogConfig(Config):
     """Hedgehog attention (:func:`linattn.functional.hedgehog.hedgehog_attention`): learnable
     softmax feature maps (arXiv 2402.04347), optionally beside a sliding softmax window (LoLCATs,
     arXiv 2410.10254). Bidirectional only. Meant to be trained: distilled toward softmax attention.
@@ -176,7 +163,7 @@ class HedgehogConfig(_ConfigDict):
 
 
 @dataclass(frozen=True)
-class LSHConfig(_ConfigDict):
+class LSHConfig(Config):
     """Reformer LSH attention (:func:`linattn.lsh_attention`), shared query-key projection.
 
     Attributes:
@@ -251,6 +238,8 @@ class Mechanism(nn.Module):
     """
 
     name: ClassVar[str]
+    # True when the constructor takes ``max_len`` (parameters sized by the longest input)
+    needs_max_len: ClassVar[bool] = False
 
     def __init__(self, *, n_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -436,6 +425,8 @@ class LinformerMechanism(Mechanism):
     """Linformer through :class:`linattn.LinformerAttention` (``self.linformer``, owns E, F)."""
 
     name = "linformer"
+
+    needs_max_len = True
 
     def __init__(self, config: LinformerConfig, *, n_heads: int, head_dim: int, max_len: int | None) -> None:
         super().__init__(n_heads=n_heads, head_dim=head_dim)

@@ -20,6 +20,7 @@ Rotary positions are applied to q and k before the mechanism (before any feature
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -43,8 +44,8 @@ from .mechanisms import (
     SoftmaxConfig,
     SoftmaxMechanism,
 )
-from ..functional.linear import LinearAttentionState
-from ..functional.local import LocalAttentionState
+from .. import functional as F
+from ..config import did_you_mean
 
 __all__ = [
     "AttentionConfig",
@@ -53,8 +54,12 @@ __all__ = [
     "attention_config",
     "attention_config_from_dict",
     "attention_config_to_dict",
+    "FORMS",
     "build_mechanism",
+    "config_label",
     "get_mechanism",
+    "parse_attention",
+    "parse_mechanisms",
     "spec_for",
 ]
 
@@ -63,66 +68,117 @@ AttentionConfig = Union[
 ]
 
 
+FORMS = ("bidirectional", "causal", "recurrent")
+
+
 @dataclass(frozen=True)
 class MechanismSpec:
-    """What a registered mechanism is and can do.
+    """What a registered mechanism is and can do: the one place a mechanism is declared.
+
+    Benchmarks, experiments, conversion, training and the command line list and build mechanisms
+    from these specs; adding a mechanism is one entry in :data:`MECHANISMS` and its tests.
 
     Attributes:
-        name: registry key, also the ``"name"`` of its serialised config.
-        config_type: the frozen dataclass of its options.
-        causal: has a causal form (usable in a language model).
-        recurrent: has a recurrent form: ``step()`` and decoding with a state.
+        name: registry key, also the ``"name"`` of its serialised config and its CLI name.
+        config_type: the frozen :class:`linattn.config.Config` dataclass of its options; its
+            defaults (``config_type()``, :meth:`default_config`) are the mechanism's defaults
+            everywhere.
+        module_type: its :class:`Mechanism` module: ``forward(q, k, v, *, causal, ...)`` and, for
+            recurrent ones, ``initial_state`` and ``step`` (:meth:`build` makes one).
+        function: its functional fast form, ``function(q, k, v, ...)`` (SDPA conventions).
+        reference: its plain reference form, same signature; what tests trust.
+        forms: the forms it has, a subset of :data:`FORMS`.
         rotary: accepts rotary positions on q and k (see the module docstring for why or why not).
         shared_qk: queries and keys come from one projection (LSH).
         state_type: the type of its decoding state, or None.
-        build: ``(config, n_heads=, head_dim=, max_len=) -> Mechanism``.
         summary: one line for listings.
     """
 
     name: str
     config_type: type
-    causal: bool
-    recurrent: bool
+    module_type: type
+    function: Callable[..., Any]
+    reference: Callable[..., Any]
+    forms: frozenset[str]
     rotary: bool
     shared_qk: bool
     state_type: type | None
-    build: Callable[..., Mechanism]
     summary: str
 
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.forms) - set(FORMS))
+        if unknown or not self.forms:
+            raise ValueError(f"MechanismSpec {self.name!r}: forms must be a non-empty subset of {FORMS}, got {unknown}")
+        if "recurrent" in self.forms and "causal" not in self.forms:
+            raise ValueError(f"MechanismSpec {self.name!r}: a recurrent form needs a causal one")
 
-def _plain(cls):
-    return lambda config, *, n_heads, head_dim, max_len: cls(config, n_heads=n_heads, head_dim=head_dim)
+    @property
+    def bidirectional(self) -> bool:
+        return "bidirectional" in self.forms
+
+    @property
+    def causal(self) -> bool:
+        """Has a causal form (usable in a language model)."""
+        return "causal" in self.forms
+
+    @property
+    def recurrent(self) -> bool:
+        """Has a recurrent form: ``step()`` and decoding with a state."""
+        return "recurrent" in self.forms
+
+    @property
+    def step(self) -> Callable[..., Any] | None:
+        """The recurrent form, ``module.step(q, k, v, state) -> (out, state)``; None without one."""
+        return self.module_type.step if self.recurrent else None
+
+    def default_config(self):
+        """The config with every option at its default."""
+        return self.config_type()
+
+    def build(self, config=None, *, n_heads: int, head_dim: int, max_len: int | None = None) -> Mechanism:
+        """The module for ``config`` (None: the defaults) with ``n_heads`` heads of width ``head_dim``;
+        ``max_len`` is the longest input, read by mechanisms whose parameters depend on it."""
+        config = self.default_config() if config is None else config
+        if type(config) is not self.config_type:
+            raise TypeError(f"{self.name!r} attention is built from a {self.config_type.__name__}, "
+                            f"got {type(config).__name__}")
+        if self.module_type.needs_max_len:
+            return self.module_type(config, n_heads=n_heads, head_dim=head_dim, max_len=max_len)
+        return self.module_type(config, n_heads=n_heads, head_dim=head_dim)
 
 
+def _spec(name, config_type, module_type, function, reference, forms, *, rotary, shared_qk=False, state_type=None,
+          summary):
+    return MechanismSpec(name, config_type, module_type, function, reference, frozenset(forms.split()),
+                         rotary=rotary, shared_qk=shared_qk, state_type=state_type, summary=summary)
+
+
+_ALL = "bidirectional causal recurrent"
 MECHANISMS: dict[str, MechanismSpec] = {
     s.name: s
     for s in (
-        MechanismSpec("softmax", SoftmaxConfig, causal=True, recurrent=True, rotary=True, shared_qk=False,
-                      state_type=KVCache, build=_plain(SoftmaxMechanism),
-                      summary="exact softmax attention; decodes with a KV cache"),
-        MechanismSpec("linear", LinearConfig, causal=True, recurrent=True, rotary=True, shared_qk=False,
-                      state_type=LinearAttentionState, build=_plain(LinearMechanism),
-                      summary="kernel attention phi(q).phi(k); O(1) state per token"),
-        MechanismSpec("efficient", EfficientConfig, causal=False, recurrent=False, rotary=False, shared_qk=False,
-                      state_type=None, build=_plain(EfficientMechanism),
-                      summary="Efficient Attention (softmax over features x softmax over keys); bidirectional"),
-        MechanismSpec("favor", FavorConfig, causal=True, recurrent=True, rotary=True, shared_qk=False,
-                      state_type=LinearAttentionState, build=_plain(FavorMechanism),
-                      summary="Performer FAVOR+ random features; O(1) state per token"),
-        MechanismSpec("local", LocalConfig, causal=True, recurrent=True, rotary=True, shared_qk=False,
-                      state_type=LocalAttentionState, build=_plain(LocalMechanism),
-                      summary="sliding-window softmax; ring buffer of the last window keys"),
-        MechanismSpec("linformer", LinformerConfig, causal=False, recurrent=False, rotary=False, shared_qk=False,
-                      state_type=None,
-                      build=lambda config, *, n_heads, head_dim, max_len: LinformerMechanism(
-                          config, n_heads=n_heads, head_dim=head_dim, max_len=max_len),
-                      summary="Linformer sequence projections E, F; bidirectional"),
-        MechanismSpec("lsh", LSHConfig, causal=True, recurrent=False, rotary=True, shared_qk=True,
-                      state_type=None, build=_plain(LSHMechanism),
-                      summary="Reformer LSH attention with shared query-key projection"),
-        MechanismSpec("hedgehog", HedgehogConfig, causal=False, recurrent=False, rotary=False, shared_qk=False,
-                      state_type=None, build=_plain(HedgehogMechanism),
-                      summary="Hedgehog learnable softmax feature maps (+ optional softmax window); bidirectional"),
+        _spec("softmax", SoftmaxConfig, SoftmaxMechanism, F.softmax_attention, F.softmax_attention_reference, _ALL,
+              rotary=True, state_type=KVCache, summary="exact softmax attention; decodes with a KV cache"),
+        _spec("linear", LinearConfig, LinearMechanism, F.linear_attention, F.linear_attention_reference, _ALL,
+              rotary=True, state_type=F.LinearAttentionState,
+              summary="kernel attention phi(q).phi(k); O(1) state per token"),
+        _spec("efficient", EfficientConfig, EfficientMechanism, F.efficient_attention,
+              F.efficient_attention_reference, "bidirectional", rotary=False,
+              summary="Efficient Attention (softmax over features x softmax over keys); bidirectional"),
+        _spec("favor", FavorConfig, FavorMechanism, F.favor_attention, F.favor_attention_reference, _ALL,
+              rotary=True, state_type=F.LinearAttentionState,
+              summary="Performer FAVOR+ random features; O(1) state per token"),
+        _spec("local", LocalConfig, LocalMechanism, F.local_attention, F.local_attention_reference, _ALL,
+              rotary=True, state_type=F.LocalAttentionState,
+              summary="sliding-window softmax; ring buffer of the last window keys"),
+        _spec("linformer", LinformerConfig, LinformerMechanism, F.linformer_attention,
+              F.linformer_attention_reference, "bidirectional", rotary=False,
+              summary="Linformer sequence projections E, F; bidirectional"),
+        _spec("lsh", LSHConfig, LSHMechanism, F.lsh_attention, F.lsh_attention_reference, "bidirectional causal",
+              rotary=True, shared_qk=True, summary="Reformer LSH attention with shared query-key projection"),
+        _spec("hedgehog", HedgehogConfig, HedgehogMechanism, F.hedgehog_attention, F.hedgehog_attention_reference,
+              "bidirectional", rotary=False,
+              summary="Hedgehog learnable softmax feature maps (+ optional softmax window); bidirectional"),
     )
 }
 
@@ -136,7 +192,8 @@ def get_mechanism(name: str) -> MechanismSpec:
     try:
         return MECHANISMS[name]
     except KeyError:
-        raise ValueError(f"unknown attention mechanism {name!r}; registered: {sorted(MECHANISMS)}") from None
+        raise ValueError(f"unknown attention mechanism {name!r}{did_you_mean(name, MECHANISMS)}; "
+                         f"registered: {sorted(MECHANISMS)}") from None
 
 
 def spec_for(config) -> MechanismSpec:
@@ -154,16 +211,17 @@ def attention_config(name: str, **options: Any) -> AttentionConfig:
     Unknown names and unknown options raise ValueError listing what exists.
     """
     spec = get_mechanism(name)
-    known = {f.name for f in dataclasses.fields(spec.config_type)}
-    unknown = sorted(set(options) - known)
+    known = [f.name for f in dataclasses.fields(spec.config_type)]
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"{name!r} attention has no option(s) {unknown}; its options: {sorted(known)}")
+        hints = ", ".join(f"{k!r}{did_you_mean(k, known)}" for k in unknown)
+        raise ValueError(f"{name!r} attention has no option(s) {hints}; its options: {sorted(known)}")
     return spec.config_type(**options)
 
 
 def attention_config_to_dict(config) -> dict[str, Any]:
     """``{"name": <mechanism>, **options}``, JSON-serialisable."""
-    return {"name": spec_for(config).name, **dataclasses.asdict(config)}
+    return {"name": spec_for(config).name, **config.to_dict()}
 
 
 def attention_config_from_dict(d: dict[str, Any]) -> AttentionConfig:
@@ -177,3 +235,45 @@ def attention_config_from_dict(d: dict[str, Any]) -> AttentionConfig:
 def build_mechanism(config, *, n_heads: int, head_dim: int, max_len: int | None = None) -> Mechanism:
     """The mechanism module for ``config`` with ``n_heads`` heads of width ``head_dim``."""
     return spec_for(config).build(config, n_heads=n_heads, head_dim=head_dim, max_len=max_len)
+
+
+def parse_attention(text: str) -> AttentionConfig:
+    """An attention config from the command line: a registered name (``"local"``, its defaults)
+    or a JSON object (``'{"name": "local", "window": 64}'``). ValueError naming what exists."""
+    text = str(text).strip()
+    if text.startswith("{"):
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"attention {text!r} is not valid JSON: {e}") from None
+        return attention_config_from_dict(d)
+    return attention_config(text)
+
+
+def parse_mechanisms(text: str) -> tuple[AttentionConfig, ...]:
+    """Attention configs from the command line: comma-separated registered names
+    (``"linear,softmax"``) or a JSON list of names and config objects
+    (``'["linear", {"name": "local", "window": 64}]'``)."""
+    text = str(text).strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"mechanisms {text!r} is not a valid JSON list: {e}") from None
+        if not isinstance(items, list):
+            raise ValueError(f"mechanisms must be a JSON list, got {text!r}")
+        return tuple(attention_config_from_dict(x) if isinstance(x, dict) else attention_config(x) for x in items)
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise ValueError("mechanisms: give at least one mechanism name")
+    return tuple(attention_config(x) for x in names)
+
+
+def config_label(config) -> str:
+    """A short label: the name, then every option that differs from its default
+    (``"local window=64"``, ``"favor num_features=64 orthogonal=False"``)."""
+    spec = spec_for(config)
+    default = spec.default_config()
+    changed = [f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(default, f.name)]
+    return " ".join([spec.name, *changed])
