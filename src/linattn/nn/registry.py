@@ -44,7 +44,26 @@ from .mechanisms import (
     SoftmaxConfig,
     SoftmaxMechanism,
 )
-from .. import functional as F
+from ..functional import (
+    LinearAttentionState,
+    LocalAttentionState,
+    efficient_attention,
+    efficient_attention_reference,
+    favor_attention,
+    favor_attention_reference,
+    hedgehog_attention,
+    hedgehog_attention_reference,
+    linear_attention,
+    linear_attention_reference,
+    linformer_attention,
+    linformer_attention_reference,
+    local_attention,
+    local_attention_reference,
+    lsh_attention,
+    lsh_attention_reference,
+    softmax_attention,
+    softmax_attention_reference,
+)
 from ..config import did_you_mean
 
 __all__ = [
@@ -157,26 +176,26 @@ _ALL = "bidirectional causal recurrent"
 MECHANISMS: dict[str, MechanismSpec] = {
     s.name: s
     for s in (
-        _spec("softmax", SoftmaxConfig, SoftmaxMechanism, F.softmax_attention, F.softmax_attention_reference, _ALL,
+        _spec("softmax", SoftmaxConfig, SoftmaxMechanism, softmax_attention, softmax_attention_reference, _ALL,
               rotary=True, state_type=KVCache, summary="exact softmax attention; decodes with a KV cache"),
-        _spec("linear", LinearConfig, LinearMechanism, F.linear_attention, F.linear_attention_reference, _ALL,
-              rotary=True, state_type=F.LinearAttentionState,
+        _spec("linear", LinearConfig, LinearMechanism, linear_attention, linear_attention_reference, _ALL,
+              rotary=True, state_type=LinearAttentionState,
               summary="kernel attention phi(q).phi(k); O(1) state per token"),
-        _spec("efficient", EfficientConfig, EfficientMechanism, F.efficient_attention,
-              F.efficient_attention_reference, "bidirectional", rotary=False,
+        _spec("efficient", EfficientConfig, EfficientMechanism, efficient_attention,
+              efficient_attention_reference, "bidirectional", rotary=False,
               summary="Efficient Attention (softmax over features x softmax over keys); bidirectional"),
-        _spec("favor", FavorConfig, FavorMechanism, F.favor_attention, F.favor_attention_reference, _ALL,
-              rotary=True, state_type=F.LinearAttentionState,
+        _spec("favor", FavorConfig, FavorMechanism, favor_attention, favor_attention_reference, _ALL,
+              rotary=True, state_type=LinearAttentionState,
               summary="Performer FAVOR+ random features; O(1) state per token"),
-        _spec("local", LocalConfig, LocalMechanism, F.local_attention, F.local_attention_reference, _ALL,
-              rotary=True, state_type=F.LocalAttentionState,
+        _spec("local", LocalConfig, LocalMechanism, local_attention, local_attention_reference, _ALL,
+              rotary=True, state_type=LocalAttentionState,
               summary="sliding-window softmax; ring buffer of the last window keys"),
-        _spec("linformer", LinformerConfig, LinformerMechanism, F.linformer_attention,
-              F.linformer_attention_reference, "bidirectional", rotary=False,
+        _spec("linformer", LinformerConfig, LinformerMechanism, linformer_attention,
+              linformer_attention_reference, "bidirectional", rotary=False,
               summary="Linformer sequence projections E, F; bidirectional"),
-        _spec("lsh", LSHConfig, LSHMechanism, F.lsh_attention, F.lsh_attention_reference, "bidirectional causal",
+        _spec("lsh", LSHConfig, LSHMechanism, lsh_attention, lsh_attention_reference, "bidirectional causal",
               rotary=True, shared_qk=True, summary="Reformer LSH attention with shared query-key projection"),
-        _spec("hedgehog", HedgehogConfig, HedgehogMechanism, F.hedgehog_attention, F.hedgehog_attention_reference,
+        _spec("hedgehog", HedgehogConfig, HedgehogMechanism, hedgehog_attention, hedgehog_attention_reference,
               "bidirectional", rotary=False,
               summary="Hedgehog learnable softmax feature maps (+ optional softmax window); bidirectional"),
     )
