@@ -84,7 +84,8 @@ class Config:
 
     ``to_dict()`` is JSON-serialisable (nested configs become dicts, tuples lists);
     ``from_dict(d)`` is its inverse and raises for unknown keys (:func:`check_keys`); a dict value
-    of a field typed as another Config is read by that class's ``from_dict``. Subclasses with a
+    of a field typed as another Config is read by that class's ``from_dict``, and a list given to
+    a field typed as a tuple becomes a tuple. Subclasses with a
     field that needs another form (the attention configs of a model, chosen by name) override
     :meth:`encode_field` / :meth:`decode_field` for that field only.
 
@@ -105,9 +106,12 @@ class Config:
     @classmethod
     def decode_field(cls, name: str, value: Any) -> Any:
         """The value of field ``name`` from its JSON form (inverse of :meth:`encode_field`)."""
-        nested = _nested_config(_field_types(cls).get(name))
+        tp = _field_types(cls).get(name)
+        nested = _nested_config(tp)
         if nested is not None and isinstance(value, Mapping):
             return nested.from_dict(value)
+        if isinstance(value, list) and typing.get_origin(tp) is tuple:  # JSON has lists only
+            return tuple(value)
         return value
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The ``linattn`` command.
 
 ``linattn COMMAND ...``: each command is a module of this package with ``build_parser(prog)`` and
-``run(parser, args, argv) -> exit status``, imported only when that command runs (``linattn -h``
-imports none of them, nor torch).
+``run(parser, args, argv) -> exit status``, imported only when that command runs, so that a
+command pays for its own imports only (transformers for ``convert``, matplotlib for plots).
 """
 
 from __future__ import annotations
