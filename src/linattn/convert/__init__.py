@@ -7,7 +7,10 @@ Needs the optional extra ``convert`` (transformers) and, for the pretrained mode
 
 from .linearize import (
     ATTN_IMPLEMENTATION,
+    POSITION_METHODS,
     LinearizedAttention,
+    check_convertible,
+    convertible_mechanisms,
     extend_positions,
     linearize,
     linearized_layers,
@@ -17,6 +20,9 @@ from .linearize import (
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "LinearizedAttention",
+    "POSITION_METHODS",
+    "check_convertible",
+    "convertible_mechanisms",
     "extend_positions",
     "linearize",
     "linearized_layers",

@@ -23,7 +23,6 @@ Fidelity (:mod:`linattn.convert.fidelity`) is measured before and after on the s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import json
@@ -40,13 +39,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models.checkpoint import _fsync_dir, _write_atomic
-from ..nn.registry import attention_config_from_dict, attention_config_to_dict
+from ..nn.registry import attention_config_from_dict
 from ..train.checkpoint import capture_rng, restore_rng
 from .data import Encoded, encode, load_pretrained, mean_pool, train_sentences
 from .fidelity import config_label, cosine_summary, embeddings, load_eval_sets
 from .linearize import linearize, linearized_layers
 
-__all__ = ["DistillConfig", "add_distill_arguments", "distill", "run_distill_from_args"]
+__all__ = ["DistillConfig", "distill"]
 
 TRAINING_PASSAGE_MAX_TOKENS = 384  # passages for training are cut here: long enough to exceed a window of 64
 
@@ -376,41 +375,3 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
             print(f"{name}: mean cosine {result['before'][name]['mean_cosine']:.4f} -> "
                   f"{result['after'][name]['mean_cosine']:.4f}")
     return result
-
-
-def add_distill_arguments(p: argparse.ArgumentParser) -> None:
-    d = DistillConfig(attention={"name": "hedgehog"})
-    p.add_argument("--mechanism", default="hedgehog", help="student mechanism (a registry name; default hedgehog)")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a mechanism option, e.g. --option window=64 (repeatable; values parsed as JSON)")
-    p.add_argument("--out", required=True, help="run folder (checkpoints, distill.json), e.g. runs/convert/hedgehog")
-    p.add_argument("--result", default=None, help="also write distill.json here (e.g. docs/convert/distill_x.json)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--quiet", action="store_true")
-    for f in dataclasses.fields(DistillConfig):
-        if f.name == "attention":
-            continue
-        default = getattr(d, f.name)
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(default), default=default,
-                       help=f"(default {default})")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
-
-
-def _parse_options(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--option must be KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
-def run_distill_from_args(args: argparse.Namespace, *, command: str) -> dict:
-    attention = attention_config_to_dict(attention_config_from_dict({"name": args.mechanism, **_parse_options(args.option)}))
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig) if f.name != "attention"}
-    config = DistillConfig(attention=attention, **kwargs)
-    return distill(config, args.out, resume=args.resume, result_path=args.result, command=command, quiet=args.quiet)

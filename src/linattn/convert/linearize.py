@@ -31,12 +31,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..nn.registry import attention_config_to_dict, build_mechanism, spec_for
+from ..nn.registry import MECHANISMS, attention_config_to_dict, build_mechanism, spec_for
 from ..nn.favor import FavorConfig
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "LinearizedAttention",
+    "POSITION_METHODS",
+    "check_convertible",
+    "convertible_mechanisms",
     "extend_positions",
     "linearize",
     "linearized_layers",
@@ -44,6 +47,7 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "linattn"
+POSITION_METHODS = ("tile", "interpolate")  # how extend_positions grows the position table
 
 
 class LinearizedAttention(nn.Module):
@@ -162,6 +166,21 @@ def _layer_config(config, index: int):
     return config
 
 
+def convertible_mechanisms() -> list[str]:
+    """The registered mechanisms a pretrained BERT can be converted to: every one with separate
+    query and key projections (a pretrained BERT has both weights)."""
+    return [spec.name for spec in MECHANISMS.values() if not spec.shared_qk]
+
+
+def check_convertible(attention) -> None:
+    """Raise ValueError unless the mechanism config ``attention`` can replace a pretrained BERT's
+    self-attention (checked by :func:`linearize`; commands call it before loading anything)."""
+    spec = spec_for(attention)
+    if spec.shared_qk:
+        raise ValueError(f"linearize: {spec.name!r} attention shares one query-key projection, but a pretrained "
+                         "BERT has separate query and key weights")
+
+
 def linearize(model: nn.Module, attention=None, *, inplace: bool = False) -> nn.Module:
     """``model`` with every self-attention computed by the linattn mechanism ``attention``.
 
@@ -178,10 +197,8 @@ def linearize(model: nn.Module, attention=None, *, inplace: bool = False) -> nn.
         reused as they are. ``config.linattn_attention`` records the mechanism config.
     """
     attention = FavorConfig() if attention is None else attention
+    check_convertible(attention)
     spec = spec_for(attention)
-    if spec.shared_qk:
-        raise ValueError(f"linearize: {spec.name!r} attention shares one query-key projection, but a pretrained "
-                         "BERT has separate query and key weights")
     _register()
     if not inplace:
         model = copy.deepcopy(model)
@@ -241,7 +258,7 @@ def extend_positions(model: nn.Module, max_len: int, *, method: str = "tile") ->
     elif method == "interpolate":
         new = torch.nn.functional.interpolate(old.T[None], size=max_len, mode="linear", align_corners=True)[0].T
     else:
-        raise ValueError(f"extend_positions: method must be 'tile' or 'interpolate', got {method!r}")
+        raise ValueError(f"extend_positions: method must be one of {POSITION_METHODS}, got {method!r}")
     table = nn.Embedding(max_len, old.shape[1], device=old.device, dtype=old.dtype)
     table.weight.copy_(new)
     embeddings.position_embeddings = table

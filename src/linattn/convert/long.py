@@ -15,47 +15,39 @@ extending:
   the system at once and the resident set follows the live tensors (with glibc's defaults, memory
   freed by the warm-up stays resident and hides part of the peak).
 
-Threads: ``--threads`` (default 1) in every subprocess.
+Threads: ``threads`` (``--threads``, default 1) in every subprocess.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["LONG_MODELS", "add_long_arguments", "run_long"]
+from ..nn.registry import AttentionConfig, attention_config, attention_config_to_dict
+from .linearize import POSITION_METHODS
 
-# name -> attention config dict (None: the original softmax model with transformers' attention)
-LONG_MODELS: dict[str, dict | None] = {
+__all__ = ["LONG_MODELS", "run_long"]
+
+# name (the value of --models) -> the mechanism config it is converted to (None: the original
+# softmax model with transformers' attention of that name)
+LONG_MODELS: dict[str, AttentionConfig | None] = {
     "original (eager)": None,
     "original (sdpa)": None,
-    "favor m=128": {"name": "favor", "num_features": 128},
-    "hedgehog w=0": {"name": "hedgehog", "window": 0},
-    "hedgehog w=64": {"name": "hedgehog", "window": 64},
-    "local w=64": {"name": "local", "window": 64},
+    "favor m=128": attention_config("favor", num_features=128),
+    "hedgehog w=0": attention_config("hedgehog", window=0),
+    "hedgehog w=64": attention_config("hedgehog", window=64),
+    "local w=64": attention_config("local", window=64),
 }
-
 
 # glibc: every block of 64 KiB or more is its own mapping, returned to the system when freed
 MEMORY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-
-
-def add_long_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="docs/convert", help="folder for long.json (default docs/convert)")
-    p.add_argument("--ns", default="512,2048,8192", help="sequence lengths (default 512,2048,8192)")
-    p.add_argument("--models", default=",".join(LONG_MODELS), help="comma-separated names from: " + ", ".join(LONG_MODELS))
-    p.add_argument("--student", action="append", default=[], metavar="NAME=RUN_DIR",
-                   help="also time a distilled student from a `convert distill` run folder (repeatable)")
-    p.add_argument("--repeats", type=int, default=2, help="timed forwards per configuration (default 2)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--position-method", default="tile", choices=["tile", "interpolate"])
 
 
 def _vm_kib(field: str) -> int:
@@ -112,18 +104,24 @@ def _child(spec: dict) -> dict:
             "finite": bool(torch.isfinite(out.last_hidden_state).all()), "embedding": emb[0].tolist()}
 
 
-def run_long(args: argparse.Namespace, *, command: str = "") -> dict:
+def run_long(out_dir: str | Path, *, ns: Sequence[int] = (512, 2048, 8192), models: Sequence[str] = tuple(LONG_MODELS),
+             students: Mapping[str, str | Path] | None = None, repeats: int = 2, threads: int = 1,
+             position_method: str = "tile", command: str = "") -> dict:
+    """Time and peak memory of each of ``models`` (names of :data:`LONG_MODELS`) and each distilled
+    student (``{name: run folder of linattn convert distill}``) at every length of ``ns``; writes
+    ``long.json`` in ``out_dir`` after each measurement."""
     from ..bench.harness import OtherLoad, machine_info, write_atomically
 
-    ns = [int(x) for x in args.ns.split(",") if x]
+    if position_method not in POSITION_METHODS:
+        raise ValueError(f"position_method must be one of {POSITION_METHODS}, got {position_method!r}")
     specs: list[tuple[str, dict]] = []
-    for name in [x for x in args.models.split(",") if x]:
+    for name in models:
         if name not in LONG_MODELS:
-            raise ValueError(f"--models: unknown {name!r}; known: {list(LONG_MODELS)}")
+            raise ValueError(f"unknown model {name!r}; known: {list(LONG_MODELS)}")
         impl = "sdpa" if "sdpa" in name else "eager"
-        specs.append((name, {"attention": LONG_MODELS[name], "impl": impl}))
-    for item in args.student:
-        name, _, run = item.rpartition("=")  # the name may hold "=" (w=0), the folder not
+        config = LONG_MODELS[name]
+        specs.append((name, {"attention": None if config is None else attention_config_to_dict(config), "impl": impl}))
+    for name, run in (students or {}).items():
         state_dir = Path(run) / "checkpoints"
         latest = json.loads((state_dir / "latest.json").read_text())["dir"]
         state = json.loads((state_dir / latest / "state.json").read_text())
@@ -134,8 +132,7 @@ def run_long(args: argparse.Namespace, *, command: str = "") -> dict:
     ref_emb: dict[int, list[float]] = {}
     for n in ns:
         for name, base in specs:
-            spec = {**base, "n": n, "threads": args.threads, "repeats": args.repeats,
-                    "position_method": args.position_method}
+            spec = {**base, "n": n, "threads": threads, "repeats": repeats, "position_method": position_method}
             res, error = {}, None
             for mode, env in (("time", {}), ("memory", MEMORY_MALLOC_ENV)):
                 proc = subprocess.run([sys.executable, "-m", "linattn.convert.long", json.dumps({**spec, "mode": mode})],
@@ -155,9 +152,9 @@ def run_long(args: argparse.Namespace, *, command: str = "") -> dict:
                 row = {"model": name, "n": n, **res, "cosine_to_original": cos}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "all_seconds"}), flush=True)
-            result = {"command": command, "threads": args.threads, "position_method": args.position_method,
+            result = {"command": command, "threads": threads, "position_method": position_method,
                       "rows": rows, "machine": machine_info(), "load": load.finish()}
-            write_atomically(args.out, {"long.json": json.dumps(result, indent=1)})
+            write_atomically(out_dir, {"long.json": json.dumps(result, indent=1)})
     return result
 
 

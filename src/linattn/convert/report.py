@@ -234,8 +234,13 @@ def results_section(runs_dir: str | Path, *, convert_doc: str = "convert.md") ->
     return lines
 
 
-def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
-    runs_dir = Path(runs_dir)
+def write_report(runs_dir: str | Path, out: str | Path) -> Path:
+    """Write the document ``out`` (docs/convert.md) from the run files in ``runs_dir``; returns its path.
+
+    Raises:
+        FileNotFoundError: ``runs_dir`` has no fidelity.json.
+    """
+    runs_dir, doc = Path(runs_dir), Path(out)
     fid, distills = _load_runs(runs_dir)
     long_path = runs_dir / "long.json"
     lines = [
@@ -292,7 +297,7 @@ def write_report(runs_dir: str | Path, doc: str | Path) -> Path:
     lines += [_first_command(d) for d in distills]
     if long_path.is_file():
         lines.append(json.loads(long_path.read_text())["command"])
-    lines += [f"linattn convert report --runs {runs_dir} --doc {doc}", "```", ""]
-    Path(doc).parent.mkdir(parents=True, exist_ok=True)
-    Path(doc).write_text("\n".join(lines))
-    return Path(doc)
+    lines += [f"linattn convert report --runs {runs_dir} --out {doc}", "```", ""]
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text("\n".join(lines))
+    return doc
