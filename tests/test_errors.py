@@ -101,7 +101,15 @@ def test_softmax_scale_errors(qkv):
         linattn.softmax_attention(*qkv, scale=float("inf"))
 
 
-def test_chunk_size_error():
+def test_tuning_knob_errors():
     a = torch.rand(1, 1, 4, 2)
-    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="causal_linear_product: chunk_size must be an int >= 1, got 0"):
         linattn.causal_linear_product(a, a, a, chunk_size=0)
+    with pytest.raises(ValueError, match="causal_linear_product: tile_positions must be an int >= 1, got 2.0"):
+        linattn.causal_linear_product(a, a, a, tile_positions=2.0)
+    with pytest.raises(ValueError, match="linear_attention: chunk_size must be an int >= 1, got True"):
+        linattn.linear_attention(a, a, a, causal=True, chunk_size=True)
+    with pytest.raises(ValueError, match="linear_attention: tile_positions must be an int >= 1, got -1"):
+        linattn.linear_attention(a, a, a, causal=True, tile_positions=-1)
+    with pytest.raises(ValueError, match="favor_attention: tile_entries must be an int >= 1, got 0"):
+        linattn.favor_attention(a, a, a, torch.randn(4, 2), tile_entries=0)

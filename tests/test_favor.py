@@ -457,26 +457,24 @@ def test_config_validation_and_dict_roundtrip():
 @pytest.mark.parametrize("kernel,features", KINDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tile", [768, 4613, 12000])
-def test_tiled_equals_one_piece(monkeypatch, kernel, features, causal, tile):
+def test_tiled_equals_one_piece(kernel, features, causal, tile):
     """Tiles of one head and 64-position blocks, of two heads, and of two whole batch rows
     give the same outputs, gradients and states as one piece, with masks and a resumed state."""
-    import linattn.functional.favor as fv
-
     B, H, n, D, m = 3, 3, 150, 8, 12
     q, k, v = make_qkv(B, H, n, n, D, 4, seed=tile)
     W = projection(m, D)
     mask = make_mask(B, n, seed=1)
     kw = dict(kernel=kernel, features=features, causal=causal, key_padding_mask=mask)
 
-    def run():
+    def run(tile_entries):
         if causal:  # resume from a state that carries gradients back into a prefix
-            _, st = fast(q[:, :, :10], k[:, :, :10], v[:, :, :10], W, kernel, features, causal=True, return_state=True)
-            return fast(q, k, v, W, initial_state=st, return_state=True, **kw)
-        return fast(q, k, v, W, **kw)
+            _, st = fast(q[:, :, :10], k[:, :, :10], v[:, :, :10], W, kernel, features, causal=True, return_state=True,
+                         tile_entries=tile_entries)
+            return fast(q, k, v, W, initial_state=st, return_state=True, tile_entries=tile_entries, **kw)
+        return fast(q, k, v, W, tile_entries=tile_entries, **kw)
 
-    whole = run()
-    monkeypatch.setattr(fv, "_TILE_ENTRIES", tile * (2 if features == "trig" else 1))
-    tiled = run()
+    whole = run(10**9)  # one piece
+    tiled = run(tile * (2 if features == "trig" else 1))
     if causal:
         (whole, ws), (tiled, ts) = whole, tiled
         for name in ("S", "z", "log_scale"):

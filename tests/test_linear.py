@@ -183,14 +183,11 @@ def test_causal_product_any_chunk_any_split(n, split, chunk, d, dv):
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("N,tile", [(67, 1), (67, 300), (300, 128), (300, 10**6)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
-    """The causal forms work on tiles of about `_TILE_POSITIONS` positions: groups of whole rows,
+def test_causal_tiles(feature_map, N, tile, masked):
+    """The causal forms work on tiles of about `tile_positions` positions: groups of whole rows,
     or blocks of chunks of one row with the state carried across (here: groups of 1 row and of
     2, 2 and 1; blocks 64 + 3 and 128 + 128 + 44, the last with a partial chunk). Outputs, states
     and every gradient, the initial state's included, match the reference."""
-    from linattn.functional import linear
-
-    monkeypatch.setattr(linear, "_TILE_POSITIONS", tile)
     B, H, D, Dv = 5, 1, 16, 9
     q, k, v = make_qkv(B, H, N, N, D, Dv, seed=tile % 1000)
     mask = make_mask(B, N, seed=3, all_padded_row=False) if masked else None
@@ -200,7 +197,7 @@ def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
     z0 = (torch.rand(B, H, Fd, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
     out, st = linattn.linear_attention(
         q, k, v, feature_map=feature_map, causal=True, key_padding_mask=mask,
-        initial_state=linattn.LinearAttentionState(S0, z0), return_state=True,
+        initial_state=linattn.LinearAttentionState(S0, z0), return_state=True, tile_positions=tile,
     )
     expected, S, z = ref.kernel_attention(q, k, v, feature_map, causal=True, mask=mask, S0=S0, z0=z0)
     assert_close(out, expected)
@@ -217,7 +214,7 @@ def test_causal_tiles(monkeypatch, feature_map, N, tile, masked):
     w = torch.randn(2, 2, N, 5, generator=g, dtype=torch.float64)
     s0 = torch.randn(2, 2, D, 5, generator=g, dtype=torch.float64)
     ins = [t.requires_grad_() for t in (a, kf, w, s0)]
-    o, s_final = causal_linear_product(a, kf, w, s0)
+    o, s_final = causal_linear_product(a, kf, w, s0, tile_positions=tile)
     o_ref = (a @ kf.transpose(-1, -2)).tril() @ w + a @ s0
     s_ref = s0 + kf.transpose(-1, -2) @ w
     assert_close(o, o_ref)

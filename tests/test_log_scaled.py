@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import assert_close
-from linattn.functional._log_scaled import causal_product_log_scaled
+from linattn.functional.log_scaled import causal_product_log_scaled
 
 
 def recurrence(a, kf, w, m, s0):

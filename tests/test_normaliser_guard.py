@@ -1,4 +1,4 @@
-"""The normaliser guard of kernel attention (``linear.normaliser_floor``) at every input scale.
+"""The normaliser guard of kernel attention (``normaliser.normaliser_floor``) at every input scale.
 
 Issue 18, defect 1: at inputs scaled by 100 a query row's normaliser of 1.2e-38, just above
 ``finfo(float32).tiny``, passed the old guard; ``1 / den`` ~ 8e37 then overflowed in the backward
@@ -17,7 +17,7 @@ import torch
 import linattn
 from conftest import assert_close, grads, make_qkv
 from linattn.functional import favor_attention_reference, linear_attention_reference
-from linattn.functional.linear import normaliser_floor
+from linattn.functional.normaliser import normaliser_floor
 
 SCALES = [1.0, 10.0, 100.0, 1000.0]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -1,4 +1,4 @@
-"""Argument validation shared by every mechanism of the functional tier.
+"""Argument validation and small helpers shared by the mechanisms of the functional tier.
 
 Dimension legend (used across ``linattn.functional``):
     B  batch            H  heads
@@ -12,14 +12,27 @@ pads, crops or broadcasts: a caller who passes the wrong shape hears about it.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_qkv", "check_key_padding_mask", "compute_dtype", "finite_max", "no_autocast", "sanitize_padded"]
+__all__ = [
+    "check_key_padding_mask",
+    "check_positive_int",
+    "check_qkv",
+    "check_recurrent_args",
+    "check_scale",
+    "compute_dtype",
+    "finite_max",
+    "no_autocast",
+    "sanitize_padded",
+    "shape_str",
+]
 
 
-def _shape(t: Tensor) -> str:
+def shape_str(t: Tensor) -> str:
+    """``t``'s shape as ``"(2, 8, 64)"``, for error messages."""
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
@@ -39,7 +52,7 @@ def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None
         if t.dim() != 4:
             raise ValueError(
                 f"{fn}: {name} must have 4 dimensions (B, H, N, D) like scaled_dot_product_attention, "
-                f"got shape {_shape(t)}"
+                f"got shape {shape_str(t)}"
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
@@ -51,24 +64,24 @@ def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None
         )
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(
-            f"{fn}: batch size B differs: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+            f"{fn}: batch size B differs: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
         )
     if not (q.shape[1] == k.shape[1] == v.shape[1]):
         raise ValueError(
-            f"{fn}: number of heads H differs: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+            f"{fn}: number of heads H differs: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"{fn}: q and k must have the same last dimension D, got q {_shape(q)} and k {_shape(k)}"
+            f"{fn}: q and k must have the same last dimension D, got q {shape_str(q)} and k {shape_str(k)}"
         )
     if k.shape[2] != v.shape[2]:
         raise ValueError(
-            f"{fn}: k and v must have the same number of keys Nk (dim 2), got k {_shape(k)} and v {_shape(v)}"
+            f"{fn}: k and v must have the same number of keys Nk (dim 2), got k {shape_str(k)} and v {shape_str(v)}"
         )
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(
             f"{fn}: causal=True needs as many queries as keys (query i sees keys j <= i), got "
-            f"q {_shape(q)} and k {_shape(k)}"
+            f"q {shape_str(q)} and k {shape_str(k)}"
         )
 
 
@@ -86,11 +99,42 @@ def check_key_padding_mask(fn: str, mask: Tensor | None, k: Tensor) -> None:
     expected = (k.shape[0], k.shape[2])
     if tuple(mask.shape) != expected:
         raise ValueError(
-            f"{fn}: key_padding_mask must have shape (B, Nk) = {expected} for k {_shape(k)}, "
-            f"got {_shape(mask)}"
+            f"{fn}: key_padding_mask must have shape (B, Nk) = {expected} for k {shape_str(k)}, "
+            f"got {shape_str(mask)}"
         )
     if mask.device != k.device:
         raise ValueError(f"{fn}: key_padding_mask is on {mask.device} but k is on {k.device}")
+
+
+def check_scale(fn: str, scale: float | None, d: int) -> float:
+    """The logit scale to use: ``scale`` as a float, or ``1/sqrt(d)`` when None (1 when d = 0).
+
+    Raises:
+        TypeError: ``scale`` is not a real number or None.
+        ValueError: ``scale`` is not finite.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{fn}: scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+    return float(scale)
+
+
+def check_recurrent_args(fn: str, causal: bool, initial_state, return_state: bool) -> None:
+    """``initial_state`` and ``return_state`` belong to the recurrent form: ValueError without ``causal``."""
+    if not causal and (initial_state is not None or return_state):
+        raise ValueError(
+            f"{fn}: initial_state and return_state belong to the recurrent form and need causal=True"
+        )
+
+
+def check_positive_int(fn: str, name: str, value) -> int:
+    """A tuning knob or size that must be an int >= 1 (``chunk_size``, ...); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{fn}: {name} must be an int >= 1, got {value!r}")
+    return value
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,7 +148,7 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     Under autocast the sums over the sequence (states, normalisers) would run in half precision;
     linattn picks its compute dtype itself (:func:`compute_dtype`) and returns the input dtype.
     """
-    if not torch.is_autocast_enabled(device_type):  # nothing to turn off: skip the context's ~6 us
+    if not torch.is_autocast_enabled(device_type):  # nothing to turn off: skip the context's own cost
         return contextlib.nullcontext()
     return torch.autocast(device_type, enabled=False)
 

@@ -24,7 +24,7 @@ so:
 - each key's features are divided by ``e^{m_j}``, where ``m_j`` is the running maximum, over the
   real keys up to j, of the keys' log-magnitudes ``c_j = max_r (W k'_j)_r - ||k'_j||^2/2``
   (trig: ``||k'_j||^2/2``). Causal and recurrent forms carry the state at that running scale
-  (``_log_scaled.py``), so the stabiliser of position i depends on no later position and every
+  (``log_scaled.py``), so the stabiliser of position i depends on no later position and every
   exponent is <= 0. performer-pytorch takes one maximum over the whole sequence instead, which lets
   a future key push earlier features into underflow. The bidirectional form uses the maximum over
   all real keys (there is no future to leak).
@@ -40,7 +40,7 @@ random features grows like ``exp(||q'||^2 + ||k'||^2)`` (arXiv 2009.14794, Lemma
 scales it carries almost no information whatever the precision. The normaliser floor
 (``_positive_floor``) keeps the gradients of these rows finite.
 
-Dimension legend as in ``_checks.py``; m = ``num_features``, F = feature width (m or 2m), E = Dv + 1.
+Dimension legend as in ``checks.py``; m = ``num_features``, F = feature width (m or 2m), E = Dv + 1.
 """
 
 from __future__ import annotations
@@ -51,18 +51,20 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, finite_max, no_autocast, sanitize_padded
-from ._log_scaled import causal_product_log_scaled
-from .linear import (
-    LinearAttentionState,
-    _check_state,
-    _check_state_args,
-    _divide_by_normaliser_,
-    _normalise,
-    causal_linear_product,
-    normaliser_floor,
+from .checks import (
+    check_key_padding_mask,
+    check_positive_int,
+    check_qkv,
+    check_recurrent_args,
+    check_scale,
+    compute_dtype,
+    finite_max,
+    no_autocast,
+    sanitize_padded,
 )
-from .softmax import _check_scale
+from .linear import LinearAttentionState, causal_linear_product, check_linear_state
+from .log_scaled import causal_product_log_scaled
+from .normaliser import divide_by_normaliser_, normalise, normaliser_floor
 
 __all__ = [
     "FAVOR_FEATURES",
@@ -205,7 +207,7 @@ def favor_features(
     m = projection.shape[0]
     if kernel == "relu":
         return torch.relu(x @ projection.T) / math.sqrt(m)
-    xs = x * _check_scale(fn, scale, x.shape[-1]) ** 0.5
+    xs = x * check_scale(fn, scale, x.shape[-1]) ** 0.5
     u = xs @ projection.T  # (..., m)
     half_sq = xs.square().sum(-1, keepdim=True) / 2  # (..., 1)
     if features == "positive":
@@ -226,6 +228,7 @@ def favor_attention(
     scale: float | None = None,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
+    tile_entries: int = 1 << 20,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """FAVOR+ attention: kernel attention with the random features of ``projection``.
 
@@ -249,6 +252,10 @@ def favor_attention(
         return_state: causal only: also return the state after the last key. Its ``S`` and
             ``z`` are ``sum_j phi(k_j) v_j^T`` and ``sum_j phi(k_j)`` divided by
             ``exp(log_scale)``.
+        tile_entries: a tuning knob: about how many (position, feature) entries of the feature
+            tensors one tile holds (>= 1). Larger calls run tile by tile, a few sequences or heads
+            at a time and, causal, blocks of positions that resume from the previous block's
+            state; any value gives the same result up to rounding.
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
@@ -258,27 +265,29 @@ def favor_attention(
     fn = "favor_attention"
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
-    _check_state_args(fn, causal, initial_state, return_state)
+    check_recurrent_args(fn, causal, initial_state, return_state)
     _check_kind(fn, kernel, features)
     _check_projection(fn, projection, q)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
+    check_positive_int(fn, "tile_entries", tile_entries)
     with no_autocast(q.device.type):
         return _tiled(fn, q, k, v, projection, kernel, features, causal, key_padding_mask, scale,
-                      initial_state, return_state)
+                      initial_state, return_state, tile_entries)
 
 
-# FAVOR's feature tensors are (B, H, N, F) with F in the hundreds: at B = 1, H = 8, N = 4096,
-# m = 256 each is 32 MiB, the size from which glibc's malloc maps fresh pages for every new
-# temporary (and faults them in again on every call). Working on tiles of about this many
-# (position, feature) entries - a few sequences at a time and, in causal form, blocks of positions
-# that carry the recurrent state from one to the next - keeps every temporary small enough to be
-# recycled. At that size forward+backward ran 1.5x faster with tiles of one head (4 MiB features)
-# than in one piece, on 2 CPU cores. Tests lower it to exercise many tiles at small sizes.
-_TILE_ENTRIES = 1 << 20
+# Why tiles (the tile_entries knob): FAVOR's feature tensors are (B, H, N, F) with F in the
+# hundreds: at B = 1, H = 8, N = 4096, m = 256 each is 32 MiB, the size from which glibc's malloc
+# maps fresh pages for every new temporary (and faults them in again on every call). Working on
+# tiles of about tile_entries (position, feature) entries - a few sequences at a time and, in
+# causal form, blocks of positions that carry the recurrent state from one to the next - keeps
+# every temporary small enough to be recycled. The default, 2^20 (tiles of one head at that size,
+# 4 MiB features), was timed against one piece (docs/benchmarks/README.md, "History"). Tests pass
+# small values to exercise many tiles at small sizes.
 
 
-def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state):
-    """Run :func:`_favor` tile by tile (see ``_TILE_ENTRIES``) and join the results.
+def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
+           tile_entries):
+    """Run :func:`_favor` tile by tile (about ``tile_entries`` entries each) and join the results.
 
     Tiles are groups of whole batch rows when a batch row fits, else groups of heads of one batch
     row; causal tiles are further cut into blocks of positions, each resuming from the state of
@@ -287,15 +296,14 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     Each input is cut by one ``split`` (of its batch dim, or of its flattened batch*head dim):
     autograd then joins each input's gradient in one ``cat``. Indexing would give every piece a
     zero-filled gradient of the whole input, and nested cuts (rows, then heads, then blocks) one
-    more full copy per level; at N = 4096, H = 8 those copies took a tenth of FAVOR's
-    forward+backward.
+    more full copy per level, a measurable share of FAVOR's forward+backward at long N.
     """
     B, H, nq, _ = q.shape
     nk = k.shape[2]
     Fd = projection.shape[0] * (2 if features == "trig" else 1)
     per_head = max(nq, nk, 1) * Fd
     per_batch = per_head * H
-    if per_batch * B <= _TILE_ENTRIES or max(nq, nk) == 0:
+    if per_batch * B <= tile_entries or max(nq, nk) == 0:
         return _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state)
     fields = None
     if initial_state is not None:
@@ -303,14 +311,14 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
         if log_scale is None:  # read as 0
             log_scale = initial_state.z.new_zeros(initial_state.z.shape[:2])
         fields = (initial_state.S, initial_state.z, log_scale)
-    by_rows = per_batch <= _TILE_ENTRIES
+    by_rows = per_batch <= tile_entries
     if by_rows:  # groups of `step` batch rows: (b, H, ...)
-        step = _TILE_ENTRIES // per_batch
+        step = tile_entries // per_batch
         tiles = list(zip(*(x.split(step, dim=0) for x in (q, k, v))))
         masks = [None] * len(tiles) if mask is None else list(mask.split(step, dim=0))
         states = [None] * len(tiles) if fields is None else list(zip(*(f.split(step, dim=0) for f in fields)))
     else:  # per batch row, groups of `step` heads (the last one smaller): (1, h, ...)
-        step = max(1, _TILE_ENTRIES // per_head)
+        step = max(1, tile_entries // per_head)
         sizes = [min(step, H - h) for h in range(0, H, step)]
         rows = [b for b in range(B) for _ in sizes]
 
@@ -320,7 +328,7 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
         tiles = list(zip(cut(q), cut(k), cut(v)))
         masks = [None if mask is None else mask[b : b + 1] for b in rows]
         states = [None] * len(tiles) if fields is None else list(zip(*(cut(f) for f in fields)))
-    block = max(64, _TILE_ENTRIES // Fd // 64 * 64) if causal else max(nq, 1)
+    block = max(64, tile_entries // Fd // 64 * 64) if causal else max(nq, 1)
     outs, finals = [], []
     for (qt, kt, vt), mt, st in zip(tiles, masks, states):
         st = None if st is None else LinearAttentionState(*st)
@@ -367,7 +375,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
 
     s0 = log_scale0 = None
     if initial_state is not None:
-        _check_state(fn, initial_state, B, H, Fd, dv, q.device, scaled=True)
+        check_linear_state(fn, initial_state, B, H, Fd, dv, q.device, scaled=True)
         if (causal and nq == 1 and mask is None and kernel == "softmax" and features == "positive"
                 and initial_state.log_scale is not None):
             return _decoding_step(q, k, v, W, scale, initial_state, return_state, out_dtype)
@@ -470,8 +478,8 @@ def _decoding_step(q: Tensor, k: Tensor, v: Tensor, W: Tensor, scale: float, sta
     The general path joins [S, z] and [v, 1] and rescales, adds and splits the joined (B, H, m,
     Dv + 1) state: four full passes over it and two copies per step. Here the state is rescaled
     and updated once each (S r + phi(k)^T v, z r + phi(k)), and numerator and normaliser are two
-    small products. One step at B = 1, H = 8, m = 256, D = 64: 364 -> 330 us; what remains is
-    mostly the two passes over S (512 KiB) and per-operation overhead.
+    small products; what remains is mostly the two passes over S and per-operation overhead.
+    (Timings: docs/benchmarks/README.md, "History".)
     """
     inv_root_m = 1.0 / math.sqrt(W.shape[0])
     dt = q.dtype
@@ -486,7 +494,7 @@ def _decoding_step(q: Tensor, k: Tensor, v: Tensor, W: Tensor, scale: float, sta
     r = torch.exp(log_scale0 - run)  # (B, H, 1): the carried sums to the new scale, <= 1
     S = torch.addcmul(state.S.to(dt) * r[..., None], kf.transpose(-1, -2), v)  # (B, H, m, Dv)
     z = torch.addcmul(kf[:, :, 0], state.z.to(dt), r)  # (B, H, m)
-    out = _divide_by_normaliser_(qf @ S, qf @ z[..., None], _positive_floor(W.shape[0], dt)).to(out_dtype)
+    out = divide_by_normaliser_(qf @ S, qf @ z[..., None], _positive_floor(W.shape[0], dt)).to(out_dtype)
     if not return_state:
         return out
     return out, LinearAttentionState(S=S, z=z, log_scale=run[..., 0])
@@ -505,13 +513,13 @@ def _finish(o: Tensor, dv: int, features: str, out_dtype: torch.dtype, floor: Te
     """Numerator / normaliser of ``o (..., Dv+1)``.
 
     Trig: the normaliser is clamped (see ``TRIG_NORMALISER_FLOOR``). Positive and relu: the
-    normaliser is >= 0, divided as in kernel attention (``linear._normalise``), raised to
+    normaliser is >= 0, divided as in kernel attention (``normaliser.normalise``), raised to
     ``floor`` where it falls below it (huge inputs whose features are nearly one-hot in different
     directions): such rows shrink towards zero with finite gradients instead of overflowing.
     """
     if features == "trig":
         return (o[..., :dv] / o[..., dv:].clamp_min(TRIG_NORMALISER_FLOOR)).to(out_dtype)
-    return _normalise(o, dv, out_dtype, floor)
+    return normalise(o, dv, out_dtype, floor)
 
 
 def _state(s: Tensor, dv: int, log_scale: Tensor) -> LinearAttentionState:
@@ -540,7 +548,7 @@ def favor_attention_reference(
     check_key_padding_mask(fn, key_padding_mask, k)
     _check_kind(fn, kernel, features)
     _check_projection(fn, projection, q)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
     dt = compute_dtype(q.dtype)
     q, k, v, W = q.to(dt), k.to(dt), v.to(dt), projection.to(dt)
     qf = favor_features(q, W, kernel=kernel, features=features, scale=scale)

@@ -29,7 +29,7 @@ cast along) with autocast off, and returns the input dtype: the sums over keys g
 |v| (float16 overflows at N = 200, |v| = 2000) and the windowed form subtracts the in-window linear
 mass from the total, which half precision cannot resolve.
 
-Dimension legend as in ``_checks.py``; F features per half (phi has 2F), C block length, Nb blocks.
+Dimension legend as in ``checks.py``; F features per half (phi has 2F), C block length, Nb blocks.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, finite_max, no_autocast, sanitize_padded
-from .linear import divide_by_normaliser, normaliser_floor
+from .checks import check_key_padding_mask, check_qkv, compute_dtype, finite_max, no_autocast, sanitize_padded
+from .normaliser import divide_by_normaliser, normaliser_floor
 
 __all__ = [
     "HedgehogMaps",

@@ -16,7 +16,7 @@ The causal form is chunked (as in the chunkwise forms of later linear-attention 
 the C x C masked score matrix is formed explicitly, across chunks a running state carries the sum.
 It never builds the (N, F, E) prefix-sum tensor the plain cumsum form needs (30+ GB at N = 65536),
 and it has its own backward that recomputes the intra-chunk scores instead of storing them. It runs
-tile by tile (a few thousand positions at a time, see ``_TILE_POSITIONS``), so that no temporary
+tile by tile (a few thousand positions at a time, the ``tile_positions`` knob), so that no temporary
 is larger than a tile; causal ``linear_attention`` fuses normalisation and an elementwise feature
 map into the same pass (``_CausalLinearAttention``).
 """
@@ -30,20 +30,40 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
+from .checks import (
+    check_key_padding_mask,
+    check_positive_int,
+    check_qkv,
+    check_recurrent_args,
+    compute_dtype,
+    no_autocast,
+    sanitize_padded,
+)
 from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
+from .normaliser import divide_by_normaliser_, guarded_normaliser, normalise, normaliser_floor
 
 __all__ = [
     "LinearAttentionState",
     "causal_linear_product",
+    "check_linear_state",
     "linear_attention",
     "linear_attention_reference",
 ]
 
-# Chunk length of the causal algorithm. Work is N*C*(F+E) inside chunks plus N*F*E across them,
-# and storage N*C + N*F*E/C, so C near F balances the two. Timed for C in 32..256 at N = 16384,
-# D = 64 on 2 CPU cores: 64 is among the fastest and keeps the causal peak memory lowest.
-CAUSAL_CHUNK_SIZE = 64
+# The causal forms' two tuning knobs, keyword arguments of linear_attention and
+# causal_linear_product (neither changes the result, only time and memory; timings in
+# docs/benchmarks/README.md, "History"):
+# - chunk_size, the chunk length C. Work is N*C*(F+E) inside chunks plus N*F*E across them, and
+#   storage N*C + N*F*E/C, so C near F balances the two; the default 64 is among the fastest for
+#   the usual head widths and keeps the causal peak memory lowest.
+# - tile_positions, about how many positions one tile holds: groups of whole rows (the B*H
+#   independent sequences) when rows are short, else blocks of consecutive chunks of one row, the
+#   state carried from block to block (and the state gradient back, in the backward).
+#   Why tiles: with glibc's default malloc every temporary of 32 MiB or more is a fresh mmap whose
+#   pages fault in on first touch, which at long N costs as much as the arithmetic. Per-tile
+#   temporaries (1 MiB at width 64) are recycled by malloc without faults and stay in cache, where
+#   the C x C bmm run faster than on whole tensors. Tests pass small values to exercise many tiles
+#   at small sizes.
 
 
 class LinearAttentionState(NamedTuple):
@@ -71,17 +91,6 @@ class LinearAttentionState(NamedTuple):
 # The causal product o_i = a_i . (s0 + sum_{j<=i} kf_j w_j^T), chunked, with its own backward.
 # ---------------------------------------------------------------------------------------------
 
-# The causal forms work on tiles of about this many positions: groups of whole rows (the B*H
-# independent sequences) when rows are short, else blocks of consecutive chunks of one row, the
-# state carried from block to block (and the state gradient back, in the backward).
-# Why: with glibc's default malloc every temporary of 32 MiB or more is a fresh mmap whose pages
-# fault in on first touch, which at N = 16384 costs as much as the arithmetic. Per-tile
-# temporaries (1 MiB at width 64) are recycled by malloc without faults and stay in cache, where
-# the C x C bmm run ~1.5x faster than on whole tensors. At N = 16384, D = 64 on 2 CPU cores tiles
-# of 2048-4096 positions were fastest (one row of 16384: 1.25x slower; two rows: 1.5x slower).
-# Tests lower it to exercise many tiles at small sizes.
-_TILE_POSITIONS = 4096
-
 
 class _Tiles(NamedTuple):
     """How a causal call is cut up: ``BH`` rows of ``N`` positions, chunks of ``C``, ``per`` rows
@@ -99,13 +108,13 @@ class _Tiles(NamedTuple):
     L: int
 
     @staticmethod
-    def of(x: Tensor, chunk_size: int) -> "_Tiles":
+    def of(x: Tensor, chunk_size: int, tile_positions: int) -> "_Tiles":
         B, H, N = x.shape[:3]
         C = min(chunk_size, N)
         n_fill = -(-N // C) * C
-        if n_fill <= _TILE_POSITIONS:
-            return _Tiles(B * H, N, C, _TILE_POSITIONS // n_fill, N)
-        return _Tiles(B * H, N, C, 1, max(C, _TILE_POSITIONS // C * C))
+        if n_fill <= tile_positions:
+            return _Tiles(B * H, N, C, tile_positions // n_fill, N)
+        return _Tiles(B * H, N, C, 1, max(C, tile_positions // C * C))
 
     def row_groups(self) -> list[slice]:
         return [slice(r, min(r + self.per, self.BH)) for r in range(0, self.BH, self.per)]
@@ -153,7 +162,7 @@ def _exclusive_chunk_sums(contrib: Tensor, start: Tensor | None) -> tuple[Tensor
 
     The result's rows lie 16 elements further apart than their length: at F = E = 64 a row is 4096
     floats, and with rows exactly 16 KiB apart the scan down dim 1 hits the same cache sets at every
-    step and runs ~15x slower. (Views with that batch stride are fine for bmm.)
+    step and runs many times slower. (Views with that batch stride are fine for bmm.)
     """
     R, nc, rest = contrib.shape[0], contrib.shape[1], contrib.shape[2:]
     m = math.prod(rest)
@@ -209,7 +218,7 @@ def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
     the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)``, its final state ``(R, F)``
     and its floor ``(R*Nc, C)`` (:func:`normaliser_floor`, from the normaliser state each position
     sees). The normaliser is the product with an implicit ones column, kept out of the bmm: a
-    width of 65 instead of 64 makes them 10-40% slower. ``out``: where to write o, or None."""
+    width of 65 instead of 64 makes them markedly slower. ``out``: where to write o, or None."""
     s_excl, s_final = x.states()
     scores = x.scores()
     o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
@@ -268,12 +277,12 @@ class _CausalLinearProduct(torch.autograd.Function):
     """``(a, kf, w, s0) -> (o, s_final)`` of :func:`causal_linear_product`, tile by tile."""
 
     @staticmethod
-    def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int):
+    def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int, tile_positions: int):
         # Autocast would run these bmm in half precision and accumulate the state there; the
         # caller already chose the compute dtype (float32 for half inputs).
         with no_autocast(a.device.type):
-            ctx.device_type, ctx.chunk_size = a.device.type, chunk_size
-            lay = _Tiles.of(a, chunk_size)
+            ctx.device_type, ctx.tiling = a.device.type, (chunk_size, tile_positions)
+            lay = _Tiles.of(a, chunk_size, tile_positions)
             a3, k3, w3, s03 = (_rows_view(t) for t in (a, kf, w, s0))
             o = w.new_empty(w.shape)
             s_final = w.new_empty(*a.shape[:2], a.shape[-1], w.shape[-1])
@@ -300,7 +309,7 @@ class _CausalLinearProduct(torch.autograd.Function):
         with no_autocast(ctx.device_type):
             a, kf, w, s0 = ctx.saved_tensors
             need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
-            lay = _Tiles.of(a, ctx.chunk_size)
+            lay = _Tiles.of(a, *ctx.tiling)
             a3, k3, w3, s03, do3, dsf3 = (_rows_view(t) for t in (a, kf, w, s0, do, ds_final))
             grads = [_new_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
             grads3 = [_rows_view(g) for g in grads]
@@ -321,7 +330,7 @@ class _CausalLinearProduct(torch.autograd.Function):
                             lay.put(g3[rows], pos, part)
                 if grads3[3] is not None:
                     grads3[3][rows] = ds
-            return (*grads, None)
+            return (*grads, None, None)
 
 
 class _CausalLinearAttention(torch.autograd.Function):
@@ -334,21 +343,23 @@ class _CausalLinearAttention(torch.autograd.Function):
     straight into their final tensors. With ``phi`` None, q and k are already features.
     Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
     (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them).
-    The normaliser is guarded as in :func:`_normalise`.
+    The normaliser is guarded as in :func:`~linattn.functional.normaliser.normalise`.
 
     Features under a fused phi, when a gradient will be needed: the forward writes phi(q) and
     phi(k) into two tensors that the backward then overwrites, tile by tile, with the gradients of
     q and k (a tile's features are read only by that tile). Storing them costs no more memory
-    than the gradients themselves, and no page faults beyond theirs (a fresh 32 MiB tensor costs
-    ~6 ms of faults at first touch), while recomputing phi (an exp) would cost ~8% of the call.
+    than the gradients themselves, and no page faults beyond theirs (a fresh 32 MiB tensor faults
+    in every page at first touch), while recomputing phi (an exp) would cost a visible share of the
+    call.
     A second backward through the same graph (retain_graph) finds them consumed and recomputes.
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, phi):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, tile_positions: int,
+                phi):
         with no_autocast(q.device.type):
-            ctx.device_type, ctx.chunk_size, ctx.phi = q.device.type, chunk_size, phi
-            lay = _Tiles.of(q, chunk_size)
+            ctx.device_type, ctx.tiling, ctx.phi = q.device.type, (chunk_size, tile_positions), phi
+            lay = _Tiles.of(q, chunk_size, tile_positions)
             dv = v.shape[-1]
             q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
             out = v.new_empty(v.shape)
@@ -370,7 +381,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                     x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
                                           None if feats3 is None else [f[rows] for f in feats3])
                     og, s, d, z, floor = _rows_forward(x, with_den=True)
-                    d, act = _guarded_normaliser(d, floor)
+                    d, act = guarded_normaliser(d, floor)
                     inv_g = d.reciprocal_().unsqueeze(-1)
                     lay.put(inv3[rows], pos, inv_g)
                     lay.put(active3[rows], pos, act.unsqueeze(-1))
@@ -393,7 +404,7 @@ class _CausalLinearAttention(torch.autograd.Function):
             phi, feats = ctx.phi, ctx.feats
             ctx.feats = None  # overwritten below: a second backward must recompute them
             need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
-            lay = _Tiles.of(q, ctx.chunk_size)
+            lay = _Tiles.of(q, *ctx.tiling)
             dv = v.shape[-1]
             q3, k3, v3, s03, out3, inv3, active3, dout3, dsf3 = (
                 _rows_view(t) for t in (q, k, v, s0, out, inv, active, dout, ds_final)
@@ -446,7 +457,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                             lay.put(g3[rows], pos, part)
                 if grads3[3] is not None:
                     grads3[3][rows] = torch.cat([ds, dz.unsqueeze(-1)], dim=-1)
-            return (*grads, None, None)
+            return (*grads, None, None, None)
 
 
 def _attention_inputs(lay: _Tiles, pos: slice, q: Tensor, k: Tensor, v: Tensor,
@@ -469,7 +480,8 @@ def causal_linear_product(
     w: Tensor,
     s0: Tensor | None = None,
     *,
-    chunk_size: int = CAUSAL_CHUNK_SIZE,
+    chunk_size: int = 64,
+    tile_positions: int = 4096,
 ) -> tuple[Tensor, Tensor]:
     """Causal prefix product ``o_i = a_i . (s0 + sum_{j <= i} kf_j w_j^T)`` in O(N) memory.
 
@@ -481,15 +493,18 @@ def causal_linear_product(
         kf: ``(B, H, N, F)`` key features.
         w: ``(B, H, N, E)`` values.
         s0: ``(B, H, F, E)`` state carried in from earlier positions, or None for zeros.
-        chunk_size: chunk length C of the algorithm (any C >= 1 gives the same result).
+        chunk_size: chunk length C of the algorithm (any C >= 1 gives the same result; 64 is
+            among the fastest for the usual widths, see the comment at the top of this file).
+        tile_positions: about how many positions the algorithm works on at a time (>= 1; any
+            value gives the same result, smaller tiles keep temporaries small).
 
     Returns:
         ``o (B, H, N, E)`` and the final state ``(B, H, F, E)``. Both are differentiable with
         respect to a, kf, w and s0 (once; no double backward).
     """
     fn = "causal_linear_product"
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{fn}: chunk_size must be >= 1, got {chunk_size}")
+    check_positive_int(fn, "chunk_size", chunk_size)
+    check_positive_int(fn, "tile_positions", tile_positions)
     if a.dim() != 4 or a.shape != kf.shape:
         raise ValueError(f"{fn}: a and kf must both be (B, H, N, F), got a {tuple(a.shape)} and kf {tuple(kf.shape)}")
     if w.dim() != 4 or w.shape[:3] != a.shape[:3]:
@@ -506,7 +521,7 @@ def causal_linear_product(
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E) zeros, attached to the graph
         s_final = s if s0 is None else s0 + s
         return a @ s_final, s_final
-    return _CausalLinearProduct.apply(a, kf, w, s0, chunk_size)
+    return _CausalLinearProduct.apply(a, kf, w, s0, chunk_size, tile_positions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,10 +559,12 @@ def _features(
     return qf, kf
 
 
-def _check_state(
+def check_linear_state(
     fn: str, state, B: int, H: int, Fd: int, Dv: int, device, *, scaled: bool = False
 ) -> None:
-    """Validate a resumed state; ``scaled``: the mechanism keeps a log_scale (else it must be None)."""
+    """Validate a resumed :class:`LinearAttentionState` for inputs of batch B, H heads, feature
+    width Fd and value width Dv on ``device``; ``scaled``: the mechanism keeps a log_scale (FAVOR+),
+    else it must be None. Raises TypeError or ValueError naming the field and the shapes."""
     if not isinstance(state, LinearAttentionState):
         raise TypeError(
             f"{fn}: initial_state must be a LinearAttentionState (as returned with return_state=True), "
@@ -573,108 +590,6 @@ def _check_state(
             raise ValueError(f"{fn}: initial_state.{name} is on {t.device}, inputs on {device}")
 
 
-def _check_state_args(fn: str, causal: bool, initial_state, return_state: bool) -> None:
-    if not causal and (initial_state is not None or return_state):
-        raise ValueError(
-            f"{fn}: initial_state and return_state belong to the recurrent form and need causal=True"
-        )
-
-
-def normaliser_floor(qf: Tensor, z_seen: Tensor) -> Tensor:
-    """The smallest normaliser used as it is: ``max_r |qf_r| * max_r |z_r| / sqrt(finfo.max)``.
-
-    ``qf (..., F)``: a query's features; ``z_seen (..., F)``: the normaliser state it sees (the sum
-    of the features of every key it may attend, prefix state included), broadcast against ``qf``.
-    Returns ``(..., 1)``, detached: a guard, held constant under differentiation. A normaliser
-    below it is raised to it (:func:`_normalise`).
-
-    Why relative to ``max|qf| max|z|``: that is the row's scale (``|qf . z| <= F max|qf| max|z|``),
-    so scaling the features scales the floor with them and rows are judged alike at every
-    magnitude. Why ``1 / sqrt(finfo.max)`` (5.4e-20 in float32, 7.5e-155 in float64): with
-    non-negative features the normaliser is a sum without cancellation, accurate to rounding
-    however small it is, so the forward needs no floor at all; the backward does. It multiplies by
-    ``1 / den`` before anything small can cancel it: at den = 1.2e-38 (just above ``finfo.tiny``,
-    the old guard) ``1 / den`` is 8e37 and the key gradients overflow, then NaN spreads to the whole
-    head. Above this floor ``qf_r / den <= sqrt(finfo.max) / max|z|``, and ``max|z|`` is at least
-    the heaviest visible key's largest feature, which leaves ``sqrt(finfo.max)`` of headroom for
-    the sums over positions and values in the backward. Rows below it have a normaliser
-    ``1e-20`` times their own scale: their features are nearly one-hot in different directions.
-    """
-    rel = torch.finfo(qf.dtype).max ** -0.5
-    q_max = (qf.detach() if qf.requires_grad else qf).abs().amax(-1, keepdim=True)
-    z_max = (z_seen.detach() if z_seen.requires_grad else z_seen).abs().amax(-1, keepdim=True)
-    return q_max.mul_(z_max).mul_(rel)
-
-
-def _guarded_normaliser(den: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
-    """``den`` with its magnitude raised to at least ``floor`` (sign kept: signed features, as
-    ``"cos"`` has, can give a negative estimate), and 1 where even that is below ``finfo.tiny``
-    (no key, or features that underflowed): the divisor, and where ``den`` itself was used (the
-    gradient reaches it only there). With non-negative features ``|num| <= den max|v|``: a
-    raised row comes out smaller, never larger, than the unguarded one, and a row with no key
-    gets zeros."""
-    active = den.abs() >= floor
-    d = torch.where(active, den, floor.copysign(den))
-    ok = d.abs() >= torch.finfo(d.dtype).tiny
-    return torch.where(ok, d, 1.0), active & ok
-
-
-def divide_by_normaliser(num: Tensor, den: Tensor, floor: Tensor) -> Tensor:
-    """``num (..., Dv) / den (..., 1)`` with the guard of :func:`_guarded_normaliser` and
-    ``floor`` from :func:`normaliser_floor`, through autograd (the gradient reaches ``den`` only
-    where it was used): for mechanisms outside this file that normalise kernel weights."""
-    return num / _guarded_normaliser(den, floor)[0]
-
-
-def _divide_by_normaliser_(num: Tensor, den: Tensor, floor: Tensor) -> Tensor:
-    """``num / den`` in place in ``num``, guarded as in :func:`_guarded_normaliser` (no graph:
-    for decoding steps)."""
-    d = torch.where(den.abs() >= floor, den, floor.copysign(den))  # _guarded_normaliser's divisor
-    return num.div_(torch.where(d.abs() >= torch.finfo(d.dtype).tiny, d, 1.0))
-
-
-class _Normalise(torch.autograd.Function):
-    """``o (..., Dv+1) -> o[..., :Dv] / max(o[..., Dv], floor)`` (see :func:`normaliser_floor`).
-
-    Its own backward writes the gradient of numerator and normaliser into one buffer instead of
-    autograd's two zero-filled slice gradients (a measurable cost at long N on CPU).
-    """
-
-    @staticmethod
-    def forward(ctx, o: Tensor, dv: int, floor: Tensor):
-        d, active = _guarded_normaliser(o[..., dv:], floor)  # (..., 1)
-        inv = d.reciprocal_()
-        out = o[..., :dv] * inv
-        ctx.save_for_backward(out, inv, active)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g: Tensor):
-        out, inv, active = ctx.saved_tensors
-        do = torch.empty(*out.shape[:-1], out.shape[-1] + 1, dtype=out.dtype, device=out.device)
-        torch.mul(g, inv, out=do[..., :-1])
-        # d out_e / d den = -out_e / den where den was used; 0 where the floor stood in for it
-        do[..., -1:] = torch.linalg.vecdot(g, out, dim=-1).unsqueeze(-1).mul_(inv).neg_().mul_(active)
-        return do, None, None
-
-
-def _normalise(o: Tensor, dv: int, out_dtype: torch.dtype, floor: Tensor) -> Tensor:
-    """Split ``o (..., Dv+1)`` into numerator and normaliser and divide, the normaliser raised to
-    ``floor (..., 1)`` (:func:`normaliser_floor`).
-
-    A zero normaliser means no key with positive similarity (all padding, or disjoint relu
-    supports); with non-negative features the numerator is then zero too, and the row returns
-    zeros with finite gradients instead of 0/0. A normaliser below the floor (features that are
-    nearly one-hot in different directions, at large input scales) is raised to it: the output
-    shrinks towards zero and every gradient stays finite.
-    """
-    if not (o.requires_grad and torch.is_grad_enabled()):
-        # the same arithmetic as _Normalise.forward, without the Function's per-call cost (decoding)
-        return (o[..., :dv] * _guarded_normaliser(o[..., dv:], floor)[0].reciprocal_()).to(out_dtype)
-    return _Normalise.apply(o, dv, floor).to(out_dtype)
-
-
 def _state_from(s: Tensor, dv: int) -> LinearAttentionState:
     return LinearAttentionState(S=s[..., :dv], z=s[..., dv])
 
@@ -685,8 +600,9 @@ def _decoding_step(fn, q, k, v, feature_map, state, return_state, dt):
     At decoding sizes every operation costs more in overhead than in arithmetic, so this counts
     operations: S and z stay apart (joining [S, z] and [v, 1] each step was a third of them), a
     named map computes phi(q) and phi(k) in one call (every named map acts on the last dimension
-    alone), and the normaliser guard divides in place (:func:`_divide_by_normaliser_`). One step
-    at B = 1, H = 8, D = 64: 157 -> 112 us from keeping S and z apart, then 112 -> 87 us.
+    alone), and the normaliser guard divides in place
+    (:func:`~linattn.functional.normaliser.divide_by_normaliser_`). (Timings of these choices:
+    docs/benchmarks/README.md, "History".)
     """
     if isinstance(feature_map, str):
         f = resolve_feature_map(fn, feature_map)(torch.stack([q, k]).to(dt))  # (2, B, H, 1, F)
@@ -694,11 +610,11 @@ def _decoding_step(fn, q, k, v, feature_map, state, return_state, dt):
     else:
         qf, kf = _features(fn, feature_map, q, k, None, dt)
     B, H, _, Fd = qf.shape
-    _check_state(fn, state, B, H, Fd, v.shape[-1], q.device)
+    check_linear_state(fn, state, B, H, Fd, v.shape[-1], q.device)
     S = torch.addcmul(state.S.to(dt), kf.transpose(-1, -2), v.to(dt))  # (B, H, F, Dv)
     z = state.z.to(dt) + kf[:, :, 0]  # (B, H, F)
     floor = normaliser_floor(qf, z[:, :, None])  # (B, H, 1, 1)
-    out = _divide_by_normaliser_(qf @ S, qf @ z[..., None], floor).to(q.dtype)
+    out = divide_by_normaliser_(qf @ S, qf @ z[..., None], floor).to(q.dtype)
     return (out, LinearAttentionState(S=S, z=z)) if return_state else out
 
 
@@ -712,6 +628,8 @@ def linear_attention(
     key_padding_mask: Tensor | None = None,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
+    chunk_size: int = 64,
+    tile_positions: int = 4096,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Kernel attention ``out_i = phi(q_i) S / phi(q_i) z`` (Katharopoulos et al., arXiv 2006.16236).
 
@@ -728,6 +646,12 @@ def linear_attention(
             an output or a real input's gradient.
         initial_state: causal only: the state after an earlier prefix, to resume from.
         return_state: causal only: also return the state after the last key.
+        chunk_size: causal only, a tuning knob: the chunk length C of the chunked algorithm (as
+            in :func:`causal_linear_product`). Any C >= 1 gives the same result; a call of at most
+            C positions is one chunk, computed directly.
+        tile_positions: causal only, a tuning knob: about how many positions the chunked
+            algorithm works on at a time (as in :func:`causal_linear_product`); any value >= 1
+            gives the same result.
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
@@ -737,21 +661,25 @@ def linear_attention(
     fn = "linear_attention"
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
-    _check_state_args(fn, causal, initial_state, return_state)
+    check_recurrent_args(fn, causal, initial_state, return_state)
+    check_positive_int(fn, "chunk_size", chunk_size)
+    check_positive_int(fn, "tile_positions", tile_positions)
     with no_autocast(q.device.type):
-        return _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state)
+        return _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state,
+                                 chunk_size, tile_positions)
 
 
-def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state):
+def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state,
+                      chunk_size, tile_positions):
     dt = compute_dtype(q.dtype)
     dv = v.shape[-1]
     if initial_state is not None and q.shape[2] == 1 and key_padding_mask is None:
         return _decoding_step(fn, q, k, v, feature_map, initial_state, return_state, dt)
     # Causal sequences longer than one chunk go to the tiled Function, which computes an
-    # elementwise phi itself. One chunk or less (a generation step, a short prompt) takes the
-    # plain quadratic form below: there the tiled machinery's hundred small ops would double the
-    # time of a step.
-    tiled = causal and q.shape[2] > CAUSAL_CHUNK_SIZE
+    # elementwise phi itself. One chunk or less (a generation step, a short prompt) is that
+    # algorithm's intra-chunk product alone, written out below: there the tiled machinery's
+    # hundred small ops would cost more than the arithmetic.
+    tiled = causal and q.shape[2] > chunk_size
     fusable = isinstance(feature_map, str) and feature_map in ELEMENTWISE_MAPS and key_padding_mask is None
     if tiled and fusable:
         phi, qf, kf = ELEMENTWISE_MAPS[feature_map], q.to(dt), k.to(dt)
@@ -761,14 +689,14 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
     if not causal:
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E)
-        return _normalise(qf @ s, dv, q.dtype, normaliser_floor(qf, s[..., dv].unsqueeze(-2)))
+        return normalise(qf @ s, dv, q.dtype, normaliser_floor(qf, s[..., dv].unsqueeze(-2)))
     s0 = None
     if initial_state is not None:
         B, H, _, Fd = qf.shape
-        _check_state(fn, initial_state, B, H, Fd, dv, q.device)
+        check_linear_state(fn, initial_state, B, H, Fd, dv, q.device)
         s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
     if tiled:
-        out, s_final = _CausalLinearAttention.apply(qf, kf, v, s0, CAUSAL_CHUNK_SIZE, phi)
+        out, s_final = _CausalLinearAttention.apply(qf, kf, v, s0, chunk_size, tile_positions, phi)
         out = out.to(q.dtype)
     else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
@@ -778,7 +706,7 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         if s0 is not None:
             o, s_final = o + qf @ s0, s_final + s0
             z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)
-        out = _normalise(o, dv, q.dtype, normaliser_floor(qf, z_seen))
+        out = normalise(o, dv, q.dtype, normaliser_floor(qf, z_seen))
     if return_state:
         return out, _state_from(s_final, dv)
     return out
@@ -801,7 +729,7 @@ def linear_attention_reference(
     fn = "linear_attention_reference"
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
-    _check_state_args(fn, causal, initial_state, return_state)
+    check_recurrent_args(fn, causal, initial_state, return_state)
     dt = compute_dtype(q.dtype)
     qf, kf = _features(fn, feature_map, q, k, key_padding_mask, dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
@@ -816,7 +744,7 @@ def linear_attention_reference(
     z = kf.sum(-2)  # (B, H, F)
     if initial_state is not None:
         B, H, _, Fd = qf.shape
-        _check_state(fn, initial_state, B, H, Fd, v.shape[-1], q.device)
+        check_linear_state(fn, initial_state, B, H, Fd, v.shape[-1], q.device)
         S0, z0 = initial_state.S.to(dt), initial_state.z.to(dt)
         num = num + qf @ S0
         den = den + (qf @ z0[..., None])

@@ -20,8 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import _shape, check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
-from .softmax import _check_scale, softmax_attention_reference
+from .checks import (
+    check_key_padding_mask,
+    check_qkv,
+    check_scale,
+    compute_dtype,
+    no_autocast,
+    sanitize_padded,
+    shape_str,
+)
+from .softmax import softmax_attention_reference
 
 __all__ = ["linformer_attention", "linformer_attention_reference"]
 
@@ -45,14 +53,14 @@ def _validate(fn, q, k, v, e_proj, f_proj, causal, key_padding_mask) -> None:
             raise TypeError(f"{fn}: {name} must have the dtype of q, k and v ({q.dtype}), got {p.dtype}")
         if p.dim() != 2 or p.shape[1] != nk or p.shape[0] < 1:
             raise ValueError(
-                f"{fn}: {name} must have shape (P, Nk) with P >= 1 and Nk = {nk} for k {_shape(k)}, "
-                f"got {_shape(p)}"
+                f"{fn}: {name} must have shape (P, Nk) with P >= 1 and Nk = {nk} for k {shape_str(k)}, "
+                f"got {shape_str(p)}"
             )
         if p.device != q.device:
             raise ValueError(f"{fn}: {name} is on {p.device} but q is on {q.device}")
     if e_proj.shape != f_proj.shape:
         raise ValueError(
-            f"{fn}: e_proj and f_proj must have the same shape (P, Nk), got {_shape(e_proj)} and {_shape(f_proj)}"
+            f"{fn}: e_proj and f_proj must have the same shape (P, Nk), got {shape_str(e_proj)} and {shape_str(f_proj)}"
         )
 
 
@@ -94,7 +102,7 @@ def linformer_attention(
     """
     fn = "linformer_attention"
     _validate(fn, q, k, v, e_proj, f_proj, causal, key_padding_mask)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
     with no_autocast(q.device.type):
         dt = compute_dtype(q.dtype)
         kp, vp = _project(k, v, e_proj, f_proj, key_padding_mask, dt)
@@ -116,7 +124,7 @@ def linformer_attention_reference(
     :func:`softmax_attention_reference`. Tests trust this one, in float64."""
     fn = "linformer_attention_reference"
     _validate(fn, q, k, v, e_proj, f_proj, causal, key_padding_mask)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
     dt = compute_dtype(q.dtype)
     kp, vp = _project(k, v, e_proj, f_proj, key_padding_mask, dt)
     return softmax_attention_reference(q.to(dt), kp, vp, scale=scale).to(q.dtype)

@@ -31,16 +31,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, no_autocast, sanitize_padded
-from .softmax import _check_scale
+from .checks import (
+    check_key_padding_mask,
+    check_qkv,
+    check_recurrent_args,
+    check_scale,
+    compute_dtype,
+    no_autocast,
+    sanitize_padded,
+)
 
 __all__ = ["LocalAttentionState", "local_attention", "local_attention_reference"]
 
-# Block length bounds. A causal query block of C rows sees K = (M+1) C keys of which W+1 are in a
-# row's band: smaller blocks waste fewer scores but give the fused kernel smaller tiles. At
-# N = 65536, H = 8, D = 64, W = 256, forward+backward on 2 CPU cores (median of 5): causal
-# C = 256 / 128 / 64 took 2.07 / 1.83 / 1.82 s, bidirectional 2.94 / 2.88 / 3.09 s. The lower
-# bound keeps tiny windows from making tiny tiles.
+# Block length bounds: the block length is the window, clamped to [MIN_BLOCK, MAX_BLOCK]. A causal
+# query block of C rows sees K = (M+1) C keys of which W+1 are in a row's band: smaller blocks
+# waste fewer scores but give the fused kernel smaller tiles. 128 was the best compromise for
+# causal and bidirectional calls at a long sequence and a window of 256 (timings:
+# docs/benchmarks/README.md, "History"). The lower bound keeps tiny windows from making tiny
+# tiles.
 MIN_BLOCK = 32
 MAX_BLOCK = 128
 
@@ -82,10 +90,7 @@ def _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, re
         )
     check_key_padding_mask(fn, key_padding_mask, k)
     window = _check_window(fn, window)
-    if not causal and (initial_state is not None or return_state):
-        raise ValueError(
-            f"{fn}: initial_state and return_state belong to the recurrent form and need causal=True"
-        )
+    check_recurrent_args(fn, causal, initial_state, return_state)
     if initial_state is not None:
         _check_state(fn, initial_state, q, v, window)
     return window
@@ -167,7 +172,7 @@ class _Windows(torch.autograd.Function):
 
     One copy forward; backward adds the K / C slices of each window gradient back into place.
     (``F.pad`` + ``Tensor.unfold`` give the same, but their backward fills and copies several
-    full-size buffers: a third of the whole call at N = 65536.)
+    full-size buffers, a large share of the whole call at long N.)
     """
 
     @staticmethod
@@ -300,7 +305,7 @@ def local_attention(
     """
     fn = "local_attention"
     window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
     with no_autocast(q.device.type):
         if initial_state is not None and q.shape[2] == 1 and key_padding_mask is None:
             return _decoding_step(q, k, v, initial_state, scale, return_state)
@@ -335,7 +340,7 @@ def local_attention_reference(
     :func:`local_attention`; tests trust this one, in float64."""
     fn = "local_attention_reference"
     window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
     keys, values, valid, offset = _key_sequence(k, v, key_padding_mask, initial_state)
     dt = compute_dtype(q.dtype)
     N, L = q.shape[2], keys.shape[2]

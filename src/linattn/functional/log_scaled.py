@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import no_autocast
+from .checks import no_autocast
 
 __all__ = ["causal_product_log_scaled"]
 
@@ -55,7 +55,7 @@ def _weights(mc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     causal = torch.ones(C, C, dtype=mc.dtype, device=mc.device).tril_()
     # m_j - m_i <= 0 for j <= i (m is non-decreasing); above the diagonal it is >= 0, clamped to 0
     # and then zeroed by the mask, so no factor > 1 ever forms. Not exp(-inf) through torch.where:
-    # on CPU, exp of arguments far below its range runs a scalar path about 15x slower.
+    # on CPU, exp of arguments far below its range runs a much slower scalar path.
     intra = torch.exp((mc[..., None, :] - mc[..., :, None]).clamp_(max=0)).mul_(causal).view(-1, C, C)
     enter = torch.exp(start[..., None] - mc).view(-1, C, 1)
     leave = torch.exp(mc - end[..., None]).view(-1, C, 1)
@@ -75,7 +75,7 @@ def _scan_(buf: Tensor, lvl: Tensor, lvl_init: Tensor, *, reverse: bool, has_ini
 
     In place because the chunk states are the largest tensors of the causal product after the
     features: every extra pass over them (a fresh output, a cat, a flip) cost FAVOR's
-    forward+backward at N = 4096 several percent of its time.
+    forward+backward a measurable share of its time.
 
     Two levels so that it costs about 2 sqrt(Nc) operations rather than Nc tiny ones (which on a
     busy CPU or a GPU cost launch and synchronisation more than arithmetic): running sums inside
@@ -93,7 +93,7 @@ def _scan_(buf: Tensor, lvl: Tensor, lvl_init: Tensor, *, reverse: bool, has_ini
         xg = xs[:, lo:hi].unflatten(1, (-1, size))  # (BH, groups, size, X)
         lg = lvl[:, lo:hi].unflatten(1, (-1, size))  # (BH, groups, size)
         # decay from each entry's neighbour in scan order; (size-1, BH, groups, 1) contiguous, as a
-        # strided broadcast operand sends addcmul_ down a ~100x slower path
+        # strided broadcast operand sends addcmul_ down a far slower path
         step = (lg[..., 1:] - lg[..., :-1]) if reverse else (lg[..., :-1] - lg[..., 1:])
         decay = torch.exp(step).permute(2, 0, 1).contiguous()[..., None]
         order = range(size - 2, -1, -1) if reverse else range(1, size)

@@ -30,8 +30,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import _shape, check_key_padding_mask, compute_dtype, finite_max, no_autocast, sanitize_padded
-from .softmax import _check_scale
+from .checks import (
+    check_key_padding_mask,
+    check_scale,
+    compute_dtype,
+    finite_max,
+    no_autocast,
+    sanitize_padded,
+    shape_str,
+)
 
 __all__ = ["lsh_attention", "lsh_attention_reference"]
 
@@ -52,13 +59,13 @@ def _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask) -> int:
         if not t.is_floating_point():
             raise TypeError(f"{fn}: {name} must be a floating-point tensor, got dtype {t.dtype}")
         if t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must have 4 dimensions (B, H, N, D), got shape {_shape(t)}")
+            raise ValueError(f"{fn}: {name} must have 4 dimensions (B, H, N, D), got shape {shape_str(t)}")
     if qk.dtype != v.dtype:
         raise TypeError(f"{fn}: qk and v must share one dtype, got qk {qk.dtype}, v {v.dtype}")
     if qk.device != v.device:
         raise ValueError(f"{fn}: qk and v must be on one device, got qk {qk.device}, v {v.device}")
     if qk.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{fn}: qk (B, H, N, D) and v (B, H, N, Dv) must share B, H and N, got qk {_shape(qk)} and v {_shape(v)}")
+        raise ValueError(f"{fn}: qk (B, H, N, D) and v (B, H, N, Dv) must share B, H and N, got qk {shape_str(qk)} and v {shape_str(v)}")
     check_key_padding_mask(fn, key_padding_mask, qk)
     _check_int(fn, "n_hashes", n_hashes, "the number of hash rounds")
     _check_int(fn, "bucket_size", bucket_size, "the chunk length; N / bucket_size buckets")
@@ -66,7 +73,7 @@ def _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask) -> int:
     if n % bucket_size:
         raise ValueError(
             f"{fn}: bucket_size must divide the sequence length N (there are N / bucket_size buckets), "
-            f"got bucket_size {bucket_size} and N = {n} from qk {_shape(qk)}"
+            f"got bucket_size {bucket_size} and N = {n} from qk {shape_str(qk)}"
         )
     return n // bucket_size
 
@@ -203,7 +210,7 @@ def lsh_attention(
     """
     fn = "lsh_attention"
     n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask)
-    scale = _check_scale(fn, scale, qk.shape[-1])
+    scale = check_scale(fn, scale, qk.shape[-1])
     with no_autocast(qk.device.type):
         dt = compute_dtype(qk.dtype)
         q, k, v, buckets = _prepare(qk, v, n_hashes, n_buckets, key_padding_mask, generator, dt)
@@ -283,7 +290,7 @@ def lsh_attention_reference(
     this one, in float64."""
     fn = "lsh_attention_reference"
     n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask)
-    scale = _check_scale(fn, scale, qk.shape[-1])
+    scale = check_scale(fn, scale, qk.shape[-1])
     dt = compute_dtype(qk.dtype)
     q, k, v, buckets = _prepare(qk, v, n_hashes, n_buckets, key_padding_mask, generator, dt)
     N = qk.shape[2]

@@ -9,13 +9,11 @@ not a strawman. The reference form writes the formula out with an explicit (Nq, 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_key_padding_mask, check_qkv, compute_dtype, sanitize_padded
+from .checks import check_key_padding_mask, check_qkv, check_scale, compute_dtype, sanitize_padded
 
 __all__ = ["softmax_attention", "softmax_attention_reference"]
 
@@ -45,16 +43,6 @@ def _has_key(q: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Ten
     return has[:, None, :, None]
 
 
-def _check_scale(fn: str, scale: float | None, d: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{fn}: scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"{fn}: scale must be finite, got {scale}")
-    return float(scale)
-
-
 def softmax_attention(
     q: Tensor,
     k: Tensor,
@@ -81,7 +69,7 @@ def softmax_attention(
     fn = "softmax_attention"
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
     B, H, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     if nq == 0 or nk == 0:
@@ -118,7 +106,7 @@ def softmax_attention_reference(
     fn = "softmax_attention_reference"
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
-    scale = _check_scale(fn, scale, q.shape[-1])
+    scale = check_scale(fn, scale, q.shape[-1])
     k = sanitize_padded(k, key_padding_mask)
     v = sanitize_padded(v, key_padding_mask)
     dt = compute_dtype(q.dtype)
