@@ -37,20 +37,20 @@ def _config(tmp_path, name="run", **kw):
     d = dict(model=dict(TINY_MODEL, dropout=0.1), data=dict(recall_pairs=4, recall_queries=2, recall_tokens=4000,
                                                             recall_val_tokens=400),
              batch_size=4, seq_len=16, max_steps=8, warmup_steps=2, lr=3e-3, log_every=1, eval_every=4,
-             eval_batches=1, ckpt_every=0, out_dir=str(tmp_path / name))
+             eval_batches=1, ckpt_every=0, out=str(tmp_path / name))
     d.update(kw)
     return TrainConfig.from_dict(d)
 
 
 def _records(cfg, kind="train"):
-    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
     return [(r["step"], r.get("loss", r.get("val_loss"))) for r in recs if r["kind"] == kind]
 
 
 def _final(cfg, step):
     """The state dict of checkpoint ``step``, with the modules' extra state (FAVOR redraw state)."""
-    folder = os.path.join(cfg.out_dir, "checkpoints", f"step_{step:08d}")
+    folder = os.path.join(cfg.out, "checkpoints", f"step_{step:08d}")
     full = load_train_checkpoint(folder)["model"].state_dict()
     opened = TransformerLM.from_pretrained(folder).state_dict()  # what users open: the same tensors
     for k, v in full.items():
@@ -184,7 +184,7 @@ def test_loss_goes_down_on_recall_data(tmp_path):
                    attention={"name": "linear"}),
         data=dict(recall_pairs=4, recall_queries=4, recall_tokens=20000, recall_val_tokens=2000),
         batch_size=16, seq_len=32, max_steps=60, warmup_steps=5, lr=1e-2, eval_every=60, eval_batches=2,
-        log_every=10, out_dir=str(tmp_path / "run")))
+        log_every=10, out=str(tmp_path / "run")))
     r = train(cfg, quiet=True)
     first = _records(cfg)[0][1]
     assert r.last_val_loss < np.log(20) - 0.5 and r.last_loss < first - 0.5
@@ -293,9 +293,9 @@ def test_cli_train_and_resume(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step 2/2 | loss" in out and "tok/s" in out and "val_loss" in out
     # resume without --config reads the run's own train_config.json; max_steps may change
-    assert main(["train", "--resume", "--out-dir", cfg.out_dir, "--max-steps", "3", "--quiet"]) == 0
+    assert main(["train", "--resume", "--out", cfg.out, "--max-steps", "3", "--quiet"]) == 0
     assert [s for s, _ in _records(cfg)] == [1, 2, 3]
-    assert main(["train", "--config", str(path), "--out-dir", "2024", "--data-dtype", "uint8", "--print-config"]) == 0
+    assert main(["train", "--config", str(path), "--out", "2024", "--data-dtype", "uint8", "--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert (printed["out_dir"], printed["data"]["dtype"], printed["max_steps"]) == ("2024", "uint8", 4)
     with pytest.raises(SystemExit):
@@ -309,11 +309,11 @@ def test_unusable_device_is_refused_before_any_work(tmp_path, capsys, monkeypatc
     with pytest.raises(ValueError, match=r"TrainConfig.device \(--device\) = 'cuda'.*is_available\(\) is False"):
         train(cfg, quiet=True)
     with pytest.raises(SystemExit) as e:
-        main(["train", "--device", "cuda", "--out-dir", cfg.out_dir, "--max-steps", "1", "--quiet"])
+        main(["train", "--device", "cuda", "--out", cfg.out, "--max-steps", "1", "--quiet"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "linattn train: error: TrainConfig.device (--device) = 'cuda'" in err and "Traceback" not in err
-    assert not os.path.exists(cfg.out_dir)  # nothing written
+    assert not os.path.exists(cfg.out)  # nothing written
 
 
 def test_resume_drops_a_torn_last_metrics_line_and_refuses_real_damage(tmp_path, capsys):
@@ -361,7 +361,7 @@ def test_a_second_run_on_a_busy_out_dir_fails_at_once(tmp_path, capsys):
             main(["train", "--config", str(tmp_path / "run.json"), "--max-steps", "2", "--quiet"])
         assert e.value.code == 2
         err = capsys.readouterr().err
-        assert re.search(rf"linattn train: error: {re.escape(cfg.out_dir)} is in use by another training run "
+        assert re.search(rf"linattn train: error: {re.escape(cfg.out)} is in use by another training run "
                          rf"\(pid {proc.pid} on {re.escape(socket.gethostname())}, started 20", err), err
         with pytest.raises(Exception, match=f"in use by another training run \\(pid {proc.pid}"):
             launch_local(_config(tmp_path, "run", max_steps=3), 2)  # under DDP every rank refuses, none hangs
@@ -380,7 +380,7 @@ def test_cli_exits_128_plus_the_signal_after_checkpointing(tmp_path, sig, code):
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err  # so `linattn train ... && next_step` stops here
-    folder = load_train_checkpoint(os.path.join(cfg.out_dir, "checkpoints",
+    folder = load_train_checkpoint(os.path.join(cfg.out, "checkpoints",
                                                 json.loads((tmp_path / "run" / "checkpoints" / "latest.json")
                                                            .read_text())["dir"]))
     step = folder["meta"]["step"]

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models.checkpoint import _fsync_dir, _write_atomic
+from ..models.checkpoint import fsync_dir, write_atomic
 from ..nn.registry import attention_config_from_dict
 from ..train.checkpoint import capture_rng, restore_rng
 from .data import Encoded, encode, load_pretrained, mean_pool, train_sentences
@@ -227,10 +227,10 @@ def _save(out: Path, student: nn.Module, optimizer, state: dict) -> None:
     (folder / "student.safetensors.tmp").replace(folder / "student.safetensors")
     buf = io.BytesIO()
     torch.save({"optimizer": optimizer.state_dict(), "rng": capture_rng(torch.device("cpu")), "extras": extras}, buf)
-    _write_atomic(folder / "trainer.pt", buf.getvalue())
-    _write_atomic(folder / "state.json", (json.dumps(state, indent=1) + "\n").encode())
-    _fsync_dir(folder)
-    _write_atomic(root / "latest.json", (json.dumps({"dir": folder.name}) + "\n").encode())
+    write_atomic(folder / "trainer.pt", buf.getvalue())
+    write_atomic(folder / "state.json", (json.dumps(state, indent=1) + "\n").encode())
+    fsync_dir(folder)
+    write_atomic(root / "latest.json", (json.dumps({"dir": folder.name}) + "\n").encode())
     for old in root.glob("step_*"):
         if old != folder and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
@@ -366,10 +366,10 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
         result["after"] = _fidelity(student, sets, teacher_emb)
         result["eval_sets"] = {s.name: s.token_stats() for s in sets}
     text = json.dumps(result, indent=1)
-    _write_atomic(out / "distill.json", text.encode())
+    write_atomic(out / "distill.json", text.encode())
     if result_path is not None and stop["signal"] is None:
         Path(result_path).parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(Path(result_path), text.encode())
+        write_atomic(Path(result_path), text.encode())
     if not quiet and "after" in result:
         for name in result["after"]:
             print(f"{name}: mean cosine {result['before'][name]['mean_cosine']:.4f} -> "

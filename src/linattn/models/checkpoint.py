@@ -41,19 +41,23 @@ from torch import nn
 from ..nn.attention import merge_legacy_projections
 from .config import TransformerConfig
 
-__all__ = ["CONFIG_FILE", "FORMAT_VERSION", "WEIGHTS_FILE", "config_digest", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CONFIG_FILE", "FORMAT_VERSION", "WEIGHTS_FILE", "check_sha256", "config_digest", "fsync_dir",
+           "load_checkpoint", "save_checkpoint", "write_atomic"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def check_sha256(blob: bytes, expected: str, *, path: Path, named_in: Path) -> None:
+    """Raise ValueError unless ``blob`` (the bytes of file ``path``) has the sha256 ``expected``
+    that file ``named_in`` records: the one integrity check of every checkpoint file."""
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != expected:
+        raise ValueError(
+            f"corrupted or truncated checkpoint: sha256 of {path} ({len(blob)} bytes) is {digest}, "
+            f"{named_in} expects {expected}"
+        )
 
 
 def config_digest(meta: dict[str, Any]) -> str:
@@ -65,7 +69,9 @@ def config_digest(meta: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file in the same folder, flushed
+    and fsync'ed, then renamed over ``path``."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -74,7 +80,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync the folder ``path`` so that the renames into it survive a power loss (where the
+    platform can open a folder)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # not every platform opens folders
@@ -113,7 +121,7 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
     tensors, aliases = _tensors_and_aliases(model)
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
     blob = save(tensors)
-    _write_atomic(path / WEIGHTS_FILE, blob)
+    write_atomic(path / WEIGHTS_FILE, blob)
     meta: dict[str, Any] = {
         "format": "linattn",
         "format_version": FORMAT_VERSION,
@@ -125,8 +133,8 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
         "aliases": aliases,
     }
     meta["config_sha256"] = config_digest(meta)  # last: it covers every field above
-    _write_atomic(path / CONFIG_FILE, (json.dumps(meta, indent=2) + "\n").encode())
-    _fsync_dir(path)
+    write_atomic(path / CONFIG_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    fsync_dir(path)
     return path
 
 
@@ -183,12 +191,7 @@ def load_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu"
     if not weights.is_file():
         raise ValueError(f"incomplete checkpoint: weights file {weights} does not exist")
     blob = weights.read_bytes()
-    digest = hashlib.sha256(blob).hexdigest()
-    if digest != meta["weights_sha256"]:
-        raise ValueError(
-            f"corrupted or truncated checkpoint: sha256 of {weights} ({len(blob)} bytes) is {digest}, "
-            f"{path / CONFIG_FILE} expects {meta['weights_sha256']}"
-        )
+    check_sha256(blob, meta["weights_sha256"], path=weights, named_in=path / CONFIG_FILE)
     try:
         tensors = load(blob)
     except SafetensorError as e:

@@ -1,6 +1,6 @@
 """Training checkpoints: everything needed to continue a run exactly.
 
-``out_dir/checkpoints/step_00000100/`` holds
+``out/checkpoints/step_00000100/`` holds
 
 - ``model.safetensors`` + ``config.json``: the model, written by
   :func:`linattn.models.save_checkpoint` (so ``TransformerLM.from_pretrained`` opens it);
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..models import TransformerLM, load_checkpoint, save_checkpoint
-from ..models.checkpoint import _fsync_dir, _write_atomic
+from ..models.checkpoint import check_sha256, fsync_dir, write_atomic
 
 __all__ = ["LATEST_FILE", "capture_rng", "latest_checkpoint", "load_train_checkpoint", "restore_rng",
            "save_train_checkpoint"]
@@ -70,18 +70,18 @@ def _extra_state(model: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in model.state_dict().items() if not isinstance(v, torch.Tensor)}
 
 
-def save_train_checkpoint(out_dir: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save_train_checkpoint(out: str | Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                           config_dict: dict[str, Any], sampler_state: dict[str, int],
                           rng_states: list[dict[str, Any]], keep_last: int) -> Path:
-    """Write the checkpoint of ``step`` under ``out_dir/checkpoints``, point ``latest.json`` at it
+    """Write the checkpoint of ``step`` under ``out/checkpoints``, point ``latest.json`` at it
     and delete all but the newest ``keep_last`` checkpoints. Returns its folder."""
-    root = Path(out_dir) / "checkpoints"
+    root = Path(out) / "checkpoints"
     folder = root / f"step_{step:08d}"
     save_checkpoint(model, folder)
     buf = io.BytesIO()
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_states, "extra_state": _extra_state(model)}, buf)
     blob = buf.getvalue()
-    _write_atomic(folder / TRAINER_FILE, blob)
+    write_atomic(folder / TRAINER_FILE, blob)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -92,10 +92,10 @@ def save_train_checkpoint(out_dir: str | Path, *, step: int, model: nn.Module, o
         "trainer_file": TRAINER_FILE,
         "trainer_sha256": hashlib.sha256(blob).hexdigest(),
     }
-    _write_atomic(folder / TRAINER_META, (json.dumps(meta, indent=2) + "\n").encode())
-    _fsync_dir(folder)
-    _write_atomic(root / LATEST_FILE, (json.dumps({"step": step, "dir": folder.name}) + "\n").encode())
-    _fsync_dir(root)
+    write_atomic(folder / TRAINER_META, (json.dumps(meta, indent=2) + "\n").encode())
+    fsync_dir(folder)
+    write_atomic(root / LATEST_FILE, (json.dumps({"step": step, "dir": folder.name}) + "\n").encode())
+    fsync_dir(root)
     kept = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in kept[: max(0, len(kept) - keep_last)]:
         if old != folder:
@@ -103,9 +103,9 @@ def save_train_checkpoint(out_dir: str | Path, *, step: int, model: nn.Module, o
     return folder
 
 
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The folder ``out_dir/checkpoints/latest.json`` names, or None when there is none."""
-    root = Path(out_dir) / "checkpoints"
+def latest_checkpoint(out: str | Path) -> Path | None:
+    """The folder ``out/checkpoints/latest.json`` names, or None when there is none."""
+    root = Path(out) / "checkpoints"
     pointer = root / LATEST_FILE
     if not pointer.is_file():
         return None
@@ -138,10 +138,7 @@ def load_train_checkpoint(folder: str | Path) -> dict[str, Any]:
     if not blob_path.is_file():
         raise ValueError(f"incomplete checkpoint: {blob_path} does not exist")
     blob = blob_path.read_bytes()
-    digest = hashlib.sha256(blob).hexdigest()
-    if digest != meta["trainer_sha256"]:
-        raise ValueError(f"corrupted or truncated checkpoint: sha256 of {blob_path} is {digest}, "
-                         f"{meta_path} expects {meta['trainer_sha256']}")
+    check_sha256(blob, meta["trainer_sha256"], path=blob_path, named_in=meta_path)
     trainer = torch.load(io.BytesIO(blob), weights_only=True)
     model = load_checkpoint(TransformerLM, folder)
     expected = set(_extra_state(model))

@@ -1,24 +1,21 @@
-"""Training configuration: :class:`DataConfig` and :class:`TrainConfig`, files and overrides.
+"""Training configuration: :class:`DataConfig` and :class:`TrainConfig`, and config files.
 
 A config file (JSON or TOML) holds ``TrainConfig.to_dict()``, or any part of it: top-level fields,
 a ``[model]`` table (a whole :class:`linattn.TransformerConfig`; ``vocab_size`` and ``max_len``
-are required there) and a ``[data]`` table. Missing fields take their defaults.
-
-Overrides are ``dotted.key=value`` strings applied to the dict form before it is validated:
-``lr=3e-4``, ``model.d_model=128``, ``data.path=tokens.npy``,
-``model.attention={"name": "local", "window": 64}``. A value is read as JSON when it parses
-(numbers, true/false, null, lists, objects) and as a plain string otherwise.
+are required there) and a ``[data]`` table. Missing fields take their defaults. Both classes are
+:class:`linattn.config.Config` dataclasses (``to_dict``/``from_dict`` with the unknown-key check);
+overrides (``lr=3e-4``, ``model.d_model=128``, ``model.attention.window=64``) are read by
+:func:`linattn.config.apply_overrides`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
+from ..config import Config, apply_overrides, read_config_file
 from ..models import TransformerConfig
 from ..nn import LinearConfig, MECHANISMS
 
@@ -34,11 +31,12 @@ __all__ = [
 DATA_SOURCES = ("recall", "file")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int32", "int64")
 PARAM_DTYPES = ("float32", "float64")
+DEVICES = ("auto", "cpu", "cuda")
 
 # Fields that may differ between a checkpoint's config and the config a run resumes with; any
 # other difference would make the resumed run a different run, so resuming refuses it.
 RESUMABLE_CHANGES = ("max_steps", "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_every",
-                     "out_dir", "device")
+                     "out", "device")
 
 
 def _int(owner: str, name: str, val: Any, lo: int) -> None:
@@ -54,17 +52,8 @@ def _float(owner: str, name: str, val: Any, lo: float, hi: float, *, lo_open: bo
         raise ValueError(f"{owner}: {name} must be a number in {bracket}{lo}, {hi}], got {val!r}")
 
 
-def _check_unknown(cls, d: Mapping[str, Any]) -> None:
-    if not isinstance(d, Mapping):
-        raise TypeError(f"{cls.__name__}.from_dict: expected a dict, got {type(d).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown fields {unknown}; known: {sorted(known)}")
-
-
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Config):
     """Where the tokens come from.
 
     Attributes:
@@ -84,10 +73,10 @@ class DataConfig:
         recall_val_tokens: length of the recall validation stream (a different stream).
     """
 
-    source: str = "recall"
+    source: str = field(default="recall", metadata={"choices": DATA_SOURCES})
     path: str | None = None
     val_path: str | None = None
-    dtype: str = "uint16"
+    dtype: str = field(default="uint16", metadata={"choices": TOKEN_DTYPES})
     val_fraction: float = 0.05
     recall_pairs: int = 8
     recall_queries: int = 8
@@ -114,14 +103,6 @@ class DataConfig:
         for name in ("recall_tokens", "recall_val_tokens"):
             _int(o, name, getattr(self, name), 2)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DataConfig":
-        _check_unknown(cls, d)
-        return cls(**d)
-
 
 def _default_model() -> TransformerConfig:
     return TransformerConfig(vocab_size=64, max_len=128, d_model=128, n_layers=2, n_heads=4, d_ff=512,
@@ -129,7 +110,7 @@ def _default_model() -> TransformerConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Config):
     """One training run of a :class:`linattn.TransformerLM`.
 
     Attributes:
@@ -161,10 +142,10 @@ class TrainConfig:
         eval_batches: validation batches of ``batch_size`` sequences per evaluation (always the
             same leading windows of the validation stream).
         ckpt_every: checkpoint every this many steps; 0: only at the end and on SIGINT/SIGTERM.
-        keep_last: checkpoints kept in ``out_dir/checkpoints`` (older ones are deleted).
-        log_every: print a progress line and append a ``metrics.jsonl`` record every this many
-            steps (and at the last step).
-        out_dir: folder of ``train_config.json``, ``metrics.jsonl`` and ``checkpoints/``.
+        keep_last: checkpoints kept in ``out/checkpoints`` (older ones are deleted).
+        log_every: append a ``metrics.jsonl`` record, and update the progress bar's loss and
+            tokens/s, every this many steps (and at the last step).
+        out: folder of ``train_config.json``, ``metrics.jsonl`` and ``checkpoints/``.
     """
 
     model: TransformerConfig = field(default_factory=_default_model)
@@ -183,14 +164,16 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float | None = 1.0
     bf16: bool = False
-    dtype: str = "float32"
-    device: str = "auto"
+    dtype: str = field(default="float32", metadata={"choices": PARAM_DTYPES})
+    device: str = field(default="auto", metadata={"choices": DEVICES})
     eval_every: int = 100
     eval_batches: int = 8
     ckpt_every: int = 500
     keep_last: int = 2
     log_every: int = 10
-    out_dir: str = "runs/train"
+    out: str = "runs/train"
+
+    renamed = {"out_dir": "out"}  # a class attribute (no annotation), not a field
 
     def __post_init__(self) -> None:
         o = "TrainConfig"
@@ -237,10 +220,10 @@ class TrainConfig:
             raise ValueError(f"{o}: unknown dtype {self.dtype!r}; known: {list(PARAM_DTYPES)}")
         if self.bf16 and self.dtype != "float32":
             raise ValueError(f"{o}: bf16 autocast needs dtype='float32' parameters, got dtype={self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"{o}: device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if not isinstance(self.out_dir, str) or not self.out_dir:
-            raise ValueError(f"{o}: out_dir must be a non-empty path string, got {self.out_dir!r}")
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError(f"{o}: out must be a non-empty path string, got {self.out!r}")
         if self.data.source == "recall":
             n_keys = (self.model.vocab_size - 2) // 2
             if n_keys < self.data.recall_pairs:
@@ -254,85 +237,13 @@ class TrainConfig:
         """The step where the cosine reaches its floor."""
         return self.max_steps if self.decay_steps is None else self.decay_steps
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable (``betas`` becomes a list)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["model"] = self.model.to_dict()
-        d["data"] = self.data.to_dict()
-        d["betas"] = list(self.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
-        _check_unknown(cls, d)
-        d = dict(d)
-        if "model" in d:
-            if not isinstance(d["model"], Mapping):
-                raise TypeError(f"TrainConfig: model must be a dict (a TransformerConfig), got {d['model']!r}")
-            d["model"] = TransformerConfig.from_dict(d["model"])
-        if "data" in d:
-            d["data"] = DataConfig.from_dict(d["data"])
-        return cls(**d)
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def apply_overrides(d: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """A deep copy of ``d`` with every ``"dotted.key=value"`` of ``overrides`` applied in order.
-
-    Setting a key inside a section the dict lacks creates the section. Raises ValueError for a
-    malformed override or one that descends into a value that is not a section.
-    """
-    out = json.loads(json.dumps(d))
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not p for p in key.split(".")):
-            raise ValueError(f"override {item!r} is not of the form dotted.key=value (e.g. model.d_model=128)")
-        *parents, leaf = key.split(".")
-        node = out
-        for i, p in enumerate(parents):
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ValueError(f"override {item!r}: {'.'.join(parents[: i + 1])} is {nxt!r}, not a section")
-            node = nxt
-        node[leaf] = _parse_value(raw)
-    return out
-
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
     """A :class:`TrainConfig` from a ``.json`` or ``.toml`` file (None: the defaults), with
-    ``overrides`` (see :func:`apply_overrides`) applied on top. A file's ``model`` table is a whole
-    model config; without one, the default model is kept and overrides edit it."""
-    if path is None:
-        d: dict[str, Any] = {}
-    else:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        if path.suffix == ".json":
-            try:
-                d = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"config file {path} is not valid JSON: {e}") from None
-        elif path.suffix == ".toml":
-            import tomllib
-
-            try:
-                d = tomllib.loads(path.read_text())
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"config file {path} is not valid TOML: {e}") from None
-        else:
-            raise ValueError(f"config file {path}: expected a .json or .toml file")
-        if not isinstance(d, dict):
-            raise ValueError(f"config file {path} must hold an object/table, got {type(d).__name__}")
+    ``overrides`` (see :func:`linattn.config.apply_overrides`) applied on top. A file's ``model``
+    table is a whole model config; without one, the default model is kept and overrides edit it."""
+    d: dict[str, Any] = {} if path is None else read_config_file(path)
     # Overrides edit the file's dict before validation, so they can repair or complete it; a file
     # without a model table gets the default model's dict for them to edit.
-    d = dict(d)
     d.setdefault("model", _default_model().to_dict())
-    return TrainConfig.from_dict(apply_overrides(d, overrides))
+    return TrainConfig.from_dict(apply_overrides(d, overrides, str_fields=TrainConfig.str_fields()))

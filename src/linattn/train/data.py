@@ -23,7 +23,7 @@ import torch
 
 from .config import TrainConfig
 
-__all__ = ["TokenData", "WindowSampler", "load_token_file", "make_data", "recall_tokens", "splitmix64"]
+__all__ = ["TokenData", "WindowSampler", "load_token_file", "make_data", "mix_seed", "recall_tokens", "splitmix64"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -40,7 +40,7 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def _mix(*parts: int) -> int:
+def mix_seed(*parts: int) -> int:
     """One 63-bit seed from small non-negative integers (torch seeds must fit in int64)."""
     h = np.zeros((), dtype=np.uint64)
     for p in parts:
@@ -64,7 +64,7 @@ def recall_tokens(n_tokens: int, *, vocab_size: int, pairs: int, queries: int, s
         raise ValueError(f"recall_tokens: pairs = {pairs} needs vocab_size >= {2 + 2 * pairs}, got {vocab_size}")
     ep_len = 2 + 2 * pairs + 2 * queries
     n_ep = -(-n_tokens // ep_len)
-    base = splitmix64(np.arange(n_ep, dtype=np.uint64) ^ np.uint64(_mix(0x5EC, stream)))[:, None]  # (E, 1)
+    base = splitmix64(np.arange(n_ep, dtype=np.uint64) ^ np.uint64(mix_seed(0x5EC, stream)))[:, None]  # (E, 1)
 
     def draw(offset: int, count: int) -> np.ndarray:  # (E, count) uint64 hashes
         return splitmix64(base ^ (np.uint64(offset) + np.arange(count, dtype=np.uint64))[None, :])
@@ -179,7 +179,7 @@ class WindowSampler:
 
     def _epoch_order(self) -> torch.Tensor:
         if self._order_epoch != self.epoch:
-            g = torch.Generator().manual_seed(_mix(0xDA7A, self.seed, self.epoch))
+            g = torch.Generator().manual_seed(mix_seed(0xDA7A, self.seed, self.epoch))
             self._order = torch.randperm(self.n_windows, generator=g)
             self._order_epoch = self.epoch
         return self._order

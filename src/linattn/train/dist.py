@@ -1,23 +1,29 @@
-"""Process groups: joining the one ``torchrun`` describes, and a local launcher for CPU runs.
+"""Process groups: joining the one ``torchrun`` describes, a local launcher for CPU runs, and the
+collectives a training loop needs.
 
 ``torchrun --nproc_per_node N -m linattn train ...`` sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`setup` joins that group (gloo on CPU,
 nccl on CUDA). Without those variables the run is a single process and no group is made.
-:func:`launch_local` starts N CPU processes with :func:`torch.multiprocessing.spawn` on a free
-local port and runs :func:`linattn.train.train` in each (what the tests use).
+:func:`spawn_local` starts N CPU processes with :func:`torch.multiprocessing.spawn` on a free
+local port and runs a given function in each (:func:`linattn.train.launch_local` runs
+:func:`linattn.train.train` that way; the tests use it). :class:`World` is this process's place in
+the group as :class:`linattn.train.TrainingLoop` sees it: mean and max over ranks, and the
+``no_sync`` of the DistributedDataParallel wrapper for all but the last micro-batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "free_port", "launch_local", "setup", "teardown"]
+__all__ = ["DistInfo", "World", "free_port", "setup", "spawn_local", "teardown"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,58 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+
+
+class World:
+    """The collectives of a training loop over the ranks of ``info`` (identity in one process).
+
+    ``model``: the DistributedDataParallel wrapper whose gradients the ranks average; its
+    ``no_sync`` skips that averaging for every micro-batch but a step's last.
+    """
+
+    def __init__(self, info: DistInfo = SINGLE, model: torch.nn.Module | None = None) -> None:
+        self.info = info
+        self.model = model
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.info.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.info.is_main
+
+    def mean(self, values: list[float]) -> list[float]:
+        """Each value averaged over the ranks (float64)."""
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return (t / self.world_size).tolist()
+
+    def max(self, values: list[int]) -> list[int]:
+        """Each integer's largest value over the ranks (how the ranks agree on stopping)."""
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
+
+    def no_sync(self):
+        if self.world_size == 1 or self.model is None:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -114,22 +172,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, config_dict: dict, resume: bool, threads: int) -> None:
-    from .config import TrainConfig
-    from .loop import train
-
+def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    train(TrainConfig.from_dict(config_dict), resume=resume, handle_signals=False)
+    fn(*args)
 
 
-def launch_local(config, nprocs: int, *, resume: bool = False, threads_per_proc: int = 1) -> None:
-    """Run :func:`linattn.train.train` in ``nprocs`` spawned CPU processes (gloo, localhost).
+def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, threads_per_proc: int = 1) -> None:
+    """Run ``fn(*args)`` in ``nprocs`` spawned CPU processes that see a torchrun-like environment
+    (gloo, localhost, a free port). ``fn`` must be a module-level function (it is pickled by name).
     Raises if any process fails."""
     import torch.multiprocessing as mp
 
-    if config.device == "cuda":
-        raise ValueError("launch_local starts CPU processes; use torchrun for CUDA runs")
-    mp.spawn(_worker, args=(nprocs, free_port(), config.to_dict(), resume, threads_per_proc),
-             nprocs=nprocs, join=True)
+    mp.spawn(_worker, args=(nprocs, free_port(), threads_per_proc, fn, args), nprocs=nprocs, join=True)

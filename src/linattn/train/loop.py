@@ -1,94 +1,125 @@
-"""The training loop: AdamW, warm-up + cosine schedule, clipping, accumulation, DDP, checkpoints.
+"""The one training loop of linattn: language-model training (:func:`linattn.train.train`), the
+experiments' contenders and distillation all run :class:`TrainingLoop`.
 
-One optimiser step takes ``batch_size`` windows from the sampler (the global batch, identical on
-every rank); accumulation step a of rank r uses the slice ``[(a*W + r)*b, (a*W + r + 1)*b)`` with
-``b = batch_size / (grad_accum * W)``. Each micro-batch's mean loss is divided by ``grad_accum`` and
-DDP averages over ranks, so the gradient is the mean over the global batch whatever W and
-``grad_accum`` are (up to float rounding).
+The caller builds the model, the optimiser and the data; the loop owns what every run shares:
 
-Stopping: SIGINT or SIGTERM sets a flag; at the next step boundary the ranks agree (all-reduce of
-the flag), rank 0 writes a checkpoint and :func:`train` returns, its ``stop_signal`` naming the
-signal (``linattn train`` then exits 130 or 143, not 0). A second SIGINT raises
-KeyboardInterrupt at once. ``train(config, resume=True)`` continues from ``checkpoints/latest.json``
-exactly: weights, optimiser, per-rank RNG states, sampler position and step are restored, and
-``metrics.jsonl`` records after the checkpoint's step (left by a crash) are dropped, so an
-interrupted and resumed run logs the same losses and ends with the same weights as one that was
-never interrupted (bitwise on CPU in float32 with the same thread count).
+- the learning rate of each optimiser step from a schedule (:class:`CosineSchedule`);
+- gradient accumulation: ``micro_loss(step, a)`` gives the loss of micro-batch ``a`` of optimiser
+  step ``step``; the loop divides it by ``grad_accum`` and calls ``backward`` (under DDP inside
+  ``no_sync`` for all but the step's last micro-batch, so the ranks average gradients once);
+- clipping, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``;
+- stopping: after ``max_steps``, once its own training time (forward, backward and optimiser steps
+  only; not evaluation, checkpoints or the caller's ``before_step``) reaches ``budget_s``, on a
+  non-finite loss (``stop_on_nonfinite``), or at the step boundary after SIGINT/SIGTERM. Ranks
+  agree on every stop (an all-reduce max), so none waits at a collective for one that left;
+- metrics records (:class:`MetricsLog`), evaluation and checkpoint cadence, and progress
+  (:func:`linattn.progress.progress_bar` with the current tokens/s).
 
-One run per ``out_dir``: rank 0 holds an exclusive lock on ``out_dir/train.lock`` (see
-:mod:`linattn.train.lock`) from before it reads or writes anything there until :func:`train`
-returns or raises; a second run on the folder raises :class:`linattn.train.OutDirBusyError` on every rank.
+"At the end" (the last record, an evaluation, a checkpoint) means reaching ``max_steps`` or the
+budget. A signal stop writes a checkpoint but no extra record, so that a resumed run logs the same
+records as one that was never interrupted; a divergence (non-finite loss) writes neither.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
-import random
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from ..models import TransformerLM
-from .checkpoint import capture_rng, latest_checkpoint, load_train_checkpoint, restore_rng, save_train_checkpoint
-from .config import RESUMABLE_CHANGES, TrainConfig
-from .data import TokenData, WindowSampler, _mix, make_data
-from .dist import DistInfo, setup, teardown
-from .lock import OutDirLock
+from ..progress import progress_bar
+from .dist import World
 
-__all__ = ["TrainResult", "lr_at", "train"]
-
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "train_config.json"
+__all__ = ["CosineSchedule", "LoopResult", "MetricsLog", "StopFlag", "TrainingLoop", "decay_groups", "lr_at"]
 
 
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Learning rate of optimiser step ``step`` (0-based): linear warm-up over ``warmup_steps``,
-    then a cosine from ``lr`` to ``lr * min_lr_ratio`` at ``schedule_steps``, flat after."""
-    c = config
-    if step < c.warmup_steps:
-        return c.lr * (step + 1) / c.warmup_steps
-    span = max(1, c.schedule_steps - c.warmup_steps)
-    progress = min(1.0, (step - c.warmup_steps) / span)
-    return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+@dataclass(frozen=True)
+class CosineSchedule:
+    """Learning rate of optimiser step ``step`` (0-based): linear warm-up from ``lr / warmup_steps``
+    to ``lr`` over ``warmup_steps``, then a cosine from ``lr`` to ``lr * min_lr_ratio`` at step
+    ``decay_steps``, flat after.
 
-
-@dataclass
-class TrainResult:
-    """What :func:`train` did (on rank 0; other ranks get the same step and flags).
-
-    ``stop_signal``: the signal (SIGINT or SIGTERM) that stopped the run before ``max_steps``, after
-    its checkpoint was written; None when it ran to the end. ``linattn train`` exits with
-    ``128 + stop_signal`` (130, 143), as a shell reports a process killed by it.
+    Attributes:
+        lr: peak learning rate.
+        warmup_steps: steps of the linear warm-up (0: none).
+        decay_steps: the step where the cosine reaches its floor.
+        min_lr_ratio: the floor as a share of ``lr``.
     """
 
-    step: int
-    stop_signal: signal.Signals | None
-    checkpoint: Path | None
-    last_loss: float | None
-    last_val_loss: float | None
-    history: list[dict[str, Any]] = field(default_factory=list)
+    lr: float
+    warmup_steps: int
+    decay_steps: int
+    min_lr_ratio: float = 0.1
 
-    @property
-    def stopped_by_signal(self) -> bool:
-        return self.stop_signal is not None
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.decay_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class _StopFlag:
-    """Holds the first SIGINT/SIGTERM received; a second SIGINT raises KeyboardInterrupt."""
+def lr_at(config: Any, step: int) -> float:
+    """Learning rate of optimiser step ``step`` under a config with ``lr``, ``warmup_steps``,
+    ``schedule_steps`` and ``min_lr_ratio`` (a :class:`linattn.train.TrainConfig`): its
+    :class:`CosineSchedule` at ``step``."""
+    return CosineSchedule(lr=config.lr, warmup_steps=config.warmup_steps, decay_steps=config.schedule_steps,
+                          min_lr_ratio=config.min_lr_ratio)(step)
 
-    def __init__(self) -> None:
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: decay on matrices and embeddings (dim >= 2), not on biases or norm
+    gains. Tied weights appear once; frozen parameters not at all."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # parameters() yields a shared (tied) tensor once
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# experiments/common.py imports the old name until it runs on TrainingLoop; remove with that port
+_param_groups = decay_groups
+
+
+class MetricsLog:
+    """A JSONL file of records, one a line, each flushed as it is written (so that a crash loses
+    at most the line being written). ``fresh=True`` empties the file first; otherwise records are
+    appended (a resumed run continues the file)."""
+
+    def __init__(self, path: str | Path, *, fresh: bool = False) -> None:
+        self.path = Path(path)
+        self._fh = open(self.path, "w" if fresh else "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class StopFlag:
+    """Holds the first SIGINT/SIGTERM received; a second SIGINT raises KeyboardInterrupt (abort
+    without a checkpoint). ``label`` names the run in the note printed on stderr."""
+
+    def __init__(self, label: str = "linattn") -> None:
+        self.label = label
         self.signal: signal.Signals | None = None
         self._previous: dict[int, Any] = {}
 
@@ -97,7 +128,7 @@ class _StopFlag:
             raise KeyboardInterrupt
         if self.signal is None:
             self.signal = signal.Signals(signum)
-        print(f"\n[linattn train] {signal.Signals(signum).name}: checkpointing and stopping at the next step "
+        print(f"\n[{self.label}] {signal.Signals(signum).name}: checkpointing and stopping at the next step "
               "boundary (SIGINT again to abort without a checkpoint)", file=sys.stderr, flush=True)
 
     def install(self) -> None:
@@ -112,333 +143,260 @@ class _StopFlag:
         self._previous.clear()
 
 
-def _format_eta(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+@dataclass
+class LoopResult:
+    """What :meth:`TrainingLoop.run` did (every rank gets the same step and flags).
 
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices and embeddings (dim >= 2); not biases or norm gains. Tied weights once."""
-    decay, no_decay = [], []
-    for p in model.parameters():  # parameters() yields a shared (tied) tensor once
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def _check_resume_config(saved: dict[str, Any], config: TrainConfig, folder: Path) -> None:
-    now = config.to_dict()
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
-    if changed:
-        detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}" for k in changed)
-        raise ValueError(
-            f"--resume: the config differs from the one checkpoint {folder} was trained with in {changed} "
-            f"({detail}); only {list(RESUMABLE_CHANGES)} may change on resume"
-        )
-
-
-def _metrics_record(line: bytes) -> dict[str, Any]:
-    """One ``metrics.jsonl`` line as a record; ValueError when it is not one."""
-    rec = json.loads(line)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-    if not isinstance(rec, dict) or isinstance(rec.get("step"), bool) or not isinstance(rec.get("step"), int):
-        raise ValueError("no integer 'step'")
-    return rec
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records after ``step`` (written after the checkpoint by a run that then crashed).
-
-    A last line that is not a record is a write torn by a crash or power loss: it is dropped with a
-    note on stderr. Any earlier bad line is damage this cannot repair: ValueError naming the line.
+    Attributes:
+        step: optimiser steps done, counting those before ``start_step``.
+        stop_signal: the signal that stopped the run (after its checkpoint), or None.
+        diverged: a step's loss was not finite (``stop_on_nonfinite``); that step was taken.
+        last_loss: the loss of the last record (None when none was written).
+        last_eval: the last evaluation's numbers (None when there was none).
+        history: the records written by this run, in order (on every rank; the metrics file is
+            the main rank's).
+        elapsed_s: training time, ``start_elapsed_s`` included (what ``budget_s`` counts).
+        wall_s: wall time of this run, evaluation and checkpoints included.
+        checkpoint: the newest checkpoint (the resumed one when none was written).
     """
-    if not path.is_file():
-        return
-    lines = path.read_bytes().split(b"\n")
-    filled = [i for i, line in enumerate(lines) if line.strip()]
-    keep = []
-    for i in filled:
-        try:
-            rec = _metrics_record(lines[i])
-        except ValueError as e:
-            if i != filled[-1]:
-                raise ValueError(f"{path}: line {i + 1} is not a metrics record ({e}); only a torn last line "
-                                 "is dropped on resume: repair or remove the file") from None
-            print(f"[linattn train] {path}: dropped a torn last line (line {i + 1}, {len(lines[i])} bytes: {e})",
-                  file=sys.stderr, flush=True)
-            continue
-        if rec["step"] <= step:
-            keep.append(lines[i])
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join(line + b"\n" for line in keep))
-    tmp.replace(path)
 
-
-class _Reducer:
-    """Averages scalars over ranks (identity in a single process)."""
-
-    def __init__(self, info: DistInfo) -> None:
-        self.info = info
-
-    def mean(self, values: list[float]) -> list[float]:
-        if self.info.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(t)
-        return (t / self.info.world_size).tolist()
-
-    def max(self, value: int) -> int:
-        if self.info.world_size == 1:
-            return value
-        t = torch.tensor([value], device=self.info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
-
-def _micro_slices(batch: list[int], accum: int, info: DistInfo) -> list[list[int]]:
-    b = len(batch) // (accum * info.world_size)
-    return [batch[(a * info.world_size + info.rank) * b : (a * info.world_size + info.rank + 1) * b]
-            for a in range(accum)]
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of ``logits (B, T, V)`` against ``targets (B, T)``, in float32 at least
-    (bf16 logits under autocast are upcast; float64 stays float64)."""
-    if logits.dtype in (torch.bfloat16, torch.float16):
-        logits = logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
-
-
-def _autocast(config: TrainConfig, device: torch.device):
-    if not config.bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, data: TokenData, config: TrainConfig, info: DistInfo, reducer: _Reducer) -> float:
-    """Mean next-token loss over the first ``eval_batches * batch_size`` validation windows
-    (wrapping around a short validation stream), split over ranks and accumulation steps."""
-    was_training = model.training
-    model.eval()
-    n_val = TokenData.n_windows(data.val, data.seq_len)
-    windows = [i % n_val for i in range(config.eval_batches * config.batch_size)]
-    total = 0.0
-    count = 0
-    for k in range(config.eval_batches):
-        batch = windows[k * config.batch_size : (k + 1) * config.batch_size]
-        for part in _micro_slices(batch, config.grad_accum, info):
-            x, y = data.batch(part, split="val")
-            x, y = x.to(info.device), y.to(info.device)
-            with _autocast(config, info.device):
-                logits = model(x)
-            total += _loss(logits, y, "sum").item()
-            count += y.numel()
-    model.train(was_training)
-    mean_total, mean_count = reducer.mean([total, float(count)])
-    return mean_total / mean_count
-
-
-def train(config: TrainConfig, *, resume: bool = False, handle_signals: bool = True,
-          on_step: Callable[[int, dict[str, Any]], None] | None = None, quiet: bool = False) -> TrainResult:
-    """Train ``config.model`` on ``config.data``; see the module docstring.
-
-    ``resume``: continue from ``out_dir/checkpoints/latest.json`` (raises if there is none). Without
-    it, an ``out_dir`` that already holds checkpoints is refused rather than overwritten.
-    ``handle_signals``: install the SIGINT/SIGTERM handlers (main thread only).
-    ``on_step(step, record)``: called on every rank after each optimiser step, ``record`` being
-    ``{"step", "loss" (this rank's), "lr"}``; for tests and hooks.
-    ``quiet``: no progress lines (metrics.jsonl is still written).
-    """
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"train: config must be a TrainConfig, got {type(config).__name__}")
-    info = setup(config.device)
-    flag = _StopFlag()
-    if handle_signals:
-        flag.install()
-    lock = OutDirLock(config.out_dir)
-    try:
-        _on_main(info, lock.acquire)  # rank 0 holds it for all ranks
-        return _train(config, info, flag, resume=resume, on_step=on_step, quiet=quiet)
-    finally:
-        lock.release()
-        flag.restore()
-        teardown(info)
-
-
-def _on_main(info: DistInfo, fn: Callable[[], None]) -> None:
-    """Run ``fn`` on rank 0 only; when it raises, every rank raises its exception, so that no rank
-    waits at a collective for one that has given up."""
-    error = None
-    if info.is_main:
-        try:
-            fn()
-        except Exception as e:
-            error = e
-    if info.world_size > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise error
-
-
-def _train(config: TrainConfig, info: DistInfo, flag: _StopFlag, *, resume: bool,
-           on_step, quiet: bool) -> TrainResult:
-    c = config
-    W = info.world_size
-    if c.batch_size % (c.grad_accum * W):
-        raise ValueError(
-            f"TrainConfig: batch_size = {c.batch_size} must be divisible by grad_accum * world_size = "
-            f"{c.grad_accum} * {W}"
-        )
-    out = Path(c.out_dir)
-    dtype = getattr(torch, c.dtype)
-    log = (lambda *a: None) if (quiet or not info.is_main) else (lambda msg: print(msg, flush=True))
-
-    # Same initial weights on every rank; then a per-rank stream for dropout.
-    random.seed(c.seed)
-    np.random.seed(c.seed % 2**32)
-    torch.manual_seed(c.seed)
-    model = TransformerLM(c.model).to(dtype=dtype, device=info.device)
-    torch.manual_seed(_mix(0xD0, c.seed, info.rank))
-    optimizer = torch.optim.AdamW(_param_groups(model, c.weight_decay), lr=c.lr, betas=c.betas, eps=c.eps)
-    data = make_data(c)
-    sampler = WindowSampler(TokenData.n_windows(data.train, c.seq_len), seed=c.seed)
-    step = 0
-    metrics_path = out / METRICS_FILE
-
-    existing = latest_checkpoint(out)
-    if resume:
-        if existing is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoints'} (no latest.json)")
-        ck = load_train_checkpoint(existing)
-        meta = ck["meta"]
-        _check_resume_config(meta["train_config"], c, existing)
-        if meta["world_size"] != W:
-            raise ValueError(
-                f"--resume: checkpoint {existing} was written by {meta['world_size']} processes, this run has "
-                f"{W}; exact resumption needs the same number (per-rank RNG states)"
-            )
-        model.load_state_dict(ck["model"].state_dict())
-        optimizer.load_state_dict(ck["optimizer"])
-        sampler.load_state_dict(meta["sampler"])
-        restore_rng(ck["rng"][info.rank], info.device)
-        step = int(meta["step"])
-        log(f"[linattn train] resumed from {existing} at step {step}")
-        saved_steps = meta["train_config"]["max_steps"]
-        if c.decay_steps is None and saved_steps != c.max_steps:
-            log(f"[linattn train] note: max_steps changed from {saved_steps} to {c.max_steps} with decay_steps unset, "
-                f"so the cosine schedule now ends at step {c.max_steps} (set decay_steps to keep it)")
-    elif existing is not None:
-        raise FileExistsError(
-            f"{out} already holds checkpoints ({existing}); pass --resume to continue, or choose another out_dir"
-        )
-
-    def prepare_out_dir() -> None:  # the lock made the folder
-        if resume:
-            _truncate_metrics(metrics_path, step)
-        else:
-            metrics_path.unlink(missing_ok=True)  # a run that died before its first checkpoint
-        (out / CONFIG_FILE).write_text(json.dumps(c.to_dict(), indent=2) + "\n")
-
-    _on_main(info, prepare_out_dir)  # a collective too: no rank starts before the folder is ready
-
-    raw_model = model
-    if W > 1:
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    model.train()
-    reducer = _Reducer(info)
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    tokens_per_step = c.batch_size * c.seq_len
-
-    def checkpoint() -> Path | None:
-        states = [capture_rng(info.device)]
-        if W > 1:
-            states = [None] * W
-            dist.all_gather_object(states, capture_rng(info.device))
-        folder = None
-        if info.is_main:
-            folder = save_train_checkpoint(out, step=step, model=raw_model, optimizer=optimizer,
-                                           config_dict=c.to_dict(), sampler_state=sampler.state_dict(),
-                                           rng_states=states, keep_last=c.keep_last)
-        if W > 1:
-            dist.barrier()
-        return folder or latest_checkpoint(out)
-
-    history: list[dict[str, Any]] = []
-    metrics = open(metrics_path, "a") if info.is_main else None
-
-    def record(rec: dict[str, Any]) -> None:
-        history.append(rec)
-        if metrics is not None:
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-
-    saved_at = step if resume else -1
-    last_ckpt: Path | None = existing if resume else None
-    last_loss = last_val = None
+    step: int
     stop_signal: signal.Signals | None = None
-    t0 = time.perf_counter()
-    start_step = step
-    try:
-        while True:
-            # the ranks agree on stopping, and on which signal (the largest one any rank received)
-            received = reducer.max(int(flag.signal or 0))
-            stop_signal = signal.Signals(received) if received else None
-            if stop_signal is not None or step >= c.max_steps:
-                if saved_at != step:
-                    last_ckpt, saved_at = checkpoint(), step
-                if stop_signal is not None:
-                    log(f"[linattn train] stopped by {stop_signal.name} at step {step}; checkpoint {last_ckpt}")
-                break
-            lr = lr_at(c, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = sampler.take(c.batch_size)
-            loss_sum = 0.0
-            parts = _micro_slices(batch, c.grad_accum, info)
-            for a, part in enumerate(parts):
-                x, y = data.batch(part)
-                x, y = x.to(info.device), y.to(info.device)
-                sync = contextlib.nullcontext() if W == 1 or a == len(parts) - 1 else model.no_sync()
-                with sync:
-                    with _autocast(c, info.device):
-                        logits = model(x)  # (b, T, V)
-                    loss = _loss(logits, y)
-                    (loss / c.grad_accum).backward()
-                loss_sum += loss.item()
-            if c.grad_clip:
-                grad_norm = float(nn.utils.clip_grad_norm_(params, c.grad_clip))
-            else:
-                grad_norm = None
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            rank_loss = loss_sum / c.grad_accum
-            if on_step is not None:
-                on_step(step, {"step": step, "loss": rank_loss, "lr": lr})
+    diverged: bool = False
+    last_loss: float | None = None
+    last_eval: dict[str, float] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    wall_s: float = 0.0
+    checkpoint: Path | None = None
 
-            if step % c.log_every == 0 or step == c.max_steps:
-                (last_loss,) = reducer.mean([rank_loss])
-                elapsed = time.perf_counter() - t0
+    @property
+    def stopped_by_signal(self) -> bool:
+        return self.stop_signal is not None
+
+
+def _check_count(name: str, value: Any, lo: int, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"TrainingLoop: {name} must be an int >= {lo}{' or None' if optional else ''}, got {value!r}")
+
+
+class TrainingLoop:
+    """Optimiser steps until ``max_steps`` or ``budget_s``; see the module docstring.
+
+    ``params``: the tensors whose global gradient norm is clipped to ``grad_clip`` (None or 0: no
+    clipping); None clips the parameters of ``self.optimizer`` as they are at each step (so that a
+    ``before_step`` that replaces the optimiser clips the new one's).
+    ``schedule(step)``: the learning rate of optimiser step ``step`` (0-based), set on every group;
+    None keeps the groups' own rates.
+    ``metrics``: where the records go (None: only ``LoopResult.history``). A record is
+    ``{"kind": "train", "step", "loss", "lr", "grad_norm", ["tokens", "tokens_per_s",]
+    "elapsed_s"}`` every ``log_every`` steps and at the end, and ``{"kind": "eval", "step",
+    **evaluate(step)}`` every ``eval_every`` steps (0: never) and at the end. ``loss`` is the step's
+    loss averaged over ranks, or with ``window_loss`` the mean over the last ``log_every`` steps (the
+    steps since the previous record); ``tokens_per_s`` is the average since this run started,
+    ``elapsed_s`` its wall time.
+    ``save(step)``: write a checkpoint (on every rank: it may gather); every ``ckpt_every`` steps
+    (0: only at the end and on a signal). Returns its folder (or None).
+    ``before_step(step)``: called before each step, outside the timed part; it may assign
+    ``loop.optimizer`` (distillation's change of stage) and read ``loop.elapsed_s``.
+    ``on_step(step, record)``: after each optimiser step, on every rank, with ``{"step" (steps done),
+    "loss" (this rank's), "lr"}``.
+    ``world``: ranks and collectives (:class:`linattn.train.dist.World`); None is one process.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, params: Iterable[torch.Tensor] | None,
+                 schedule: Callable[[int], float] | None = None, grad_clip: float | None = None,
+                 grad_accum: int = 1, max_steps: int | None = None, budget_s: float | None = None,
+                 log_every: int = 10, metrics: MetricsLog | None = None, window_loss: bool = False,
+                 eval_every: int = 0, evaluate: Callable[[int], dict[str, float]] | None = None,
+                 ckpt_every: int = 0, save: Callable[[int], Path | None] | None = None,
+                 stop_on_nonfinite: bool = False, before_step: Callable[[int], None] | None = None,
+                 on_step: Callable[[int, dict[str, Any]], None] | None = None, handle_signals: bool = True,
+                 tokens_per_step: int | None = None, desc: str = "train", quiet: bool = False,
+                 world: World | None = None) -> None:
+        _check_count("grad_accum", grad_accum, 1)
+        _check_count("max_steps", max_steps, 0, optional=True)
+        _check_count("log_every", log_every, 1)
+        _check_count("eval_every", eval_every, 0)
+        _check_count("ckpt_every", ckpt_every, 0)
+        _check_count("tokens_per_step", tokens_per_step, 1, optional=True)
+        if budget_s is not None and not (isinstance(budget_s, (int, float)) and budget_s > 0):
+            raise ValueError(f"TrainingLoop: budget_s must be a number of seconds > 0 or None, got {budget_s!r}")
+        if max_steps is None and budget_s is None:
+            raise ValueError("TrainingLoop: give max_steps, budget_s or both (the loop needs a stopping rule)")
+        if eval_every and evaluate is None:
+            raise ValueError(f"TrainingLoop: eval_every = {eval_every} needs an evaluate function")
+        self.optimizer = optimizer
+        self.params = None if params is None else list(params)
+        self.schedule = schedule
+        self.grad_clip = grad_clip
+        self.grad_accum = grad_accum
+        self.max_steps = max_steps
+        self.budget_s = None if budget_s is None else float(budget_s)
+        self.log_every = log_every
+        self.metrics = metrics
+        self.window_loss = window_loss
+        self.eval_every = eval_every
+        self.evaluate = evaluate
+        self.ckpt_every = ckpt_every
+        self.save = save
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.before_step = before_step
+        self.on_step = on_step
+        self.handle_signals = handle_signals
+        self.tokens_per_step = tokens_per_step
+        self.desc = desc
+        self.quiet = quiet
+        self.world = world or World()
+        self.step = 0
+        self.elapsed_s = 0.0
+
+    # -- one optimiser step ------------------------------------------------------------------
+
+    def _clipped(self) -> list[torch.Tensor]:
+        if self.params is not None:
+            return self.params
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _one_step(self, micro_loss: Callable[[int, int], torch.Tensor], step: int) -> tuple[float, float, float | None]:
+        """Run optimiser step ``step``; returns (this rank's loss, lr, grad norm or None)."""
+        opt = self.optimizer
+        if self.schedule is not None:
+            lr = self.schedule(step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+        else:
+            lr = opt.param_groups[0]["lr"]
+        loss_sum = 0.0
+        last = self.grad_accum - 1
+        for a in range(self.grad_accum):
+            with self.world.no_sync() if a != last else contextlib.nullcontext():
+                loss = micro_loss(step, a)
+                (loss / self.grad_accum).backward()
+            loss_sum += loss.item()
+        grad_norm = float(nn.utils.clip_grad_norm_(self._clipped(), self.grad_clip)) if self.grad_clip else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss_sum / self.grad_accum, lr, grad_norm
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def _bar(self, start_step: int, start_elapsed_s: float):
+        quiet = self.quiet or not self.world.is_main
+        if self.max_steps is not None:
+            return progress_bar(self.max_steps, initial=start_step, desc=self.desc, unit="step", quiet=quiet)
+        # a time budget: the bar counts training seconds; n_fmt/total_fmt because tqdm sets total to
+        # None once n passes it, and a format spec on None would raise inside the loop
+        return progress_bar(round(self.budget_s), initial=min(round(start_elapsed_s), round(self.budget_s)),
+                            desc=self.desc, unit="s", quiet=quiet,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s [{elapsed}<{remaining}]{postfix}")
+
+    def run(self, micro_loss: Callable[[int, int], torch.Tensor], *, start_step: int = 0,
+            start_elapsed_s: float = 0.0, checkpoint: Path | None = None) -> LoopResult:
+        """Train from optimiser step ``start_step`` (0, or a resumed checkpoint's step) with
+        ``start_elapsed_s`` of the budget already spent; ``checkpoint``: the checkpoint resumed
+        from, so that its step is not written again. Returns a :class:`LoopResult`."""
+        _check_count("start_step", start_step, 0)
+        w = self.world
+        self.step, self.elapsed_s = start_step, float(start_elapsed_s)
+        flag = StopFlag(f"linattn {self.desc}")
+        if self.handle_signals:
+            flag.install()
+        result = LoopResult(step=start_step, checkpoint=checkpoint)
+        saved_at = start_step if checkpoint is not None else -1
+        logged_at = evaluated_at = -1
+        window: collections.deque[float] = collections.deque(maxlen=self.log_every)
+        lr = grad_norm = None
+        t0 = time.perf_counter()
+        mark_elapsed, mark_step = self.elapsed_s, start_step  # the bar's tokens/s counts from here
+
+        def record(rec: dict[str, Any]) -> None:
+            result.history.append(rec)
+            if self.metrics is not None:
+                self.metrics.write(rec)
+
+        def log(step: int, rank_loss: float) -> None:
+            nonlocal logged_at, mark_elapsed, mark_step
+            value = sum(window) / len(window) if self.window_loss else rank_loss
+            (result.last_loss,) = w.mean([value])
+            wall = time.perf_counter() - t0
+            rec: dict[str, Any] = {"kind": "train", "step": step, "loss": result.last_loss, "lr": lr,
+                                   "grad_norm": grad_norm}
+            postfix = f"loss {result.last_loss:.4f}"
+            if self.tokens_per_step is not None:
                 done = step - start_step
-                tok_s = done * tokens_per_step / elapsed if elapsed > 0 else float("nan")
-                eta = (c.max_steps - step) * elapsed / done
-                record({"kind": "train", "step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm,
-                        "tokens": step * tokens_per_step, "tokens_per_s": tok_s, "elapsed_s": elapsed})
-                log(f"step {step}/{c.max_steps} | loss {last_loss:.4f} | lr {lr:.2e} | "
-                    f"{tok_s:,.0f} tok/s | ETA {_format_eta(eta)}")
-            if c.eval_every and (step % c.eval_every == 0 or step == c.max_steps):
-                last_val = _evaluate(raw_model, data, c, info, reducer)
-                record({"kind": "eval", "step": step, "val_loss": last_val})
-                log(f"step {step}/{c.max_steps} | val_loss {last_val:.4f}")
-            if c.ckpt_every and step % c.ckpt_every == 0:
-                last_ckpt, saved_at = checkpoint(), step
-    finally:
-        if metrics is not None:
-            metrics.close()
-    return TrainResult(step=step, stop_signal=stop_signal, checkpoint=last_ckpt, last_loss=last_loss,
-                       last_val_loss=last_val, history=history)
+                rec["tokens"] = step * self.tokens_per_step
+                rec["tokens_per_s"] = done * self.tokens_per_step / wall if wall > 0 else float("nan")
+                spent = self.elapsed_s - mark_elapsed
+                if spent > 0:
+                    postfix += f" | {(step - mark_step) * self.tokens_per_step / spent:,.0f} tok/s"
+            rec["elapsed_s"] = wall
+            record(rec)
+            bar.set_postfix_str(postfix, refresh=False)
+            logged_at, mark_elapsed, mark_step = step, self.elapsed_s, step
+
+        def evaluate(step: int) -> None:
+            nonlocal evaluated_at
+            result.last_eval = dict(self.evaluate(step))
+            record({"kind": "eval", "step": step, **result.last_eval})
+            evaluated_at = step
+
+        def save(step: int) -> None:
+            nonlocal saved_at
+            if self.save is not None:
+                result.checkpoint = self.save(step) or result.checkpoint
+            saved_at = step
+
+        bar = self._bar(start_step, start_elapsed_s)
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            while True:
+                step = self.step
+                over_budget = self.budget_s is not None and self.elapsed_s >= self.budget_s
+                # the ranks agree on stopping, and on which signal (the largest one any rank received)
+                received, over_budget = w.max([int(flag.signal or 0), int(over_budget)])
+                result.stop_signal = signal.Signals(received) if received else None
+                at_max = self.max_steps is not None and step >= self.max_steps
+                if result.stop_signal is not None or at_max or over_budget:
+                    if result.stop_signal is None and step > start_step:  # the end: its record and evaluation
+                        if logged_at != step:
+                            log(step, window[-1])
+                        if self.evaluate is not None and evaluated_at != step:
+                            evaluate(step)
+                    if saved_at != step:
+                        save(step)
+                    break
+                if self.before_step is not None:
+                    self.before_step(step)
+                t_step = time.perf_counter()
+                rank_loss, lr, grad_norm = self._one_step(micro_loss, step)
+                self.elapsed_s += time.perf_counter() - t_step
+                step += 1
+                self.step = step
+                window.append(rank_loss)
+                if self.on_step is not None:
+                    self.on_step(step, {"step": step, "loss": rank_loss, "lr": lr})
+                if self.stop_on_nonfinite and w.max([int(not math.isfinite(rank_loss))])[0]:
+                    result.diverged = True
+                    break
+                if self.max_steps is not None:
+                    bar.update(1)
+                else:
+                    bar.update(min(round(self.elapsed_s), round(self.budget_s)) - bar.n)
+                end = step == self.max_steps
+                if step % self.log_every == 0 or end:
+                    log(step, rank_loss)
+                if self.evaluate is not None and ((self.eval_every and step % self.eval_every == 0) or end):
+                    evaluate(step)
+                if self.ckpt_every and step % self.ckpt_every == 0:
+                    save(step)
+        finally:
+            bar.close()
+            flag.restore()
+        result.step = self.step
+        result.elapsed_s = self.elapsed_s
+        result.wall_s = time.perf_counter() - t0
+        return result
+
