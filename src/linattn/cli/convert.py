@@ -54,10 +54,9 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _add_threads(parser: argparse.ArgumentParser) -> None:
+def _add_threads(parser: argparse.ArgumentParser, where: str = "") -> None:
     parser.add_argument("--threads", type=positive_int, default=1, metavar="N",
-                        help="Torch threads in this process and in every subprocess (default: 1, since the "
-                        "machine is shared).")
+                        help=f"Torch threads{where} (default: 1, since the machine is shared).")
 
 
 def build_parser(prog: str) -> CommandParser:
@@ -74,7 +73,7 @@ def build_parser(prog: str) -> CommandParser:
                          description="Embedding fidelity of converted MiniLM without training: the mean cosine "
                          "between converted and original sentence embeddings over held-out texts, one "
                          "configuration at a time; a rerun skips the configurations fidelity.json already holds.")
-    add_out_argument(fid, "docs/convert", "Folder for fidelity.json.")
+    add_out_argument(fid, "docs/convert", "Folder for fidelity.json")
     fid.add_argument("--sentences", type=positive_int, default=1000, metavar="N",
                      help="Held-out sentences to embed (default: 1000).")
     fid.add_argument("--passages", type=_non_negative_int, default=200, metavar="N",
@@ -103,7 +102,7 @@ def build_parser(prog: str) -> CommandParser:
     long = sub.add_parser("long", help="Time and peak memory at N = 512, 2048 and 8192 against the original.",
                           description="Time and peak memory of the converted models past BERT's 512 positions, "
                           "against the original, each measurement in fresh subprocesses.")
-    add_out_argument(long, "docs/convert", "Folder for long.json.")
+    add_out_argument(long, "docs/convert", "Folder for long.json")
     long.add_argument("--ns", type=int_list, default=(512, 2048, 8192), metavar="N,N",
                       help="Sequence lengths, comma-separated (default: 512,2048,8192).")
     long.add_argument("--models", default=",".join(LONG_MODELS), metavar="A,B",
@@ -117,14 +116,14 @@ def build_parser(prog: str) -> CommandParser:
     long.add_argument("--position-method", default="tile", choices=POSITION_METHODS,
                       help="How the 512-row position table is extended: tile repeats it, interpolate squeezes it. "
                       f"One of: {', '.join(POSITION_METHODS)} (default: tile).")
-    _add_threads(long)
+    _add_threads(long, " in every measuring subprocess")
 
     rep = sub.add_parser("report", help="Write docs/convert.md from the run files.",
                          description="Write the conversion document from fidelity.json, every distill_*.json and "
                          "long.json in --runs.")
     rep.add_argument("--runs", default="docs/convert", metavar="PATH",
                      help="Folder holding fidelity.json, distill_*.json and long.json (default: docs/convert).")
-    add_out_argument(rep, "docs/convert.md", "The Markdown document to write.")
+    add_out_argument(rep, "docs/convert.md", "The Markdown document to write")
 
     for name, sub_parser in sub.choices.items():
         sub_parser.set_defaults(command_parser=sub_parser)
