@@ -1,13 +1,12 @@
-"""What every experiment shares: typed configs with presets and ``key=value`` overrides, the run
-folder, one training loop for a contender, measurements (time, tokens/s, peak RSS, other load) and
-plots.
+"""What every experiment shares: typed configs (their mechanisms from the registry), the run
+folder, the training of one mechanism, measurements (time, tokens/s, peak RSS, other load) and plots.
 
 Dimension legend: B batch, N sequence length, V vocabulary size.
 
-A run folder ``runs/NAME/`` (or ``out=...``) holds ``config.json``, ``metrics_<contender>.jsonl``
+A run folder ``runs/NAME/`` (or ``--out DIR``) holds ``config.json``, ``metrics_<label>.jsonl``
 (one record per logged step), ``summary.json`` (the numbers ``linattn experiment report`` puts in
-docs/results.md) and the PNG plots. Every contender of an experiment trains the same model size for
-the same steps, batch, learning rate schedule and seed; only the attention mechanism differs.
+docs/results.md) and the PNG plots. Every mechanism of an experiment trains the same model size for
+the same steps, batch, learning rate schedule and seed; only the attention differs.
 """
 
 from __future__ import annotations
@@ -19,55 +18,129 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from types import SimpleNamespace
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from ..bench.harness import OtherLoad, _vm_kib, machine_info, write_atomically
+from ..bench.harness import OtherLoad, machine_info, proc_status_kib, write_atomically
+from ..config import Config, apply_overrides
 from ..extras import require_extra
 from ..models import TransformerConfig, TransformerLM, count_parameters
-from ..nn import FavorConfig, LinearConfig, LSHConfig, SoftmaxConfig
+from ..nn.registry import (
+    AttentionConfig,
+    attention_config,
+    attention_config_from_dict,
+    attention_config_to_dict,
+    config_label,
+    parse_mechanisms,
+    spec_for,
+)
+from ..progress import progress_bar, say as print_line
 from ..train.loop import _param_groups, lr_at
 
 __all__ = [
     "ExperimentConfig",
+    "HYBRID_SUFFIX",
     "PeakRSS",
     "RunFolder",
-    "attention_for",
+    "as_mechanisms",
     "masked_cross_entropy",
-    "parse_overrides",
+    "mechanism_labels",
+    "metrics_file_name",
     "plot_curves",
     "read_metrics",
-    "train_contender",
+    "train_mechanism",
 ]
 
 LN2 = math.log(2)
 
+# the label of a hybrid layout: its mechanism in every layer but the last, softmax in the last
+HYBRID_SUFFIX = "+softmax@-1"
+
+
+def as_mechanisms(value: Any, field: str = "mechanisms") -> tuple[AttentionConfig, ...]:
+    """Attention configs from any form a config file or override gives: a tuple of configs, a list
+    of registered names and ``{"name": ..., **options}`` dicts, or the command-line text (names
+    separated by commas, or a JSON list). ValueError naming ``field`` and what exists otherwise."""
+    try:
+        if isinstance(value, str):
+            return parse_mechanisms(value) if value.strip() else ()
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected a list of mechanisms, got {type(value).__name__}")
+        out = []
+        for item in value:
+            if isinstance(item, str):
+                item = attention_config(item)
+            elif isinstance(item, Mapping):
+                item = attention_config_from_dict(dict(item))
+            spec_for(item)  # TypeError for anything that is not an attention config
+            out.append(item)
+        return tuple(out)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{field}: {e}") from None
+
+
+def mechanism_labels(configs: Iterable[AttentionConfig]) -> list[str]:
+    """The label of each config: its :func:`linattn.nn.registry.config_label` without the options
+    that every config of the same mechanism in ``configs`` shares. Default configs keep their plain
+    names (``"softmax"``, ``"linear"``); a lone FAVOR with 64 features is ``"favor"`` (config.json
+    holds every option); beside it, a ReLU-kernel FAVOR is ``"favor kernel=relu"``."""
+    words = [config_label(c).split(" ") for c in configs]
+    out = []
+    for name, *options in words:
+        shared = set.intersection(*(set(w[1:]) for w in words if w[0] == name))
+        out.append(" ".join([name, *(o for o in options if o not in shared)]))
+    return out
+
+
+def metrics_file_name(label: str) -> str:
+    """``metrics_<label>.jsonl``, spaces in the label written as underscores."""
+    return f"metrics_{label.replace(' ', '_')}.jsonl"
+
 
 @dataclass(frozen=True)
-class ExperimentConfig:
-    """Fields every experiment has; each experiment subclasses it and adds its own.
+class ExperimentConfig(Config):
+    """Fields every experiment has; each experiment subclasses it, adds its own and sets the
+    defaults of its full run (``--quick`` applies the class's ``quick_settings`` on top).
 
     Attributes:
-        contenders: attention mechanisms to train, names from :func:`attention_for`.
-        d_model, n_layers, n_heads, d_ff: the model size, the same for every contender.
-        short_conv: K > 0 gives every contender's attention layers the same causal depthwise
+        mechanisms: the attention mechanisms to train, each in every layer: registered names or
+            configs (``{"name": "favor", "num_features": 64}``). Their labels in file names and
+            tables are the registry's labels, with the options every same-named entry shares left out.
+        hybrids: mechanisms trained once more with softmax attention in the last layer, labelled
+            ``<mechanism>+softmax@-1`` (arXiv 2006.16236 leaves mixing to future work; the last layer
+            is where sharp, content-based lookups matter most for a language model). Empty: none.
+        d_model: the model width, the same for every mechanism.
+        n_layers: transformer blocks.
+        n_heads: attention heads; must divide d_model.
+        d_ff: hidden width of each block's MLP.
+        short_conv: K > 0 gives every mechanism's attention layers the same causal depthwise
             convolution of kernel size K over their input (``TransformerConfig.short_conv``); 0 = none.
-        steps: optimiser steps per contender.
+        steps: optimiser steps per mechanism.
         batch_size: sequences per step.
-        lr: peak learning rate of AdamW (linear warm-up over ``warmup_steps``, cosine down to
-            ``lr * min_lr_ratio`` at ``steps``; :func:`linattn.train.lr_at`).
+        lr: peak learning rate of AdamW (betas 0.9, 0.98).
+        warmup_steps: linear warm-up of the learning rate over this many steps.
+        min_lr_ratio: the cosine after the warm-up ends at ``lr * min_lr_ratio`` at the last step.
         weight_decay: AdamW's, on matrices and embeddings only.
         grad_clip: clip the gradient's global norm to this.
-        favor_features: m, random features of the FAVOR contenders.
-        seed: seeds the model initialisation and the data order (same for every contender).
+        seed: seeds the model initialisation and the data order (the same for every mechanism).
         threads: torch threads (1 leaves a core to others on a shared 2-core machine).
         log_every: record the mean training loss every this many steps.
-        out: the run folder; empty means ``runs/<experiment name>``.
+        out: the run folder; empty means runs/NAME.
     """
 
-    contenders: tuple[str, ...] = ("softmax", "linear")
+    # old names, so that an old config.json or override is refused with the new one in the message
+    renamed: ClassVar[dict[str, str]] = {
+        "contenders": "mechanisms",
+        "favor_features": "num_features (an option of each favor entry of mechanisms)",
+    }
+    # the changes --quick makes to a class's defaults: tiny settings that finish in about a minute
+    quick_settings: ClassVar[dict[str, Any]] = {}
+
+    mechanisms: tuple[AttentionConfig, ...] = (attention_config("softmax"), attention_config("linear"))
+    hybrids: tuple[AttentionConfig, ...] = ()
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -80,7 +153,6 @@ class ExperimentConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    favor_features: int = 64
     seed: int = 0
     threads: int = 1
     log_every: int = 10
@@ -94,8 +166,11 @@ class ExperimentConfig:
                 raise TypeError(f"{name}: {f.name} must be an int, got {val!r}")
             if f.type in ("float", float) and (isinstance(val, bool) or not isinstance(val, (int, float))):
                 raise TypeError(f"{name}: {f.name} must be a number, got {val!r}")
-        for key in ("d_model", "n_layers", "n_heads", "d_ff", "steps", "batch_size", "favor_features",
-                    "threads", "log_every"):
+            if f.type in ("bool", bool) and not isinstance(val, bool):
+                raise TypeError(f"{name}: {f.name} must be true or false, got {val!r}")
+            if f.type in ("str", str) and not isinstance(val, str):
+                raise TypeError(f"{name}: {f.name} must be a string, got {val!r}")
+        for key in ("d_model", "n_layers", "n_heads", "d_ff", "steps", "batch_size", "threads", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}: {key} must be >= 1, got {getattr(self, key)!r}")
         if self.short_conv < 0:
@@ -104,89 +179,75 @@ class ExperimentConfig:
             raise ValueError(f"{name}: warmup_steps must be in [0, steps = {self.steps}), got {self.warmup_steps}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"{name}: lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
-        if not self.contenders or not all(isinstance(c, str) for c in self.contenders):
-            raise ValueError(f"{name}: contenders must be a non-empty list of names, got {self.contenders!r}")
-        object.__setattr__(self, "contenders", tuple(self.contenders))
-        for c in self.contenders:
-            attention_for(c, self)  # raises for unknown names
+        for key in ("mechanisms", "hybrids"):
+            try:
+                configs = as_mechanisms(getattr(self, key), key)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{name}: {e}") from None
+            for c in configs:
+                spec = spec_for(c)
+                if not spec.causal:  # every experiment trains a causal language model
+                    raise ValueError(f"{name}: {key}: {spec.name!r} attention has no causal form; causal ones: "
+                                     f"{self.causal_names()}")
+            object.__setattr__(self, key, configs)
+        if not self.mechanisms:
+            raise ValueError(f"{name}: mechanisms must name at least one mechanism")
+        labels = self.labels
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise ValueError(f"{name}: mechanisms and hybrids give {twice} twice")
+
+    @staticmethod
+    def causal_names() -> list[str]:
+        """The registered mechanisms an experiment can train (those with a causal form)."""
+        from ..nn.registry import MECHANISMS
+
+        return [n for n, s in MECHANISMS.items() if s.causal]
+
+    @classmethod
+    def preset(cls, quick: bool = False):
+        """The full run's config, or with ``quick`` its tiny settings."""
+        return cls.from_dict({**cls().to_dict(), **(cls.quick_settings if quick else {})})
+
+    @classmethod
+    def resolve(cls, *, quick: bool = False, mechanisms: Iterable[AttentionConfig] | None = None,
+                overrides: Iterable[str] = ()):
+        """The preset with ``mechanisms`` (when given) and the ``dotted.key=value`` overrides applied
+        through the dict form (:func:`linattn.config.apply_overrides`), then validated by
+        :meth:`from_dict`: unknown keys are refused naming the closest field."""
+        d = cls.preset(quick).to_dict()
+        if mechanisms is not None:
+            d["mechanisms"] = [attention_config_to_dict(c) for c in mechanisms]
+        return cls.from_dict(apply_overrides(d, overrides, str_fields=cls.str_fields()))
+
+    def encode_field(self, name: str, value: Any) -> Any:
+        """``mechanisms`` and ``hybrids`` as lists of registry dicts ``{"name": ..., **options}``."""
+        if name in ("mechanisms", "hybrids"):
+            return [attention_config_to_dict(c) for c in value]
+        return super().encode_field(name, value)
 
     @property
-    def schedule_steps(self) -> int:
-        """The step where the cosine ends (what :func:`linattn.train.lr_at` reads)."""
-        return self.steps
+    def labels(self) -> list[str]:
+        """The label of every model trained: the mechanisms', then the hybrids'."""
+        return [*mechanism_labels(self.mechanisms),
+                *(label + HYBRID_SUFFIX for label in mechanism_labels(self.hybrids))]
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["contenders"] = list(self.contenders)
-        return d
+    def layouts(self) -> dict[str, tuple[AttentionConfig, dict[int, AttentionConfig]]]:
+        """``{label: (attention of every layer, per-layer overrides)}`` of every model trained."""
+        last = {self.n_layers - 1: attention_config("softmax")}
+        pairs = [(c, {}) for c in self.mechanisms] + [(c, last) for c in self.hybrids]
+        return dict(zip(self.labels, pairs))
 
-    def model_config(self, contender: str, *, vocab_size: int, max_len: int) -> TransformerConfig:
-        attention, layer_attention = attention_for(contender, self)
+    def model_config(self, label: str, *, vocab_size: int, max_len: int) -> TransformerConfig:
+        """The model of the mechanism labelled ``label`` (one of :attr:`labels`)."""
+        attention, layer_attention = self.layouts()[label]
         return TransformerConfig(vocab_size=vocab_size, max_len=max_len, d_model=self.d_model,
                                  n_layers=self.n_layers, n_heads=self.n_heads, d_ff=self.d_ff,
                                  attention=attention, layer_attention=layer_attention, short_conv=self.short_conv)
 
 
-def attention_for(contender: str, config: ExperimentConfig) -> tuple[Any, dict]:
-    """``(attention config, per-layer overrides)`` of a contender name.
-
-    ``hybrid`` is linear attention with softmax in the last layer (arXiv 2006.16236 leaves mixing
-    to future work; the last layer is where sharp, content-based lookups matter most for an LM).
-    """
-    m = config.favor_features
-    table = {
-        "softmax": (SoftmaxConfig(), {}),
-        "linear": (LinearConfig(), {}),
-        "favor": (FavorConfig(num_features=m), {}),
-        "favor-relu": (FavorConfig(num_features=m, kernel="relu"), {}),
-        "lsh": (LSHConfig(n_hashes=4, bucket_size=32), {}),
-        "hybrid": (LinearConfig(), {config.n_layers - 1: SoftmaxConfig()}),
-    }
-    if contender not in table:
-        raise ValueError(f"unknown contender {contender!r}; known: {sorted(table)}")
-    return table[contender]
-
-
-def _field_types(cls) -> dict[str, str]:
-    return {f.name: str(f.type) for f in dataclasses.fields(cls)}
-
-
-def parse_overrides(base: ExperimentConfig, overrides: Iterable[str]) -> ExperimentConfig:
-    """``base`` with every ``key=value`` applied: a number, ``true``/``false``, a string, or for
-    ``contenders`` a comma-separated list. Unknown keys and values of the wrong type raise
-    ValueError naming the key and the known keys."""
-    cls = type(base)
-    types = _field_types(cls)
-    changes: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not of the form key=value (e.g. steps=200)")
-        if key not in types:
-            raise ValueError(f"unknown key {key!r} for {cls.__name__}; known: {sorted(types)}")
-        kind = types[key]
-        try:
-            if key == "contenders":
-                val: Any = tuple(x for x in raw.split(",") if x)
-            elif kind == "int":
-                val = int(raw)
-            elif kind == "float":
-                val = float(raw)
-            elif kind == "bool":
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(raw)
-                val = raw.lower() in ("true", "1")
-            else:
-                val = raw
-        except ValueError:
-            raise ValueError(f"override {key}={raw!r}: {key} must be {'an' if kind == 'int' else 'a'} {kind}") from None
-        changes[key] = val
-    return dataclasses.replace(base, **changes)
-
-
 class RunFolder:
-    """``runs/NAME/``: config.json, metrics_<contender>.jsonl, summary.json and plots, written atomically."""
+    """``runs/NAME/``: config.json, metrics_<label>.jsonl, summary.json and plots, written atomically."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -196,11 +257,11 @@ class RunFolder:
         write_atomically(self.path, {name: json.dumps(obj, indent=2) + "\n"})
         return self.path / name
 
-    def metrics_path(self, contender: str) -> Path:
-        return self.path / f"metrics_{contender}.jsonl"
+    def metrics_path(self, label: str) -> Path:
+        return self.path / metrics_file_name(label)
 
-    def start_metrics(self, contender: str) -> Path:
-        path = self.metrics_path(contender)
+    def start_metrics(self, label: str) -> Path:
+        path = self.metrics_path(label)
         path.write_text("")
         return path
 
@@ -209,12 +270,12 @@ class PeakRSS:
     """Peak resident memory above the level at :meth:`start`, from ``/proc/self`` (Linux).
 
     Writing 5 to ``/proc/self/clear_refs`` resets the high-water mark VmHWM to the current RSS, so
-    each contender's peak is its own even though they share a process; what the allocator kept
-    from an earlier contender is in the baseline and not counted again.
+    each mechanism's peak is its own even though they share a process; what the allocator kept
+    from an earlier mechanism is in the baseline and not counted again.
     """
 
     def start(self) -> None:
-        self.base_kib = _vm_kib("VmRSS")
+        self.base_kib = proc_status_kib("VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")
@@ -222,7 +283,7 @@ class PeakRSS:
             pass
 
     def peak_bytes(self) -> int:
-        return max(0, _vm_kib("VmHWM") - self.base_kib) * 1024
+        return max(0, proc_status_kib("VmHWM") - self.base_kib) * 1024
 
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None,
@@ -239,8 +300,8 @@ def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torc
 Batch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
-def train_contender(
-    contender: str,
+def train_mechanism(
+    label: str,
     model_config: TransformerConfig,
     config: ExperimentConfig,
     batches: Callable[[int], Batch],
@@ -248,33 +309,38 @@ def train_contender(
     *,
     evaluate: Callable[[TransformerLM], dict[str, float]] | None = None,
     eval_every: int = 0,
-    say: Callable[..., None] = print,
+    say: Callable[..., None] = print_line,
+    quiet: bool = False,
 ) -> tuple[TransformerLM, dict[str, Any]]:
-    """Train one contender and return ``(model in eval mode, record)``.
+    """Train the model of one mechanism and return ``(model in eval mode, record)``.
 
     ``batches(step)`` returns ``(ids (B, N), targets (B, N), mask (B, N) or None)`` for a step; it
-    must depend on the step only, so every contender sees the same data. ``evaluate(model)`` (on
+    must depend on the step only, so every mechanism sees the same data. ``evaluate(model)`` (on
     held-out data, in eval mode, no grad) runs every ``eval_every`` steps (0: only at the end) and
     its numbers are logged and returned under ``"eval"``. The record holds the parameter count,
     wall time of training, tokens/s, peak RSS above the baseline, the final training loss and the
-    load other processes put on the machine.
+    load other processes put on the machine. Progress is a bar (:mod:`linattn.progress`); ``quiet``
+    hides it.
     """
     torch.manual_seed(config.seed)
     model = TransformerLM(model_config)
     opt = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
-    metrics = run.start_metrics(contender)
+    # the fields lr_at reads; the cosine ends at the last step
+    schedule = SimpleNamespace(lr=config.lr, warmup_steps=config.warmup_steps, schedule_steps=config.steps,
+                               min_lr_ratio=config.min_lr_ratio)
+    metrics = run.start_metrics(label)
     rss, load = PeakRSS(), OtherLoad()
     rss.start()
     losses: list[float] = []
     tokens, train_s, t0 = 0, 0.0, time.perf_counter()
     last: dict[str, Any] = {}
-    with metrics.open("a") as fh:
+    with metrics.open("a") as fh, progress_bar(config.steps, desc=label, unit="step", quiet=quiet) as bar:
         for step in range(config.steps):
             ids, targets, mask = batches(step)
             model.train()
             t_step = time.perf_counter()
             for group in opt.param_groups:
-                group["lr"] = lr_at(config, step)  # duck-typed: lr, warmup_steps, schedule_steps, min_lr_ratio
+                group["lr"] = lr_at(schedule, step)
             loss = masked_cross_entropy(model(ids), targets, mask)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -283,13 +349,15 @@ def train_contender(
             train_s += time.perf_counter() - t_step
             tokens += ids.numel()
             losses.append(loss.item())
+            bar.update(1)
             if not math.isfinite(losses[-1]):
-                say(f"  {contender}: loss is {losses[-1]} at step {step}; stopping this contender")
+                say(f"  {label}: loss is {losses[-1]} at step {step}; stopping this mechanism")
                 break
             done = step + 1
             if done % config.log_every == 0 or done == config.steps:
-                rec: dict[str, Any] = {"step": done, "loss": sum(losses[-config.log_every:]) / len(losses[-config.log_every:]),
-                                       "lr": lr_at(config, step), "elapsed_s": time.perf_counter() - t0}
+                window = losses[-config.log_every:]
+                rec: dict[str, Any] = {"step": done, "loss": sum(window) / len(window),
+                                       "lr": lr_at(schedule, step), "elapsed_s": time.perf_counter() - t0}
                 if evaluate is not None and eval_every and done % eval_every == 0 and done != config.steps:
                     model.eval()
                     with torch.no_grad():
@@ -297,9 +365,7 @@ def train_contender(
                 fh.write(json.dumps(rec) + "\n")
                 fh.flush()
                 last = rec
-                if done % (config.log_every * 10) == 0 or done == config.steps:
-                    say(f"  {contender} step {done}/{config.steps}: loss {rec['loss']:.4f} "
-                        f"({rec['elapsed_s']:.0f} s)")
+                bar.set_postfix_str(f"loss {rec['loss']:.4f}")
         model.eval()
         final_eval: dict[str, float] = {}
         if evaluate is not None:
@@ -307,8 +373,8 @@ def train_contender(
                 final_eval = evaluate(model)
             fh.write(json.dumps({"step": len(losses), "final": True, "eval": final_eval,
                                  "elapsed_s": time.perf_counter() - t0}) + "\n")
-    record = {
-        "contender": contender,
+    return model, {
+        "label": label,
         "attention": model_config.to_dict()["attention"],
         "layer_attention": model_config.to_dict()["layer_attention"],
         "parameters": count_parameters(model),
@@ -323,7 +389,6 @@ def train_contender(
         "wall_seconds": time.perf_counter() - t0,
         "load": load.finish(),
     }
-    return model, record
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -331,18 +396,18 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_curves(run: RunFolder, contenders: Iterable[str], *, title: str, ylabel: str = "training loss (nats)",
+def plot_curves(run: RunFolder, labels: Iterable[str], *, title: str, ylabel: str = "training loss (nats)",
                 key: str = "loss", name: str = "loss.png", log_y: bool = False) -> Path:
-    """One line per contender from its metrics file: ``key`` against step."""
+    """One line per mechanism from its metrics file: ``key`` against step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for c in contenders:
-        recs = [r for r in read_metrics(run.metrics_path(c)) if key in r]
-        ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=c)
+    for label in labels:
+        recs = [r for r in read_metrics(run.metrics_path(label)) if key in r]
+        ax.plot([r["step"] for r in recs], [r[key] for r in recs], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     if log_y:
@@ -373,7 +438,7 @@ def start_run(name: str, config: ExperimentConfig, *, quick: bool, command: str)
 
 def finish_run(run: RunFolder, name: str, config: ExperimentConfig, *, quick: bool, command: str,
                load: OtherLoad, t0: float, results: Mapping[str, Any], line: str,
-               say: Callable[..., None] = print) -> dict[str, Any]:
+               say: Callable[..., None] = print_line) -> dict[str, Any]:
     """Write summary.json (command, config, machine, per-experiment results, wall time, other
     load) and print the summary line."""
     summary = {"experiment": name, "quick": quick, "command": command, "config": config.to_dict(),

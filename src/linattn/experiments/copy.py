@@ -10,11 +10,13 @@ train the same model for the same steps on the same batches; one plot shows thei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from .common import ExperimentConfig, finish_run, masked_cross_entropy, plot_curves, start_run, train_contender
+from ..nn.registry import AttentionConfig, attention_config
+from ..progress import say as print_line
+from .common import ExperimentConfig, finish_run, masked_cross_entropy, plot_curves, start_run, train_mechanism
 
 __all__ = ["CopyConfig", "copy_batch", "run_copy"]
 
@@ -30,26 +32,30 @@ class CopyConfig(ExperimentConfig):
         eval_every: also evaluate every this many steps (0: only at the end).
     """
 
-    contenders: tuple[str, ...] = ("softmax", "linear", "favor", "lsh")
-    length: int = 64
+    # a minute on one thread: the losses fall, files are written
+    quick_settings: ClassVar[dict[str, Any]] = dict(
+        length=16, d_model=32, n_heads=2, d_ff=64, steps=40, batch_size=16, warmup_steps=5, log_every=5,
+        eval_batches=2, eval_every=0, mechanisms=(attention_config("softmax"), attention_config("linear"),
+                                                  attention_config("favor", num_features=16), attention_config("lsh")))
+
+    mechanisms: tuple[AttentionConfig, ...] = (attention_config("softmax"), attention_config("linear"),
+                                               attention_config("favor", num_features=64), attention_config("lsh"))
+    # L = 32 (65-token sequences): softmax solves it in ~500 steps, linear needs ~2500 (measured)
+    steps: int = 3000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    log_every: int = 25
+    length: int = 32
     symbols: int = 10
-    eval_batches: int = 8
-    eval_every: int = 0
+    eval_batches: int = 16
+    eval_every: int = 500
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.length < 2 or self.symbols < 2 or self.eval_batches < 1 or self.eval_every < 0:
             raise ValueError(f"CopyConfig: length and symbols must be >= 2, eval_batches >= 1 and eval_every "
                              f">= 0, got {self.length}, {self.symbols}, {self.eval_batches}, {self.eval_every}")
-
-    @classmethod
-    def preset(cls, quick: bool) -> "CopyConfig":
-        if quick:  # a minute on one thread: the losses fall, files are written
-            return cls(length=16, d_model=32, n_layers=2, n_heads=2, d_ff=64, steps=40, batch_size=16,
-                       lr=3e-3, warmup_steps=5, log_every=5, eval_batches=2, favor_features=16)
-        # L = 32 (65-token sequences): softmax solves it in ~500 steps, linear needs ~2500 (measured)
-        return cls(length=32, d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=3000, batch_size=32,
-                   lr=3e-3, warmup_steps=100, log_every=25, eval_batches=16, eval_every=500)
 
 
 def copy_batch(config: CopyConfig, step: int, *, stream: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,21 +89,21 @@ def _evaluate(config: CopyConfig):
     return evaluate
 
 
-def run_copy(config: CopyConfig, *, quick: bool = False, command: str = "", say=print) -> dict[str, Any]:
-    """Train every contender on the copy task; write the run folder and return the summary."""
+def run_copy(config: CopyConfig, *, quick: bool = False, command: str = "", say=print_line) -> dict[str, Any]:
+    """Train every mechanism on the copy task; write the run folder and return the summary."""
     run, load, t0 = start_run("copy", config, quick=quick, command=command)
     say(f"copy task: L = {config.length}, {config.symbols} symbols, {config.steps} steps x {config.batch_size}, "
         f"d_model {config.d_model}, {config.n_layers} layers -> {run.path}")
     evaluate = _evaluate(config)
     results = {}
-    for name in config.contenders:
+    for name in config.labels:
         mc = config.model_config(name, vocab_size=config.symbols + 1, max_len=2 * config.length)
-        _, rec = train_contender(name, mc, config, lambda s: copy_batch(config, s), run, evaluate=evaluate,
+        _, rec = train_mechanism(name, mc, config, lambda s: copy_batch(config, s), run, evaluate=evaluate,
                                  eval_every=config.eval_every, say=say)
         results[name] = rec
         say(f"  {name}: copy loss {rec['eval']['copy_loss']:.4f}, accuracy {rec['eval']['copy_accuracy']:.3f}, "
             f"{rec['tokens_per_second']:.0f} tokens/s")
-    plot_curves(run, config.contenders, title=f"copy task, L = {config.length}: training loss on the copied half",
+    plot_curves(run, config.labels, title=f"copy task, L = {config.length}: training loss on the copied half",
                 log_y=True)
     soft = results.get("softmax", {}).get("eval", {}).get("copy_loss")
     lin = results.get("linear", {}).get("eval", {}).get("copy_loss")
@@ -108,4 +114,4 @@ def run_copy(config: CopyConfig, *, quick: bool = False, command: str = "", say=
     line = "copy: " + ", ".join(f"{n} loss {r['eval']['copy_loss']:.4f} acc {r['eval']['copy_accuracy']:.3f}"
                                 for n, r in results.items())
     return finish_run(run, "copy", config, quick=quick, command=command, load=load, t0=t0,
-                      results={"contenders": results, "targets": targets}, line=line, say=say)
+                      results={"mechanisms": results, "targets": targets}, line=line, say=say)

