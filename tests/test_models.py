@@ -220,11 +220,29 @@ def test_bad_configs_raise_naming_the_problem():
         lm.generate(_ids(N=2), 1, temperature=-1.0)
 
 
+def _softmax_stack_count(V, max_len, C, L, d_ff, *, head):
+    """The parameter count of a pre-norm, layernorm, learned-position stack of softmax attention,
+    from the architecture by hand (not from the model): per block the fused q/k/v projection
+    C x 3C + 3C, the output projection C x C + C, two LayerNorms 2C each and the MLP
+    C x d_ff + d_ff + d_ff x C + C; then token and position embeddings, the final LayerNorm and,
+    untied, an LM head V x C without bias."""
+    block = (3 * C * C + 3 * C) + (C * C + C) + 2 * (2 * C) + (C * d_ff + d_ff + d_ff * C + C)
+    return L * block + V * C + max_len * C + 2 * C + (V * C if head else 0)
+
+
 def test_tied_embeddings():
     lm = TransformerLM(TransformerConfig(**SMALL))
     assert lm.head.weight is lm.tok_emb.weight
     untied = TransformerLM(TransformerConfig(**SMALL, tie_embeddings=False))
-    assert count_parameters(untied) == count_parameters(lm) + SMALL["vocab_size"] * SMALL["d_model"]
+    dims = dict(V=SMALL["vocab_size"], max_len=SMALL["max_len"], C=SMALL["d_model"], L=SMALL["n_layers"],
+                d_ff=SMALL["d_ff"])
+    # SMALL: 4 * (816 + 272 + 64 + 808) + 368 + 384 + 32 = 8624 tied, + 368 for an untied head
+    assert count_parameters(lm) == _softmax_stack_count(**dims, head=False) == 8624  # shared weight counted once
+    assert count_parameters(untied) == _softmax_stack_count(**dims, head=True) == 8992
+    frozen = TransformerLM(TransformerConfig(**SMALL))
+    frozen.tok_emb.weight.requires_grad_(False)  # the tied head too: one parameter
+    assert count_parameters(frozen, trainable_only=True) == 8624 - 23 * 16
+    assert count_parameters(frozen) == 8624
 
 
 def test_bert_base_parameter_count():
@@ -232,10 +250,11 @@ def test_bert_base_parameter_count():
     with torch.device("meta"):  # shapes only: nothing allocated
         enc = TransformerEncoder(cfg)
     n = count_parameters(enc)
-    assert n == sum(p.numel() for p in enc.parameters())
-    formula = 12 * 12 * 768**2 + 30000 * 768  # L * 12 F^2 + vocab * F = 107,974,656
+    # exactly, by hand: 12 blocks of 4 C^2 + 2 C d_ff + 9 C + d_ff = 7,087,872, embeddings
+    # 30000 x 768 + 512 x 768, the final LayerNorm 2 x 768
+    assert n == _softmax_stack_count(30000, 512, 768, 12, 3072, head=False) == 108_489_216
+    formula = 12 * 12 * 768**2 + 30000 * 768  # the usual estimate L * 12 C^2 + vocab * C = 107,974,656
     assert abs(n - formula) / formula < 0.03, n
-    assert 105e6 < n < 115e6
     table = parameter_table(enc, depth=1)
     assert "| blocks |" in table and f"**{n:,}**" in table
 

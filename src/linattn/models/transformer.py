@@ -273,14 +273,13 @@ class TransformerLM(_Transformer):
 
         At batch 1 a decoding step is a few hundred small operations around matrix-vector
         products, and on a CPU their per-call overhead can cost more than their arithmetic; the
-        compiled step fuses the elementwise work into a few generated kernels. Measured at
-        d_model 512, 8 layers, batch 1, 2 CPU threads (``linattn bench generate --compile``,
-        docs/benchmarks/generate*.md): linear and FAVOR+ steps 1.3-1.6x faster; softmax at long
-        positions about 1.05x (it is bound by reading its KV cache); local attention's step no
-        faster (slightly slower). Compiling takes tens of seconds during the first calls (one
-        specialised compile, then one with the position and cache length symbolic) and needs a
-        C++ compiler on CPU; compiled code is kept for the rest of the process. The eager
-        :meth:`step` stays the reference.
+        compiled step fuses the elementwise work into a few generated kernels. It helps the
+        linear and FAVOR+ steps most, softmax at long positions little (it is bound by reading its
+        KV cache) and local attention's step not at all (figures: ``linattn bench generate
+        --compile``, docs/benchmarks/generate*.md). Compiling takes tens of seconds during the
+        first calls (one specialised compile, then one with the position and cache length
+        symbolic) and needs a C++ compiler on CPU; compiled code is kept for the rest of the
+        process. The eager :meth:`step` stays the reference.
         """
         self._check_recurrent("compiled_step")
         return torch.compile(self.step)
