@@ -8,15 +8,21 @@ import torch
 
 import linattn
 from linattn.bench.demo import fast_vs_reference_errors, run_demo
-from linattn.bench.harness import Case, call, make_inputs, time_calls
+from linattn.bench.harness import Case, attention_fn, call, make_inputs, time_calls
 from linattn.cli import main
+from linattn.nn.registry import MECHANISMS, attention_config_to_dict, config_label
+
+
+def _defaults(*names):
+    """The registry's default configs of ``names``."""
+    return tuple(MECHANISMS[name].default_config() for name in names)
 
 
 TINY_LM = {"d_model": 16, "n_layers": 2, "n_heads": 2, "vocab_size": 50}
 
 
 def test_demo_tiny(tmp_path, capsys):
-    result = run_demo((64, 128), out_dir=tmp_path, generate_positions=(4, 8), generate_model=TINY_LM,
+    result = run_demo((64, 128), out=tmp_path, generate_positions=(4, 8), generate_model=TINY_LM,
                       measure_memory=False)
     saved = json.loads((tmp_path / "demo.json").read_text())
     # the load and the machine's speed it measured are in the JSON, demo.md and the printed summary
@@ -55,7 +61,7 @@ def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, share, start, en
     from linattn.bench.harness import REFERENCE_DRIFT, OtherLoad
 
     assert OtherLoad.QUIET < 0.60 and 90.0 < REFERENCE_DRIFT * 200.0 < 195.0  # the cases straddle the thresholds
-    result = run_demo((32,), out_dir=tmp_path, generate_positions=(4,), generate_model=TINY_LM,
+    result = run_demo((32,), out=tmp_path, generate_positions=(4,), generate_model=TINY_LM,
                       measure_memory=False, load=_Load(share, start, end))
     printed, md = capsys.readouterr().out, (tmp_path / "demo.md").read_text()
     assert f"other processes used {share:.0%} of the CPU time" in md
@@ -87,24 +93,25 @@ def test_cli_demo_passes_its_options(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(demo, "run_demo", lambda ns, **kw: seen.update(ns=ns, **kw))
     assert main(["demo", "--ns", "8,16", "--out", str(tmp_path)]) == 0
-    assert seen == {"ns": (8, 16), "out_dir": str(tmp_path)}
-    assert main(["demo"]) == 0 and seen["ns"] == demo.DEFAULT_NS and seen["out_dir"] == "report"
+    assert seen == {"ns": (8, 16), "out": str(tmp_path)}
+    assert main(["demo"]) == 0 and seen["ns"] == demo.DEFAULT_NS and seen["out"] == "report"
 
 
 def test_harness_times_and_resets_grads():
     case = Case("linear", True, 33, heads=2, head_dim=8)
     x = make_inputs(case)
-    times = time_calls({"a": lambda: call(case, x)}, repeats=2, warmup=1)
+    fn = attention_fn(case)
+    times = time_calls({"a": lambda: call(case, x, fn)}, repeats=2, warmup=1)
     assert len(times["a"]) == 2
     g1 = x[0].grad.clone()
-    call(case, x)
+    call(case, x, fn)
     torch.testing.assert_close(x[0].grad, g1)  # reset, not accumulated
 
 
 def test_favor_approximation_benchmark_tiny(tmp_path):
-    main(["bench", "favor", "--what", "approx", "--ms", "8,64", "--seeds", "3", "--out", str(tmp_path)])
+    main(["bench", "favor", "--what", "approx", "--num-features", "8,64", "--seeds", "3", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "favor_approx.json").read_text())
-    assert saved["command"] == f"linattn bench favor --what approx --ms 8,64 --seeds 3 --out {tmp_path}"
+    assert saved["command"] == f"linattn bench favor --what approx --num-features 8,64 --seeds 3 --out {tmp_path}"
     assert set(saved["summary"]) == {"positive-orthogonal", "positive-iid", "trig-orthogonal", "trig-iid"}
     for per_m in saved["errors"].values():
         assert [len(per_m[m]) for m in ("8", "64")] == [3, 3]
@@ -116,9 +123,12 @@ def test_family_tiny(tmp_path):
     and the ratios' spreads come from the runs' own times."""
     from linattn.bench.family import run_family
 
-    result = run_family(out_dir=tmp_path, n_local=300, n_softmax=40, repeats=1, runs=2, quiet=True)
+    result = run_family(out=tmp_path, n_local=300, n_softmax=40, repeats=1, runs=2, quiet=True)
     saved = json.loads((tmp_path / "family.json").read_text())
-    assert saved["command"] == f"linattn bench family --n-local 300 --n-softmax 40 --repeats 1 --runs 2 --out {tmp_path}"
+    assert saved["command"] == (f"linattn bench family --n-local 300 --n-softmax 40 --attention-window 256 --repeats 1 "
+                                f"--runs 2 --out {tmp_path}")
+    # the window the claim is about is the benchmark's own parameter, recorded as an attention config
+    assert saved["config"]["attention"] == {"name": "local", "window": 256} and saved["config"]["window"] == 256
     assert saved["config"]["runs"] == 2 and len(saved["runs"]) == 2
     labels = {"local causal", "local bidirectional", "softmax bidirectional", "softmax causal"}
     assert set(saved["seconds"]) == labels and all(t > 0 for t in saved["seconds"].values())
@@ -156,8 +166,9 @@ def test_family_decides_its_claim_on_the_median_run_not_the_best(monkeypatch, tm
         return {"seconds": seconds, "all_seconds": {k: [v] for k, v in seconds.items()}}
 
     monkeypatch.setattr(harness, "run_child", child)
-    result = run_family(out_dir=tmp_path, n_local=300, n_softmax=40, repeats=1, runs=3, quiet=True)
-    assert calls == [("linattn.bench.family", ["child", "300", "40", "1"], {})] * 3  # one fresh child per run
+    result = run_family(out=tmp_path, n_local=300, n_softmax=40, repeats=1, runs=3, quiet=True)
+    window = json.dumps({"name": "local", "window": 256})  # the claim's window, not the registry default
+    assert calls == [("linattn.bench.family", ["child", "300", "40", "1", window], {})] * 3  # a fresh child per run
     saved = json.loads((tmp_path / "family.json").read_text())
     md = (tmp_path / "family.md").read_text()
     for label, per_run in ratios.items():
@@ -183,27 +194,37 @@ def test_cli_bench_family(tmp_path, capsys):
     assert json.loads((tmp_path / "family.json").read_text())["config"]["runs"] == 1
 
 
-@pytest.mark.parametrize("impl", ["local", "linformer", "lsh", "favor"])
-def test_family_impls_run_forward_and_backward(impl):
-    from linattn.bench.harness import IMPLS
+@pytest.mark.parametrize("name", list(MECHANISMS))
+def test_every_mechanism_runs_forward_and_backward_with_frozen_parameters(name):
+    """Each registered mechanism, built from its spec, runs in the forms the registry gives it and
+    refuses the others; its own parameters (Linformer's E, F, Hedgehog's maps) get no gradients, so
+    a backward timing measures attention alone."""
+    from linattn.bench.harness import build_module, supports
 
     for causal in (False, True):
-        if not IMPLS[impl].supports(causal):
-            with pytest.raises(ValueError, match="no causal form"):
-                call(Case(impl, causal, 128, heads=2, head_dim=8), make_inputs(Case(impl, causal, 128, heads=2, head_dim=8)))
+        case = Case(name, causal, 128, heads=2, head_dim=8)
+        assert supports(case) is (("causal" if causal else "bidirectional") in MECHANISMS[name].forms)
+        if not supports(case):
+            with pytest.raises(ValueError, match=f"no {'causal' if causal else 'bidirectional'} form"):
+                attention_fn(case)
             continue
-        case = Case(impl, causal, 128, heads=2, head_dim=8)
+        module = build_module(case)
         x = make_inputs(case)
-        call(case, x)
+        q, k, v = x
+        out = module(q, q, v, causal=causal) if MECHANISMS[name].shared_qk else module(q, k, v, causal=causal)
+        out.sum().backward()
         assert x[0].grad is not None and torch.isfinite(x[0].grad).all()
+        assert all(p.grad is None and not p.requires_grad for p in module.parameters())
+        call(case, make_inputs(case), attention_fn(case))  # what the benchmarks time
 
 
 def test_sweep_tiny_reports_skips_unsupported_and_crossovers(tmp_path):
     from linattn.bench.sweep import SweepConfig, run_sweep
 
-    cfg = SweepConfig(impls=("softmax", "linear", "efficient"), ns=(64, 128, 256), repeats=1, heads=2,
+    cfg = SweepConfig(mechanisms=_defaults("softmax", "linear", "efficient"), peers=(), ns=(64, 128, 256), repeats=1,
+                      heads=2,
                       head_dim=8, time_budget_s=1e-9, measure_memory=False)
-    result = run_sweep(cfg, out_dir=tmp_path, command="test", quiet=True)
+    result = run_sweep(cfg, out=tmp_path, command="test", quiet=True)
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert saved["rows"] == result["rows"] and saved["command"] == "test"
     assert {"machine", "config", "contenders", "rows", "crossover", "seconds"} <= set(saved)
@@ -224,9 +245,9 @@ def test_sweep_tiny_reports_skips_unsupported_and_crossovers(tmp_path):
 def test_sweep_measures_memory_and_crossover_logic(tmp_path):
     from linattn.bench.sweep import SweepConfig, crossovers, run_sweep
 
-    cfg = SweepConfig(impls=("softmax", "linear"), ns=(64,), repeats=1, heads=2, head_dim=8,
+    cfg = SweepConfig(mechanisms=_defaults("softmax", "linear"), peers=(), ns=(64,), repeats=1, heads=2, head_dim=8,
                       modes=("bidirectional",), passes=("forward",))
-    row = run_sweep(cfg, out_dir=tmp_path, quiet=True)["rows"][0]
+    row = run_sweep(cfg, out=tmp_path, quiet=True)["rows"][0]
     assert row["status"] == "ok" and isinstance(row["peak_memory_bytes"], int)
     rows = [{"impl": i, "mode": "m", "pass": "p", "n": n, "status": "ok", "median_s": t}
             for i, n, t in [("softmax", 1, 1.0), ("softmax", 2, 2.0), ("softmax", 4, 8.0),
@@ -247,8 +268,8 @@ def test_cli_bench_without_suite_is_the_sweep(monkeypatch, tmp_path):
 def test_generate_benchmark_tiny(tmp_path):
     """A tiny `bench generate`, twice in fresh processes: every run's data is kept, the summary is
     the median over the runs, and the Markdown has a row per run for the machine."""
-    main(["bench", "generate", "--positions", "5,40", "--steps", "3", "--d-model", "16", "--layers", "2",
-          "--heads", "2", "--vocab", "50", "--images", "2", "--image-d-model", "16", "--image-layers", "1",
+    main(["bench", "generate", "--positions", "5,40", "--steps", "3", "--d-model", "16", "--n-layers", "2",
+          "--n-heads", "2", "--vocab-size", "50", "--image-batch", "2", "--image-d-model", "16", "--image-n-layers", "1",
           "--runs", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "generate.json").read_text())
     assert saved["command"].startswith("linattn bench generate --positions 5,40 --steps 3")
@@ -282,8 +303,8 @@ def test_generate_benchmark_tiny(tmp_path):
 
 
 def test_generate_benchmark_times_compiled_steps(tmp_path):
-    main(["bench", "generate", "--positions", "5,40", "--steps", "2", "--d-model", "16", "--layers", "1",
-          "--heads", "2", "--vocab", "50", "--mechanisms", "linear,softmax", "--no-recompute", "--images", "0",
+    main(["bench", "generate", "--positions", "5,40", "--steps", "2", "--d-model", "16", "--n-layers", "1",
+          "--n-heads", "2", "--vocab-size", "50", "--mechanisms", "linear,softmax", "--no-recompute", "--image-batch", "0",
           "--compile", "--runs", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "generate.json").read_text())
     assert saved["command"].endswith(f"--compile --runs 1 --out {tmp_path}") and saved["config"]["compile"] is True
@@ -294,6 +315,11 @@ def test_generate_benchmark_times_compiled_steps(tmp_path):
     assert sizes["softmax+compile@40"] == sizes["softmax@40"] and sizes["linear+compile@5"] == sizes["linear@5"]
     assert "softmax+compile@40 / linear+compile@40" in saved["claim"]
     assert "| linear+compile | 40 |" in (tmp_path / "generate.md").read_text()
+
+
+def _generate_mechanisms(*names):
+    """What bench generate hands its child: ``{label: attention config dict}``."""
+    return {config_label(c): attention_config_to_dict(c) for c in _defaults(*names)}
 
 
 def _median(xs):
@@ -312,8 +338,8 @@ def test_generate_decides_its_claims_on_the_median_run_not_the_best(monkeypatch,
     import linattn.bench.harness as harness
 
     template = generate._measure(positions=[5, 40], steps=2, warmup=1, d_model=16, n_layers=1, n_heads=2,
-                                 vocab_size=50, mechanisms=["linear", "softmax"], recompute=False,
-                                 recompute_budget_s=1.0, image_batch=1, image_d_model=16, image_layers=1,
+                                 vocab_size=50, mechanisms=_generate_mechanisms("linear", "softmax"),
+                                 recompute=False, recompute_budget_s=1.0, image_batch=1, image_d_model=16, image_n_layers=1,
                                  compile=False)
     # per run 1, 2, 3; the best run is never the median, and each verdict differs from the best run's
     flat = [1.0, 1.5, 1.4]  # linear@40 / linear@5: median 1.4 > 1.3 (best 1.0 would hold)
@@ -336,9 +362,9 @@ def test_generate_decides_its_claims_on_the_median_run_not_the_best(monkeypatch,
         return run
 
     monkeypatch.setattr(harness, "run_child", child)
-    result = generate.run_generate(out_dir=tmp_path, positions=(5, 40), steps=2, d_model=16, n_layers=1, n_heads=2,
-                                   vocab_size=50, mechanisms=("linear", "softmax"), recompute=False, image_batch=1,
-                                   image_d_model=16, image_layers=1, compile=True, runs=3, quiet=True)
+    result = generate.run_generate(out=tmp_path, positions=(5, 40), steps=2, d_model=16, n_layers=1, n_heads=2,
+                                   vocab_size=50, mechanisms=_defaults("linear", "softmax"), recompute=False, image_batch=1,
+                                   image_d_model=16, image_n_layers=1, compile=True, runs=3, quiet=True)
     assert [(m, a[0], e) for m, a, e in calls] == [("linattn.bench.generate", "child", {})] * 3  # a fresh child each
     spec = json.loads(calls[0][1][1])
     assert spec["compile"] is True and spec["positions"] == [5, 40] and spec["image_batch"] == 1
@@ -378,8 +404,8 @@ def test_generate_state_size_claim_must_hold_in_every_run(monkeypatch, tmp_path)
     import linattn.bench.harness as harness
 
     template = generate._measure(positions=[3, 6], steps=1, warmup=0, d_model=8, n_layers=1, n_heads=2,
-                                 vocab_size=20, mechanisms=["linear", "softmax"], recompute=False,
-                                 recompute_budget_s=1.0, image_batch=0, image_d_model=8, image_layers=1,
+                                 vocab_size=20, mechanisms=_generate_mechanisms("linear", "softmax"),
+                                 recompute=False, recompute_budget_s=1.0, image_batch=0, image_d_model=8, image_n_layers=1,
                                  compile=False)
     calls = []
 
@@ -391,8 +417,8 @@ def test_generate_state_size_claim_must_hold_in_every_run(monkeypatch, tmp_path)
         return run
 
     monkeypatch.setattr(harness, "run_child", child)
-    result = generate.run_generate(out_dir=tmp_path, positions=(3, 6), steps=1, d_model=8, n_layers=1, n_heads=2,
-                                   vocab_size=20, mechanisms=("linear", "softmax"), recompute=False, runs=3,
+    result = generate.run_generate(out=tmp_path, positions=(3, 6), steps=1, d_model=8, n_layers=1, n_heads=2,
+                                   vocab_size=20, mechanisms=_defaults("linear", "softmax"), recompute=False, runs=3,
                                    quiet=True)
     assert result["claim"]["linear state size independent of position"] is False
 
@@ -425,10 +451,11 @@ def test_full_writes_the_document_from_its_own_files(tmp_path):
     from linattn.bench.sweep import SweepConfig
 
     out, doc = tmp_path / "full", tmp_path / "benchmarks.md"
-    config = SweepConfig(impls=("softmax", "linear", "efficient"), ns=(32, 64), repeats=1, measure_memory=False)
-    text = run_full(out_dir=out, doc=doc, sweep_config=config, quiet=True,
+    config = SweepConfig(mechanisms=_defaults("softmax", "linear", "efficient"), peers=(), ns=(32, 64), repeats=1,
+                         measure_memory=False)
+    text = run_full(out=out, doc=doc, sweep_config=config, quiet=True,
                     generate_kwargs={"positions": (3, 6), "steps": 2, "d_model": 16, "n_layers": 1, "n_heads": 2,
-                                     "vocab_size": 30, "image_batch": 1, "image_d_model": 16, "image_layers": 1,
+                                     "vocab_size": 30, "image_batch": 1, "image_d_model": 16, "image_n_layers": 1,
                                      "compile": False, "runs": 2})
     assert doc.read_text() == text
     for name in ("sweep.json", "sweep.md", "sweep_time.png", "generate.json", "generate.md"):
@@ -441,7 +468,7 @@ def test_full_writes_the_document_from_its_own_files(tmp_path):
     assert "| efficient | - | - |" in text  # no causal form: shown, not dropped
     assert "### Images per second" in text and "Where linear attention loses" in text
     assert "Generation: 2 runs" in text and "The whole measurement ran 2 times" in text
-    assert run_full(out_dir=out, doc=doc, doc_only=True, quiet=True) == text
+    assert run_full(out=out, doc=doc, doc_only=True, quiet=True) == text
     # a generate.json as written before the runs were repeated: one run's fields at the top level
     gen = json.loads((out / "generate.json").read_text())
     first = gen["runs"][0]
@@ -449,12 +476,12 @@ def test_full_writes_the_document_from_its_own_files(tmp_path):
               "config": {k: v for k, v in gen["config"].items() if k != "runs"}, "load": first["load"]}
     del single["env"]
     (out / "generate.json").write_text(json.dumps(single))
-    old_text = run_full(out_dir=out, doc=doc, doc_only=True, quiet=True)
+    old_text = run_full(out=out, doc=doc, doc_only=True, quiet=True)
     assert "Generation: 1 run" in old_text and "it holds one run" in old_text
     ratio = single["seconds_per_token"]["softmax@6"] / single["seconds_per_token"]["linear@6"]
     assert f"| softmax@6 / linear@6 | {ratio:.2f}x | {ratio:.2f}x | {ratio:.2f}x | {ratio:.2f}x |" in old_text
     with pytest.raises(FileNotFoundError, match="sweep.json"):
-        run_full(out_dir=tmp_path / "empty", doc=doc, doc_only=True, quiet=True)
+        run_full(out=tmp_path / "empty", doc=doc, doc_only=True, quiet=True)
 
 
 def test_full_doc_only_reads_a_generate_file_from_before_the_runs(tmp_path):
@@ -473,14 +500,14 @@ def test_full_doc_only_reads_a_generate_file_from_before_the_runs(tmp_path):
     out.mkdir()
     for name in ("sweep.json", "generate.json"):
         shutil.copy(committed / name, out / name)
-    text = run_full(out_dir=out, doc=doc, doc_only=True, quiet=True)
+    text = run_full(out=out, doc=doc, doc_only=True, quiet=True)
     assert "Generation: 1 run, " in text and "it holds one run" in text
     key = next(k for k in old["claim"] if k.startswith("softmax@") and "compile" not in k)
     v = old["claim"][key]
     assert f"| {key} | {v:.2f}x | {v:.2f}x | {v:.2f}x | {v:.2f}x |" in text  # the one run's ratio, as written
     (out / "generate.json").write_text(json.dumps({"command": "something else"}))
     with pytest.raises(ValueError, match="generate.json is not a result of linattn bench generate"):
-        run_full(out_dir=out, doc=doc, doc_only=True, quiet=True)
+        run_full(out=out, doc=doc, doc_only=True, quiet=True)
 
 
 def test_other_load_separates_our_cpu_time_from_other_processes():
@@ -520,7 +547,7 @@ def test_core_runs_three_times_and_states_the_median_ratio(tmp_path):
     ratio's min / median / max come from the runs' own ratios, and the claims name the median."""
     from linattn.bench.core import run_core
 
-    result = run_core(out_dir=tmp_path, n=32, repeats=1, runs=3, quiet=True)
+    result = run_core(out=tmp_path, n=32, repeats=1, runs=3, quiet=True)
     saved = json.loads((tmp_path / "core.json").read_text())
     assert saved["command"] == f"linattn bench core --n 32 --repeats 1 --out {tmp_path}"  # 3 = the default
     assert saved["config"]["runs"] == 3 and len(saved["runs"]) == 3
@@ -562,16 +589,17 @@ def test_favor_speed_runs_three_times_and_states_the_median_ratio(monkeypatch, t
         alloc = "tuned" if env else "default"
         run = sum(1 for c in calls if c == alloc)
         calls.append(alloc)
-        assert module == "linattn.bench.favor" and args == ["child", "64", "1", "8", "64"]
+        assert module == "linattn.bench.favor" and args[:5] == ["child", "64", "1", "8", "64"]
+        assert json.loads(args[5]) == attention_config_to_dict(linattn.nn.FavorConfig(num_features=256))
         return {"times": {mode: {"linattn": {"median_s": 0.1, "all_s": [0.1]},
                                  "performer_pytorch": {"median_s": 0.1 * ratios[alloc, mode][run], "all_s": [0.0]}}
                           for mode in ("causal", "bidirectional")}}
 
     monkeypatch.setattr(harness, "run_child", child)
     monkeypatch.setattr(favor, "peak_memory", lambda case: 2**20)
-    monkeypatch.setitem(harness.IMPLS, "performer_pytorch",
-                        dataclasses.replace(harness.IMPLS["performer_pytorch"], available=lambda: True))
-    favor.run_favor(out_dir=tmp_path, what=("speed",), n=64, repeats=1, runs=3, quiet=True)
+    monkeypatch.setitem(harness.PEERS, "performer_pytorch",
+                        dataclasses.replace(harness.PEERS["performer_pytorch"], available=lambda: True))
+    favor.run_favor(out=tmp_path, what=("speed",), n=64, repeats=1, runs=3, quiet=True)
     assert calls == ["default", "tuned"] * 3  # allocators interleaved run by run
     saved = json.loads((tmp_path / "favor_speed.json").read_text())
     md = (tmp_path / "favor_speed.md").read_text()
@@ -598,11 +626,11 @@ def test_favor_speed_without_performer_fails_before_any_part(monkeypatch, tmp_pa
     import linattn.bench.favor as favor
 
     monkeypatch.setattr(favor, "approximation_errors", lambda *a, **k: pytest.fail("the approximation part ran"))
-    if not favor.IMPLS["performer_pytorch"].available():
+    if not favor.PEERS["performer_pytorch"].available():
         with pytest.raises(RuntimeError, match="needs performer-pytorch"):
-            favor.run_favor(out_dir=tmp_path, what=("approx", "speed"), quiet=True)
+            favor.run_favor(out=tmp_path, what=("approx", "speed"), quiet=True)
     with pytest.raises(ValueError, match="runs must be >= 1"):
-        favor.run_favor(out_dir=tmp_path, what=("approx", "speed"), runs=0, quiet=True)
+        favor.run_favor(out=tmp_path, what=("approx", "speed"), runs=0, quiet=True)
 
 
 def test_busy_reasons_from_the_load_and_the_reference_drift():

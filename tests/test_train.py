@@ -1,5 +1,6 @@
 """Training: exact resume after a signal or a crash, DDP = single process, configs, data, CLI."""
 
+import dataclasses
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +18,9 @@ import torch
 from linattn import TransformerLM
 from linattn.cli import main
 from linattn.train import (
+    CosineSchedule,
     DataConfig,
+    MetricsLog,
     TrainConfig,
     WindowSampler,
     apply_overrides,
@@ -27,6 +31,7 @@ from linattn.train import (
     lr_at,
     recall_tokens,
     train,
+    TrainingLoop,
 )
 
 TINY_MODEL = dict(vocab_size=20, max_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32,
@@ -221,8 +226,9 @@ def test_config_round_trip_files_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("d, match", [
-    ({"lr": 1e-3, "learning_rate": 1, "bogus": 2}, r"unknown fields \['bogus', 'learning_rate'\]"),
-    ({"data": {"sorce": "file"}}, r"DataConfig: unknown fields \['sorce'\]"),
+    ({"lr": 1e-3, "learning_rate": 1, "bogus": 2}, r"TrainConfig: unknown field\(s\) 'bogus', 'learning_rate'"),
+    ({"data": {"sorce": "file"}}, r"DataConfig: unknown field\(s\) 'sorce' \(did you mean 'source'\?\)"),
+    ({"out_dir": "runs/x"}, r"'out_dir' was renamed to 'out'"),
     ({"model": {"vocab_size": 20, "max_len": 16, "attention": {"name": "efficient"}}}, "no causal form"),
     ({"model": {"vocab_size": 20, "max_len": 16, "d_mdoel": 8}}, r"unknown field\(s\) 'd_mdoel' \(did you mean 'd_model'\?\)"),
     ({"seq_len": 200}, "exceeds model.max_len"),
@@ -291,16 +297,18 @@ def test_cli_train_and_resume(tmp_path, capsys):
     path.write_text(json.dumps(cfg.to_dict()))
     assert main(["train", "--config", str(path), "--max-steps", "2", "--set", "log_every=1"]) == 0
     out = capsys.readouterr().out
-    assert "step 2/2 | loss" in out and "tok/s" in out and "val_loss" in out
+    # a header, then (progress only on a terminal) where the final checkpoint is
+    assert re.search(r"\[linattn train\] [\d,]+ parameters, device cpu, 1 process, output ", out), out
+    assert re.search(r"finished at step 2/2, loss \d\.\d+, val_loss \d\.\d+; final checkpoint .*step_00000002", out), out
     # resume without --config reads the run's own train_config.json; max_steps may change
     assert main(["train", "--resume", "--out", cfg.out, "--max-steps", "3", "--quiet"]) == 0
     assert [s for s, _ in _records(cfg)] == [1, 2, 3]
     assert main(["train", "--config", str(path), "--out", "2024", "--data-dtype", "uint8", "--print-config"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert (printed["out_dir"], printed["data"]["dtype"], printed["max_steps"]) == ("2024", "uint8", 4)
+    assert (printed["out"], printed["data"]["dtype"], printed["max_steps"]) == ("2024", "uint8", 4)
     with pytest.raises(SystemExit):
         main(["train", "--config", str(path), "--set", "model.bogus=1"])
-    assert "unknown keys ['bogus']" in capsys.readouterr().err
+    assert "TransformerConfig: unknown field(s) 'bogus'" in capsys.readouterr().err
 
 
 def test_unusable_device_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -385,3 +393,162 @@ def test_cli_exits_128_plus_the_signal_after_checkpointing(tmp_path, sig, code):
                                                            .read_text())["dir"]))
     step = folder["meta"]["step"]
     assert step >= 1 and f"stopped by {sig.name} at step {step}; continue with: linattn train --resume" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# linattn train: --attention, generated flags, one-line errors
+# ---------------------------------------------------------------------------------------------
+
+TINY_FLAGS = ["--vocab-size", "20", "--max-len", "16", "--d-model", "16", "--n-layers", "2", "--n-heads", "2",
+              "--d-ff", "32", "--seq-len", "16", "--batch-size", "4", "--eval-every", "0", "--warmup-steps", "1",
+              "--data-recall-pairs", "4", "--data-recall-queries", "2", "--data-recall-tokens", "4000",
+              "--data-recall-val-tokens", "400", "--quiet"]
+
+
+def _saved_attention(out):
+    return json.loads((out / "train_config.json").read_text())["model"]["attention"]
+
+
+def test_cli_attention_by_name_and_as_json(tmp_path):
+    from linattn import LocalConfig
+
+    out = tmp_path / "local"
+    assert main(["train", "--attention", "local", "--max-steps", "2", "--out", str(out), *TINY_FLAGS]) == 0
+    assert _saved_attention(out) == {"name": "local", "window": LocalConfig().window}
+    assert [s for s, _ in _records(TrainConfig.from_dict(json.loads((out / "train_config.json").read_text())))] == [2]
+    out = tmp_path / "json"
+    assert main(["train", "--attention", '{"name": "local", "window": 4}', "--max-steps", "1", "--out", str(out),
+                 *TINY_FLAGS]) == 0
+    assert _saved_attention(out) == {"name": "local", "window": 4}
+
+
+def test_cli_attention_option_and_set_reach_the_config(tmp_path, capsys):
+    for extra in (["--attention-window", "6"], ["--set", "model.attention.window=6"]):
+        assert main(["train", "--attention", "local", *extra, "--print-config"]) == 0
+        assert json.loads(capsys.readouterr().out)["model"]["attention"] == {"name": "local", "window": 6}
+    assert main(["train", "--d-model", "64", "--data-dtype", "uint8", "--out", "7", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["model"]["d_model"], printed["data"]["dtype"], printed["out"]) == (64, "uint8", "7")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attention-window", "64"], "linattn train: error: --attention-window: 'linear' attention has no option 'window'"),
+    (["--lr", "-1"], "linattn train: error: --lr: TrainConfig: lr must be a number in (0.0, inf], got -1"),
+    (["--n-heads", "3"], "linattn train: error: --n-heads: TransformerConfig: n_heads = 3 must divide d_model = 128"),
+    (["--data-recall-pairs", "0"], "linattn train: error: --data-recall-pairs: DataConfig: recall_pairs must be"),
+])
+def test_cli_validation_errors_are_one_line_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", *argv, "--print-config"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_cli_misspelt_flag_and_choices(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--max-step", "5"])
+    assert e.value.code == 2
+    assert "did you mean '--max-steps'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--dtype", "float16"])
+    assert "invalid choice: 'float16' (choose from 'float32', 'float64')" in capsys.readouterr().err
+
+
+def test_cli_flags_do_not_collide_and_cover_every_field():
+    from linattn.cli.train import build_parser
+    from linattn.models import TransformerConfig
+
+    flags = {s for a in build_parser("linattn train")._actions for s in a.option_strings}
+    for cls, prefix in ((TrainConfig, ""), (TransformerConfig, ""), (DataConfig, "data-")):
+        for f in dataclasses.fields(cls):
+            if f.name not in ("model", "data", "attention", "layer_attention"):
+                assert "--" + (prefix + f.name).replace("_", "-") in flags, f.name
+    assert {"--out", "--attention", "--set", "--config", "--resume", "--print-config", "--quiet"} <= flags
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop itself
+# ---------------------------------------------------------------------------------------------
+
+
+def _regression(seed=0, n=8):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 1, generator=g, dtype=torch.float64)
+    model = torch.nn.Linear(3, 1).double()
+    torch.manual_seed(seed)
+    model.reset_parameters()
+    return model, x, y
+
+
+def _loop(model, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw.setdefault("handle_signals", False)
+    kw.setdefault("quiet", True)
+    return TrainingLoop(opt, params=list(model.parameters()), **kw)
+
+
+def test_loop_grad_accum_equals_one_batch_of_twice_the_size():
+    m1, x, y = _regression()
+    m2, _, _ = _regression()
+    loss = torch.nn.functional.mse_loss
+    r1 = _loop(m1, max_steps=3, grad_clip=1.0, log_every=1).run(lambda step, a: loss(m1(x), y))
+    r2 = _loop(m2, max_steps=3, grad_clip=1.0, log_every=1, grad_accum=2).run(
+        lambda step, a: loss(m2(x[a * 4:(a + 1) * 4]), y[a * 4:(a + 1) * 4]))
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=1e-12, atol=1e-14)
+    assert [r["loss"] for r in r1.history] == pytest.approx([r["loss"] for r in r2.history], rel=1e-12)
+    assert r1.step == r2.step == 3 and not r1.diverged
+
+
+def test_loop_schedule_window_loss_saves_and_evaluations():
+    model, x, y = _regression()
+    saved, evaluated, lrs = [], [], []
+    sched = CosineSchedule(lr=1.0, warmup_steps=2, decay_steps=7, min_lr_ratio=0.1)
+    loop = _loop(model, max_steps=7, log_every=3, window_loss=True, schedule=sched, ckpt_every=2,
+                 save=lambda step: saved.append(step) or Path(f"ck{step}"),
+                 eval_every=5, evaluate=lambda step: evaluated.append(step) or {"score": float(step)},
+                 on_step=lambda step, rec: lrs.append(rec["lr"]))
+    # the loss of step s is s (plus 0 * the model, so that backward has a graph)
+    r = loop.run(lambda step, a: (model.weight * 0).sum() + step)
+    assert lrs == [sched(s) for s in range(7)] and lrs[:2] == [0.5, 1.0]
+    train_recs = [(rec["step"], rec["loss"]) for rec in r.history if rec["kind"] == "train"]
+    assert train_recs == [(3, 1.0), (6, 4.0), (7, 5.0)]  # the mean over the last log_every steps
+    assert [(rec["step"], rec["score"]) for rec in r.history if rec["kind"] == "eval"] == [(5, 5.0), (7, 7.0)]
+    assert evaluated == [5, 7] and saved == [2, 4, 6, 7] and r.checkpoint == Path("ck7")
+    assert r.last_loss == 5.0 and r.last_eval == {"score": 7.0}
+
+
+def test_loop_stops_at_its_time_budget_and_resumes_the_clock(tmp_path):
+    model, x, y = _regression()
+    saved = []
+
+    def slow(step, a):
+        time.sleep(0.02)
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    with MetricsLog(tmp_path / "m.jsonl", fresh=True) as log:
+        r = _loop(model, budget_s=0.1, log_every=1000, metrics=log, save=saved.append).run(slow)
+    assert 0.1 <= r.elapsed_s < 0.3 and 3 <= r.step <= 8
+    assert saved == [r.step]  # at the end
+    recs = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in recs] == [r.step]  # the record at the end
+    # resumed with most of the budget spent: one step, then the budget stops it
+    r2 = _loop(model, budget_s=1.0, log_every=1000).run(slow, start_step=r.step, start_elapsed_s=0.99)
+    assert r2.step == r.step + 1 and r2.elapsed_s >= 1.0
+
+
+def test_loop_stops_on_a_non_finite_loss():
+    model, x, y = _regression()
+    saved = []
+
+    def micro_loss(step, a):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        return loss * float("nan") if step == 2 else loss
+
+    r = _loop(model, max_steps=10, log_every=1, stop_on_nonfinite=True, save=saved.append).run(micro_loss)
+    assert r.diverged and r.step == 3 and not r.stopped_by_signal
+    assert [rec["step"] for rec in r.history] == [1, 2] and saved == []
+    with pytest.raises(ValueError, match="max_steps, budget_s or both"):
+        _loop(model)

@@ -17,6 +17,7 @@ there comes from this code.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -27,10 +28,14 @@ import torch
 
 import linattn
 
+from .. import progress
+from ..nn import LinearConfig
+from ..nn.registry import attention_config_to_dict
 from .harness import (
-    IMPLS,
+    PEERS,
     RUNS,
     Case,
+    attention_fn,
     call,
     format_allocator_times,
     format_run_loads,
@@ -47,12 +52,15 @@ from .harness import (
     write_atomically,
 )
 
-MEMORY_CASES = [  # (label, impl, causal)
-    ("causal/linattn", "linear", True),
-    ("bidirectional/linattn", "linear", False),
-    ("causal/softmax_sdpa", "softmax", True),
-    ("causal/fast_transformers", "fast_transformers", True),
-    ("bidirectional/fast_transformers", "fast_transformers", False),
+# The core claims are about linear attention with its default elu+1 feature map, the feature map
+# fast-transformers' (Causal)LinearAttention uses.
+ATTENTION = LinearConfig()
+MEMORY_CASES = [  # (label, contender, causal, its attention config: None for softmax's defaults and peers)
+    ("causal/linattn", "linear", True, ATTENTION),
+    ("bidirectional/linattn", "linear", False, ATTENTION),
+    ("causal/softmax_sdpa", "softmax", True, None),
+    ("causal/fast_transformers", "fast_transformers", True, None),
+    ("bidirectional/fast_transformers", "fast_transformers", False, None),
 ]
 
 
@@ -75,47 +83,49 @@ def step_time(position: int, *, steps: int = 300, warmup: int = 100, heads: int 
 def _child(n: int, repeats: int) -> dict:
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     out: dict = {"times": {}}
-    have_ft = IMPLS["fast_transformers"].available()
+    have_ft = PEERS["fast_transformers"].available()
     for causal in (True, False):
         mode = "causal" if causal else "bidirectional"
-        cases = {"linattn": Case("linear", causal, n)}
+        cases = {"linattn": Case("linear", causal, n, attention=ATTENTION)}
         if have_ft:
             cases["fast_transformers"] = Case("fast_transformers", causal, n)
         inputs = {k: make_inputs(c) for k, c in cases.items()}
-        fns = {k: (lambda c=c, x=inputs[k]: call(c, x)) for k, c in cases.items()}
+        fns = {k: (lambda c=c, x=inputs[k], f=attention_fn(c): call(c, x, f)) for k, c in cases.items()}
         times = time_calls(fns, repeats=repeats, warmup=2)
         out["times"][mode] = {k: {"median_s": median(v), "all_s": v} for k, v in times.items()}
         del inputs, fns
     sm = Case("softmax", True, n)
-    x = make_inputs(sm)
-    t = time_calls({"softmax": lambda: call(sm, x)}, repeats=3, warmup=1)["softmax"]
+    x, fn = make_inputs(sm), attention_fn(sm)
+    t = time_calls({"softmax": lambda: call(sm, x, fn)}, repeats=3, warmup=1)["softmax"]
     out["times"]["causal"]["softmax_sdpa"] = {"median_s": median(t), "all_s": t}
     out["step_s"] = {str(p): step_time(p) for p in (100, 60000)}
     return out
 
 
-def run_core(*, out_dir: str | Path = "docs/benchmarks", n: int = 16384, repeats: int = 7, runs: int = RUNS,
+def run_core(*, out: str | Path = "docs/benchmarks", n: int = 16384, repeats: int = 7, runs: int = RUNS,
              quiet: bool = False) -> dict:
     """Time the contenders ``runs`` times (fresh processes per run and allocator), measure peak
     memory once, write core.json and core.md, print the Markdown; return the result."""
     if runs < 1:
         raise ValueError(f"run_core: runs must be >= 1, got {runs}")
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    have_ft = IMPLS["fast_transformers"].available()
+    say = functools.partial(progress.say, quiet=quiet)
+    have_ft = PEERS["fast_transformers"].available()
     say(f"linattn bench core: N={n}, B=1 H=8 D=64 float32, {runs} runs; fast-transformers "
         f"{'found' if have_ft else 'NOT installed (see docs/benchmarks/README.md to install it)'}")
     result: dict = {
         "command": f"linattn bench core --n {n} --repeats {repeats}" + (f" --runs {runs}" if runs != RUNS else "")
-                   + f" --out {out_dir}",
+                   + f" --out {out}",
         "machine": machine_info(),
         "config": {"n": n, "batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32",
-                   "repeats": repeats, "runs": runs, "pass": "forward+backward"},
+                   "repeats": repeats, "runs": runs, "pass": "forward+backward",
+                   "attention": attention_config_to_dict(ATTENTION)},
         "runs": run_repeated("linattn.bench.core", [str(n), str(repeats)], runs=runs, say=say),
     }
     # with a tuned malloc freed pages stay resident, so RSS says nothing of the call: default only
     say("  peak memory (default malloc) ...")
-    result["peak_memory_bytes"] = {label: peak_memory(Case(impl, causal, n)) for label, impl, causal in MEMORY_CASES
-                                   if impl != "fast_transformers" or have_ft}
+    result["peak_memory_bytes"] = {label: peak_memory(Case(contender, causal, n, attention=attention))
+                                   for label, contender, causal, attention in MEMORY_CASES
+                                   if contender != "fast_transformers" or have_ft}
     result["ratios"] = ratio_spreads(result["runs"], "linattn")
     first = result["runs"][0]["allocators"]
     result["step_s"] = {alloc: {pos: spread([r["allocators"][alloc]["step_s"][pos] for r in result["runs"]])
@@ -124,7 +134,7 @@ def run_core(*, out_dir: str | Path = "docs/benchmarks", n: int = 16384, repeats
                         for alloc, modes in result["ratios"].items() for mode, names in modes.items()
                         for name, s in names.items()}
     md = format_core(result)
-    write_atomically(out_dir, {"core.json": json.dumps(result, indent=2), "core.md": md})
+    write_atomically(out, {"core.json": json.dumps(result, indent=2), "core.md": md})
     say(md)
     return result
 

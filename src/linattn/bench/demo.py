@@ -1,9 +1,10 @@
 """`linattn demo`, the main job (`make demo`): the scaling and generation evidence in a few minutes.
 
 Three parts, all written to ``report/`` (or ``--out``):
-1. a quick sweep (``bench/sweep.py``): forward+backward time and peak memory of every mechanism but
-   LSH (see ``linattn bench sweep``) and every installed peer, causal and bidirectional, N = 256 ... 16384, B = 1, H = 8, D = 64, float32;
-   configurations predicted over 20 s per call are skipped and marked (sweep.json/md/png);
+1. a quick sweep (``bench/sweep.py``): forward+backward time and peak memory of every registered
+   mechanism but LSH, each with its registry defaults, and every installed peer, causal and
+   bidirectional, N = 256 ... 16384, B = 1, H = 8, D = 64, float32; configurations predicted over
+   20 s per call are skipped and marked (sweep.json/md/png); a progress bar follows it on a terminal;
 2. the largest error of each fast form against its reference form (float32 vs float64);
 3. per-token generation time of linear vs softmax + KV cache language models at two positions
    (``bench/generate.py``, generate.json/md).
@@ -15,6 +16,7 @@ is printed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -32,14 +34,20 @@ from linattn.functional import (
     softmax_attention_reference,
 )
 
+from .. import progress
 from ..extras import require_extra
+from ..nn.registry import MECHANISMS
 from .harness import OtherLoad, busy_reasons, format_seconds, machine_info, write_atomically
 
 DEFAULT_NS = (256, 1024, 4096, 16384)
 GENERATE_POSITIONS = (100, 4096)
-# softmax bidirectional forward+backward at N = 16384 takes 7-12 s here and its power-law prediction
-# from the two shorter N runs higher: 20 s keeps the baseline of the headline table measured
+# softmax bidirectional forward+backward at N = 16384 takes several seconds on 2 cores and its
+# power-law prediction from the two shorter N runs higher: 20 s keeps the baseline of the headline
+# table measured
 TIME_BUDGET_S = 20.0
+# LSH is left to the full sweep: slower than softmax at every N of the demo (docs/benchmarks.md),
+# it alone took about a third of the demo's time
+NOT_IN_DEMO = ("lsh",)
 
 
 def _max_err(fast, ref, inputs) -> float:
@@ -103,10 +111,11 @@ def fast_vs_reference_errors(n: int = 1000, d: int = 64, seed: int = 0) -> dict[
     return out
 
 
-def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = False,
+def run_demo(ns=DEFAULT_NS, *, out: str | Path = "report", quiet: bool = False,
              generate_positions: tuple[int, ...] = GENERATE_POSITIONS, generate_model: dict | None = None,
              measure_memory: bool = True, load: OtherLoad | None = None) -> dict:
-    """Run the three parts, write demo.json/md (and the parts' own files), print the summary.
+    """Run the three parts, write demo.json/md (and the parts' own files) to ``out``, print the
+    summary; a progress bar on standard error follows the sweep (on a terminal, not ``quiet``).
 
     ``load`` measures how busy the machine was over the whole demo (default: an ``OtherLoad``
     with the reference matmul, started here); anything with its ``finish() -> dict`` will do.
@@ -116,25 +125,23 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
     from .sweep import SweepConfig, run_sweep
 
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-    say = (lambda *a, **k: None) if quiet else (lambda *a, **k: print(*a, **k, flush=True))
+    say = functools.partial(progress.say, quiet=quiet)
     command = ("linattn demo" + ("" if tuple(ns) == DEFAULT_NS else " --ns " + ",".join(map(str, ns)))
-               + ("" if str(out_dir) == "report" else f" --out {out_dir}"))
+               + ("" if str(out) == "report" else f" --out {out}"))
     t_start = time.perf_counter()
     load = load or OtherLoad(reference=True)
     say(f"linattn demo [1/3]: sweep, forward+backward, N = {list(ns)}, B=1 H=8 D=64 float32, "
         f"{torch.get_num_threads()} threads")
-    # LSH is left to the full sweep: slower than softmax at every N here (docs/benchmarks.md), it
-    # alone took a third of the demo's time (~110 s of 340 s at N = 16384 with its memory runs)
-    impls = tuple(i for i in SweepConfig().contenders() if i != "lsh")
-    sweep = run_sweep(SweepConfig(ns=tuple(ns), passes=("forward+backward",), repeats=2, impls=impls,
+    mechanisms = tuple(spec.default_config() for spec in MECHANISMS.values() if spec.name not in NOT_IN_DEMO)
+    sweep = run_sweep(SweepConfig(mechanisms=mechanisms, ns=tuple(ns), passes=("forward+backward",), repeats=2,
                                   time_budget_s=TIME_BUDGET_S, measure_memory=measure_memory),
-                      out_dir=out_dir, command=command + " (sweep part)", quiet=True)
+                      out=out, command=command + " (sweep part)", quiet=quiet, print_tables=False)
     say(f"linattn demo [2/3]: each fast form against its reference form ({time.perf_counter() - t_start:.0f} s)")
     errors = fast_vs_reference_errors()
     say(f"linattn demo [3/3]: generation at positions {list(generate_positions)} "
         f"({time.perf_counter() - t_start:.0f} s)")
-    gen = run_generate(out_dir=out_dir, positions=tuple(generate_positions), steps=10, quiet=True,
-                       mechanisms=("linear", "softmax"),
+    gen = run_generate(out=out, positions=tuple(generate_positions), steps=10, quiet=True,
+                       mechanisms=tuple(MECHANISMS[name].default_config() for name in ("linear", "softmax")),
                        **(generate_model or {}))
     result = {
         "command": command,
@@ -149,9 +156,9 @@ def run_demo(ns=DEFAULT_NS, *, out_dir: str | Path = "report", quiet: bool = Fal
     }
     result["busy"] = busy_reasons(result["load"])
     md = format_summary(result)
-    out_dir = write_atomically(out_dir, {"demo.json": json.dumps(result, indent=2), "demo.md": md})
+    out = write_atomically(out, {"demo.json": json.dumps(result, indent=2), "demo.md": md})
     say(md)
-    say(f"written: {out_dir}/demo.json, demo.md and the parts' files ({result['elapsed_seconds']:.0f} s)")
+    say(f"written: {out}/demo.json, demo.md and the parts' files ({result['elapsed_seconds']:.0f} s)")
     if result["busy"]:  # again last, where it cannot scroll away above the tables
         say(_busy_warning(result["busy"]))
     return result

@@ -1,7 +1,9 @@
 """`linattn bench family`: the local-attention claim of the family (issue 4).
 
 Claim: local attention forward+backward at N = 65536, window 256 (B = 1, H = 8, D = 64, float32)
-runs in less time than softmax_attention forward+backward at N = 4096.
+runs in less time than softmax_attention forward+backward at N = 4096. The window is part of the
+claim, so the benchmark states its local attention config as its own parameter (``attention``,
+default ``LocalConfig(window=256)``, not the registry's default window) and records it.
 
 Times local attention (causal and bidirectional) at ``n_local`` and softmax attention (PyTorch SDPA,
 bidirectional and causal) at ``n_softmax``, interleaved A B C D A B C D ..., median of ``repeats``
@@ -19,6 +21,7 @@ softmax at 4096 do the same useful work; the other pairings differ by 2x.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -27,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from .. import progress
+from ..nn import LocalConfig
+from ..nn.registry import attention_config_from_dict, attention_config_to_dict, config_label
 from .harness import (
     INHERITED_ALLOCATOR,
-    LOCAL_WINDOW,
     RUNS,
     Case,
+    attention_fn,
     call,
     format_run_loads,
     format_seconds,
@@ -45,7 +51,7 @@ from .harness import (
     write_atomically,
 )
 
-CONTENDERS = [  # (label, impl, causal, which n)
+CONTENDERS = [  # (label, mechanism, causal, which n)
     ("local causal", "local", True, "n_local"),
     ("local bidirectional", "local", False, "n_local"),
     ("softmax bidirectional", "softmax", False, "n_softmax"),
@@ -55,52 +61,60 @@ BASE = "softmax bidirectional"  # every ratio is a contender's time / this one's
 CLAIMED = ("local causal", "local bidirectional")  # the claim: each of these takes less time than BASE
 
 
-def _cases(n_local: int, n_softmax: int) -> dict[str, Case]:
+def _cases(n_local: int, n_softmax: int, attention: LocalConfig) -> dict[str, Case]:
     ns = {"n_local": n_local, "n_softmax": n_softmax}
-    return {label: Case(impl, causal, ns[which]) for label, impl, causal, which in CONTENDERS}
+    return {label: Case(name, causal, ns[which], attention=attention if name == "local" else None)
+            for label, name, causal, which in CONTENDERS}
 
 
-def _child(n_local: int, n_softmax: int, repeats: int) -> dict:
+def _child(n_local: int, n_softmax: int, repeats: int, attention: LocalConfig) -> dict:
     """One run, in this process: every contender interleaved, ``{"seconds": {label: median},
     "all_seconds": {label: [every repeat]}}``."""
-    cases = _cases(n_local, n_softmax)
+    cases = _cases(n_local, n_softmax, attention)
     inputs = {label: make_inputs(c) for label, c in cases.items()}
-    fns = {label: (lambda c=c, x=inputs[label]: call(c, x)) for label, c in cases.items()}
+    fns = {label: (lambda c=c, x=inputs[label], f=attention_fn(c): call(c, x, f)) for label, c in cases.items()}
     times = time_calls(fns, repeats=repeats, warmup=1)
     return {"seconds": {label: median(ts) for label, ts in times.items()}, "all_seconds": times}
 
 
-def run_family(*, out_dir: str | Path = "docs/benchmarks", n_local: int = 65536, n_softmax: int = 4096,
-               repeats: int = 3, runs: int = RUNS, quiet: bool = False) -> dict:
+def run_family(*, out: str | Path = "docs/benchmarks", n_local: int = 65536, n_softmax: int = 4096,
+               attention: LocalConfig = LocalConfig(window=256), repeats: int = 3, runs: int = RUNS,
+               quiet: bool = False) -> dict:
     """Time the contenders ``runs`` times (a fresh process per run), write family.json and
-    family.md, print the Markdown; return the result."""
+    family.md to ``out``, print the Markdown; return the result. ``attention``: the local
+    attention config the claim is about."""
     if runs < 1:
         raise ValueError(f"run_family: runs must be >= 1, got {runs}")
+    if not isinstance(attention, LocalConfig):
+        raise TypeError(f"run_family: attention must be a LocalConfig, got {type(attention).__name__}")
     # the children read the same variable; set here too so that machine_info records their count
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
-    say(f"linattn bench family: local (window {LOCAL_WINDOW}) at N = {n_local} vs softmax at N = {n_softmax}, "
+    say = functools.partial(progress.say, quiet=quiet)
+    say(f"linattn bench family: {config_label(attention)} at N = {n_local} vs softmax at N = {n_softmax}, "
         f"B=1 H=8 D=64 float32, forward+backward, {torch.get_num_threads()} threads, {runs} runs")
     t_start = time.perf_counter()
-    cases = _cases(n_local, n_softmax)
+    cases = _cases(n_local, n_softmax, attention)
     result = {
-        "command": f"linattn bench family --n-local {n_local} --n-softmax {n_softmax} --repeats {repeats}"
-                   + (f" --runs {runs}" if runs != RUNS else "") + f" --out {out_dir}",
+        "command": f"linattn bench family --n-local {n_local} --n-softmax {n_softmax} --attention-window "
+                   f"{attention.window} --repeats {repeats}" + (f" --runs {runs}" if runs != RUNS else "")
+                   + f" --out {out}",
         "machine": machine_info(),
-        "config": {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "window": LOCAL_WINDOW,
+        "config": {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "window": attention.window,
+                   "attention": attention_config_to_dict(attention),
                    "n_local": n_local, "n_softmax": n_softmax, "repeats": repeats, "runs": runs,
                    "pass": "forward+backward",
                    "timing": "median of interleaved repeats after one warm-up round"},
         "cases": {label: cases[label].to_dict() for label in cases},
-        "runs": run_repeated("linattn.bench.family", [str(n_local), str(n_softmax), str(repeats)], runs=runs,
+        "runs": run_repeated("linattn.bench.family", [str(n_local), str(n_softmax), str(repeats),
+                                                      json.dumps(attention_config_to_dict(attention))], runs=runs,
                              allocators=INHERITED_ALLOCATOR, say=say),
     }
     result.update(_summarise(result))
     result["elapsed_seconds"] = time.perf_counter() - t_start
     md = format_family(result)
-    out_dir = write_atomically(out_dir, {"family.json": json.dumps(result, indent=2), "family.md": md})
+    out = write_atomically(out, {"family.json": json.dumps(result, indent=2), "family.md": md})
     say(md)
-    say(f"written: {out_dir / 'family.json'} and family.md ({result['elapsed_seconds']:.0f} s)")
+    say(f"written: {out / 'family.json'} and family.md ({result['elapsed_seconds']:.0f} s)")
     return result
 
 
@@ -158,8 +172,8 @@ def format_family(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "child":
+    if len(sys.argv) == 6 and sys.argv[1] == "child":
         torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-        print(json.dumps(_child(*(int(a) for a in sys.argv[2:]))))
+        print(json.dumps(_child(*(int(a) for a in sys.argv[2:5]), attention_config_from_dict(json.loads(sys.argv[5])))))
     else:
-        raise SystemExit("usage: python -m linattn.bench.family child N_LOCAL N_SOFTMAX REPEATS")
+        raise SystemExit("usage: python -m linattn.bench.family child N_LOCAL N_SOFTMAX REPEATS ATTENTION_JSON")

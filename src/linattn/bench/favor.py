@@ -5,8 +5,10 @@
   features, positive vs trig features, orthogonal vs i.i.d. projections, N = 256, D = 64,
   q, k ~ 0.25 N(0, 1), v ~ N(0, 1), float64, mean and standard deviation over seeds. Every variant
   and m sees the same inputs for a given seed. Writes favor_approx.json and favor_approx.png.
-- Speed: forward+backward at N = 4096, B = 1, H = 8, D = 64, m = 256, float32, against
-  performer-pytorch 1.1.4 ``FastAttention`` (causal: with fast-transformers' CPU kernel plugged in,
+- Speed: forward+backward at N = 4096, B = 1, H = 8, D = 64, float32, of the FAVOR+ config the
+  benchmark states (``attention``, default ``FavorConfig(num_features=256)``: positive orthogonal
+  features), against performer-pytorch 1.1.4 ``FastAttention`` with the same number of random
+  features (causal: with fast-transformers' CPU kernel plugged in,
   its fastest CPU path), interleaved A B A B in one process. Timed twice, in fresh processes:
   with glibc's default malloc and with the tuned settings of ``TUNED_MALLOC_ENV`` (as in
   ``linattn bench core``): performer-pytorch's causal path allocates about 0.7 GB per call,
@@ -21,6 +23,7 @@ Every number in those files is written by this code.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -31,12 +34,16 @@ import torch
 
 import linattn
 
+from .. import progress
 from ..extras import require_extra
+from ..nn import FavorConfig
+from ..nn.registry import attention_config_from_dict, attention_config_to_dict, config_label
 from .harness import (
-    IMPLS,
+    PEERS,
     RUNS,
     TUNED_MALLOC_ENV,
     Case,
+    attention_fn,
     call,
     format_allocator_times,
     format_run_loads,
@@ -52,7 +59,7 @@ from .harness import (
     write_atomically,
 )
 
-APPROX_MS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+APPROX_NUM_FEATURES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 VARIANTS = (("positive", True), ("positive", False), ("trig", True), ("trig", False))
 
 
@@ -61,9 +68,11 @@ def _variant(features: str, orthogonal: bool) -> str:
 
 
 def approximation_errors(
-    ms: tuple[int, ...] = APPROX_MS, *, seeds: int = 20, n: int = 256, d: int = 64
+    num_features: tuple[int, ...] = APPROX_NUM_FEATURES, *, seeds: int = 20, n: int = 256, d: int = 64
 ) -> dict:
-    """Relative errors per variant and m; ``errors[variant][str(m)]`` lists one value per seed."""
+    """Relative errors per variant and number of features m (each of ``num_features``);
+    ``errors[variant][str(m)]`` lists one value per seed."""
+    ms = num_features
     errors: dict[str, dict[str, list[float]]] = {_variant(f, o): {str(m): [] for m in ms} for f, o in VARIANTS}
     for seed in range(seeds):
         g = torch.Generator().manual_seed(seed)
@@ -84,11 +93,17 @@ def approximation_errors(
         for var, per_m in errors.items()
     }
     return {
-        "config": {"ms": list(ms), "seeds": seeds, "n": n, "head_dim": d, "dtype": "float64",
+        "config": {"num_features": list(ms), "seeds": seeds, "n": n, "head_dim": d, "dtype": "float64",
                    "q,k": "0.25 N(0,1)", "v": "N(0,1)", "scale": "1/sqrt(D)"},
         "summary": summary,
         "errors": errors,
     }
+
+
+def approx_num_features(config: dict) -> list[int]:
+    """The numbers of features of a favor_approx.json config (``ms`` in files written before the
+    flag became ``--num-features``)."""
+    return config["num_features"] if "num_features" in config else config["ms"]
 
 
 def _std(xs: list[float]) -> float:
@@ -125,14 +140,19 @@ def plot_approximation(result: dict, path: str | Path) -> None:
     tmp.replace(path)
 
 
-def _times_vs_performer(n: int, repeats: int, heads: int, d: int) -> dict:
+def _cases(causal: bool, n: int, heads: int, d: int, attention: FavorConfig) -> dict[str, Case]:
+    """linattn's FAVOR+ with ``attention`` and performer-pytorch with as many random features."""
+    return {"linattn": Case("favor", causal, n, heads=heads, head_dim=d, attention=attention),
+            "performer_pytorch": Case("performer_pytorch", causal, n, heads=heads, head_dim=d, attention=attention)}
+
+
+def _times_vs_performer(n: int, repeats: int, heads: int, d: int, attention: FavorConfig) -> dict:
     """Median and all times, causal and bidirectional, in this process (the child's work)."""
     result: dict = {}
     for causal in (True, False):
-        cases = {"linattn": Case("favor", causal, n, heads=heads, head_dim=d),
-                 "performer_pytorch": Case("performer_pytorch", causal, n, heads=heads, head_dim=d)}
+        cases = _cases(causal, n, heads, d, attention)
         inputs = {name: make_inputs(c) for name, c in cases.items()}
-        fns = {name: (lambda c=c, x=inputs[name]: call(c, x)) for name, c in cases.items()}
+        fns = {name: (lambda c=c, x=inputs[name], f=attention_fn(c): call(c, x, f)) for name, c in cases.items()}
         times = time_calls(fns, repeats=repeats, warmup=2)
         result["causal" if causal else "bidirectional"] = {
             name: {"median_s": median(ts), "all_s": ts} for name, ts in times.items()
@@ -141,26 +161,25 @@ def _times_vs_performer(n: int, repeats: int, heads: int, d: int) -> dict:
 
 
 def _require_performer() -> None:
-    if not IMPLS["performer_pytorch"].available():
+    if not PEERS["performer_pytorch"].available():
         raise RuntimeError(
             "linattn bench favor --what speed needs performer-pytorch 1.1.4 and fast-transformers 0.4.0 "
             "(see docs/benchmarks/README.md); they are benchmark peers, not dependencies"
         )
 
 
-def speed_vs_performer(*, n: int = 4096, repeats: int = 7, runs: int = RUNS, heads: int = 8, d: int = 64,
-                       say=lambda text: None) -> dict:
+def speed_vs_performer(*, attention: FavorConfig, n: int = 4096, repeats: int = 7, runs: int = RUNS,
+                       heads: int = 8, d: int = 64, say=lambda text: None) -> dict:
     """Interleaved forward+backward times of linattn and performer-pytorch, ``runs`` times under
     each allocator (a fresh process each, with each run's load), peak memory once under the default
     allocator, and the spread over runs of each performer-pytorch / linattn ratio."""
     _require_performer()
-    result: dict = {"runs": run_repeated("linattn.bench.favor", [str(n), str(repeats), str(heads), str(d)],
-                                         runs=runs, say=say)}
+    args = [str(n), str(repeats), str(heads), str(d), json.dumps(attention_config_to_dict(attention))]
+    result: dict = {"runs": run_repeated("linattn.bench.favor", args, runs=runs, say=say)}
     say("  peak memory (default malloc) ...")
     result["peak_memory_bytes"] = {
-        f"{'causal' if causal else 'bidirectional'}/{name}": peak_memory(Case(impl, causal, n, heads=heads, head_dim=d))
-        for causal in (True, False)
-        for name, impl in (("linattn", "favor"), ("performer_pytorch", "performer_pytorch"))
+        f"{'causal' if causal else 'bidirectional'}/{name}": peak_memory(case)
+        for causal in (True, False) for name, case in _cases(causal, n, heads, d, attention).items()
     }
     result["ratios"] = ratio_spreads(result["runs"], "linattn")
     result["claims"] = {f"{alloc} {mode}": ratio_claim(f"{mode}, {alloc} malloc", "linattn", "performer-pytorch",
@@ -174,7 +193,7 @@ def format_speed(result: dict) -> str:
     runs = result["runs"]
     lines = [
         f"# FAVOR+ speed: N = {cfg['n']}, B = 1, H = {cfg['heads']}, D = {cfg['head_dim']}, "
-        f"m = {cfg['m']}, float32, forward+backward",
+        f"m = {cfg['num_features'] if 'num_features' in cfg else cfg['m']}, float32, forward+backward",
         "",
         f"Written by `{result['command']}`; do not edit by hand. "
         f"torch {result['machine']['torch']}, {result['machine']['threads']} threads. "
@@ -205,7 +224,7 @@ def format_speed(result: dict) -> str:
 
 def format_approx(result: dict) -> str:
     cfg = result["config"]
-    ms = cfg["ms"]
+    ms = approx_num_features(cfg)
     lines = [
         f"# FAVOR+ approximation error vs softmax attention (N = {cfg['n']}, D = {cfg['head_dim']}, "
         f"{cfg['seeds']} seeds, float64)",
@@ -222,52 +241,66 @@ def format_approx(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+WHAT = ("approx", "speed")
+
+
 def run_favor(
-    *, out_dir: str | Path = "docs/benchmarks", what: tuple[str, ...] = ("approx", "speed"),
-    ms: tuple[int, ...] = APPROX_MS, seeds: int = 20, n: int = 4096, repeats: int = 7, runs: int = RUNS,
+    *, out: str | Path = "docs/benchmarks", what: tuple[str, ...] = WHAT,
+    num_features: tuple[int, ...] = APPROX_NUM_FEATURES, seeds: int = 20,
+    attention: FavorConfig = FavorConfig(num_features=256), n: int = 4096, repeats: int = 7, runs: int = RUNS,
     quiet: bool = False,
 ) -> dict:
+    """Run the parts in ``what`` and write their files to ``out``. Approximation: every number of
+    features in ``num_features``, ``seeds`` seeds. Speed: ``attention`` (the FAVOR+ config compared
+    with performer-pytorch) at ``n``, ``repeats`` interleaved calls per run, ``runs`` runs."""
+    unknown = [w for w in what if w not in WHAT]
+    if unknown:
+        raise ValueError(f"run_favor: unknown part {unknown[0]!r}; the parts: {', '.join(WHAT)}")
+    if not isinstance(attention, FavorConfig):
+        raise TypeError(f"run_favor: attention must be a FavorConfig, got {type(attention).__name__}")
     if "approx" in what:  # its figure needs matplotlib: fail before any part runs
         require_extra("bench", command="linattn bench favor --what approx")
     if "speed" in what:  # nor run the approximation part first when the speed part cannot run
         if runs < 1:
             raise ValueError(f"run_favor: runs must be >= 1, got {runs}")
         _require_performer()
-    out_dir = Path(out_dir)
+    out = Path(out)
+    say = functools.partial(progress.say, quiet=quiet)
     results: dict = {}
     if "approx" in what:
-        res = approximation_errors(ms, seeds=seeds)
-        res["command"] = (f"linattn bench favor --what approx --ms {','.join(map(str, ms))} --seeds {seeds} "
-                          f"--out {out_dir}")
+        res = approximation_errors(num_features, seeds=seeds)
+        res["command"] = (f"linattn bench favor --what approx --num-features {','.join(map(str, num_features))} "
+                          f"--seeds {seeds} --out {out}")
         res["machine"] = machine_info()
         md = format_approx(res)
-        write_atomically(out_dir, {"favor_approx.json": json.dumps(res, indent=2), "favor_approx.md": md})
-        plot_approximation(res, out_dir / "favor_approx.png")
+        write_atomically(out, {"favor_approx.json": json.dumps(res, indent=2), "favor_approx.md": md})
+        plot_approximation(res, out / "favor_approx.png")
         results["approx"] = res
-        if not quiet:
-            print(md)
+        say(md)
     if "speed" in what:
-        say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
-        say(f"linattn bench favor --what speed: N={n}, {runs} runs")
+        say(f"linattn bench favor --what speed: N={n}, {config_label(attention)}, {runs} runs")
+        options = "".join(f" --attention-{k.replace('_', '-')} {v}" for k, v in attention.to_dict().items()
+                          if v != getattr(FavorConfig(), k))
         res = {
-            "command": f"linattn bench favor --what speed --n {n} --repeats {repeats}"
-                       + (f" --runs {runs}" if runs != RUNS else "") + f" --out {out_dir}",
+            "command": f"linattn bench favor --what speed --n {n}{options} --repeats {repeats}"
+                       + (f" --runs {runs}" if runs != RUNS else "") + f" --out {out}",
             "machine": machine_info(),
-            "config": {"n": n, "heads": 8, "head_dim": 64, "m": 256, "repeats": repeats, "runs": runs,
+            "config": {"n": n, "heads": 8, "head_dim": 64, "num_features": attention.num_features,
+                       "attention": attention_config_to_dict(attention), "repeats": repeats, "runs": runs,
                        "dtype": "float32"},
-            **speed_vs_performer(n=n, repeats=repeats, runs=runs, say=say),
+            **speed_vs_performer(attention=attention, n=n, repeats=repeats, runs=runs, say=say),
         }
         md = format_speed(res)
-        write_atomically(out_dir, {"favor_speed.json": json.dumps(res, indent=2), "favor_speed.md": md})
+        write_atomically(out, {"favor_speed.json": json.dumps(res, indent=2), "favor_speed.md": md})
         results["speed"] = res
-        if not quiet:
-            print(md)
+        say(md)
     return results
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "child":
+    if len(sys.argv) == 7 and sys.argv[1] == "child":
         torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-        print(json.dumps({"times": _times_vs_performer(*(int(a) for a in sys.argv[2:]))}))
+        attention = attention_config_from_dict(json.loads(sys.argv[6]))
+        print(json.dumps({"times": _times_vs_performer(*(int(a) for a in sys.argv[2:6]), attention)}))
     else:
-        raise SystemExit("usage: python -m linattn.bench.favor child N REPEATS HEADS HEAD_DIM")
+        raise SystemExit("usage: python -m linattn.bench.favor child N REPEATS HEADS HEAD_DIM ATTENTION_JSON")

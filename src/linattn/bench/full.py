@@ -3,8 +3,8 @@
 One command produces the document: it runs ``linattn bench sweep`` with its defaults (every
 mechanism and installed peer, N = 256 ... 65536, forward and forward+backward, causal and
 bidirectional) and ``linattn bench generate`` (tokens/s against position, images/s) into
-``out_dir``, then writes the Markdown document from their JSON files, linking the plots. With
-``doc_only`` it rebuilds the document from the JSON files already in ``out_dir`` (no measuring);
+``out``, then writes the Markdown document from their JSON files, linking the plots. With
+``doc_only`` it rebuilds the document from the JSON files already in ``out`` (no measuring);
 a generate.json written before the generation benchmark repeated its runs is read as one run.
 
 Every number in the document comes from those files; the prose around them says what is measured
@@ -14,13 +14,16 @@ approximation error of FAVOR+) are read from the same files, not written by hand
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from pathlib import Path
 
+from .. import progress
 from ..extras import require_extra
-from .harness import describe_load, format_seconds, write_atomically
+from .favor import approx_num_features
+from .harness import PEERS, describe_load, format_seconds, write_atomically
 from .sweep import SweepConfig, format_sweep, run_sweep
 
 __all__ = ["format_doc", "run_full"]
@@ -28,7 +31,7 @@ __all__ = ["format_doc", "run_full"]
 GENERATE_DEFAULTS = {"positions": (100, 1000, 4000, 16000), "steps": 20, "image_batch": 8, "compile": True}
 
 
-def run_full(*, out_dir: str | Path = "docs/benchmarks/full", doc: str | Path = "docs/benchmarks.md",
+def run_full(*, out: str | Path = "docs/benchmarks/full", doc: str | Path = "docs/benchmarks.md",
              sweep_config: SweepConfig = SweepConfig(), generate_kwargs: dict | None = None,
              doc_only: bool = False, command: str | None = None, quiet: bool = False) -> str:
     """Measure (unless ``doc_only``), write the document, return its text."""
@@ -36,15 +39,15 @@ def run_full(*, out_dir: str | Path = "docs/benchmarks/full", doc: str | Path = 
         require_extra("bench", command="linattn bench full")
     from .generate import as_repeated, run_generate
 
-    out_dir, doc = Path(out_dir), Path(doc)
+    out_dir, doc = Path(out), Path(doc)
     command = command or f"linattn bench full --out {out_dir} --doc {doc}"
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say = functools.partial(progress.say, quiet=quiet)
     if not doc_only:
         t0 = time.perf_counter()
         say(f"linattn bench full [1/2]: sweep into {out_dir}")
-        run_sweep(sweep_config, out_dir=out_dir, command=command + " (sweep part)", quiet=quiet)
+        run_sweep(sweep_config, out=out_dir, command=command + " (sweep part)", quiet=quiet)
         say(f"linattn bench full [2/2]: generation into {out_dir} ({time.perf_counter() - t0:.0f} s so far)")
-        run_generate(out_dir=out_dir, quiet=quiet, **{**GENERATE_DEFAULTS, **(generate_kwargs or {})})
+        run_generate(out=out_dir, quiet=quiet, **{**GENERATE_DEFAULTS, **(generate_kwargs or {})})
     missing = [n for n in ("sweep.json", "generate.json") if not (out_dir / n).exists()]
     if missing:
         raise FileNotFoundError(f"run_full: {missing} not in {out_dir}; run without doc_only first")
@@ -127,7 +130,7 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
         "",
         f"Written by `{command}`; do not edit by hand. Machine: {m['processor']}, {m['cpu_count']} CPUs, "
         f"{m['platform']}, Python {m['python']}, torch {m['torch']}, {m['threads']} threads, linattn "
-        f"{m['linattn']}, peers: {', '.join(c for c in sweep['contenders'] if c in ('fast_transformers', 'performer_pytorch')) or 'none installed'}."
+        f"{m['linattn']}, peers: {', '.join(c for c in sweep['contenders'] if c in PEERS) or 'none installed'}."
         f" Sweep wall time {sweep['seconds'] / 60:.0f} min, generation {gen['wall_seconds'] / 60:.0f} min.",
         "",
         f"Sweep: {describe_load(sweep.get('load'))} Generation: {describe_runs_load(gen)}",
@@ -185,7 +188,7 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
     lines += ["  " + line for line in losses] or ["  - no contender was slower than softmax at the smallest N."]
     if approx is not None:
         s = approx["summary"]
-        ms = [str(x) for x in approx["config"]["ms"]]
+        ms = [str(x) for x in approx_num_features(approx["config"])]
         mid = "256" if "256" in ms else ms[len(ms) // 2]
         lines += [f"- **Approximation.** FAVOR+ estimates softmax attention; its relative output error "
                   f"(N = {approx['config']['n']}, D = {approx['config']['head_dim']}, "

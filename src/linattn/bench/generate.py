@@ -1,8 +1,9 @@
 """`linattn bench generate`: decoding speed against position, and images/s for 784-token images.
 
 Part 1, tokens/s against position (issues 5 and 6). For a TransformerLM (default d_model 512,
-8 layers, 8 heads, vocab 32000, float32, batch 1), one model per mechanism that decodes
-recurrently (linear, favor, local: O(1) state per layer) plus softmax decoding with a KV cache:
+8 layers, 8 heads, vocab 32000, float32, batch 1), one model per attention config of
+``mechanisms``: by default every registered mechanism with a recurrent form, with its registry
+defaults (softmax decoding with a KV cache; linear, favor, local with an O(1) state per layer):
 
 - a random prompt of ``position`` tokens is prefilled with one causal forward that returns every
   layer's state (``TransformerLM.forward(return_state=True, last_only=True)``);
@@ -56,8 +57,10 @@ pair's median over the runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -65,8 +68,17 @@ from pathlib import Path
 
 import torch
 
+from .. import progress
 from ..models import TransformerConfig, TransformerLM, count_parameters
-from ..nn import FavorConfig, LinearConfig, LocalConfig, SoftmaxConfig
+from ..nn.registry import (
+    MECHANISMS,
+    AttentionConfig,
+    attention_config_from_dict,
+    attention_config_to_dict,
+    config_label,
+    get_mechanism,
+    spec_for,
+)
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
@@ -79,20 +91,40 @@ from .harness import (
     write_atomically,
 )
 
-__all__ = ["IMAGE_PIXELS", "MECHANISMS", "as_repeated", "describe_runs_load", "format_generate",
-           "generate_recompute", "run_generate", "state_bytes"]
+__all__ = ["IMAGE_MECHANISMS", "IMAGE_PIXELS", "as_repeated", "check_mechanisms", "default_mechanisms", "describe_runs_load",
+           "format_generate", "generate_recompute", "run_generate", "state_bytes"]
 
-# The recurrent contenders and the KV-cache baseline. Local's window is the one the family
-# benchmark uses; FAVOR+ has its default m = 256 positive orthogonal features.
-MECHANISMS = {"linear": LinearConfig(), "favor": FavorConfig(), "local": LocalConfig(window=256),
-              "softmax": SoftmaxConfig()}
 IMAGE_PIXELS = 28 * 28
 COMPILE_STEPS = 3  # untimed steps per pair before the timed rounds when compiled steps are timed
+# part 2's decoders, each with its registry defaults: two recurrent ones and the KV-cache baseline
 IMAGE_MECHANISMS = ("linear", "favor", "softmax")
+# the claims compare these two (each with its registry defaults), so every run decodes with both
+CLAIMED = ("linear", "softmax")
 # The claims' thresholds (issue 5): linear's time per token at the largest position within this
 # factor of its time at the smallest, and softmax (KV cache) / linear at the largest at least this.
 FLAT_WITHIN = 1.3
 FASTER_BY = 5.0
+
+
+def default_mechanisms() -> tuple[AttentionConfig, ...]:
+    """Every registered mechanism with a recurrent form (a decoding state), with its defaults."""
+    return tuple(spec.default_config() for spec in MECHANISMS.values() if spec.recurrent)
+
+
+def check_mechanisms(mechanisms: tuple[AttentionConfig, ...]) -> None:
+    """ValueError unless every config has a recurrent form, none comes twice, and linear and softmax
+    with their defaults are among them."""
+    labels = [config_label(c) for c in mechanisms]
+    no_state = [label for label, c in zip(labels, mechanisms) if not spec_for(c).recurrent]
+    if no_state:
+        raise ValueError(f"{', '.join(no_state)} has no recurrent form (no decoding state); mechanisms with one: "
+                         f"{', '.join(config_label(c) for c in default_mechanisms())}")
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"each config once, got {labels}")
+    missing = [name for name in CLAIMED if name not in labels]
+    if missing:
+        raise ValueError(f"must include {' and '.join(repr(m) for m in missing)} with the registry defaults "
+                         f"(the claims compare linear with softmax), got {labels}")
 
 
 def weight_read_rate(lm: TransformerLM, repeats: int = 20) -> float:
@@ -155,21 +187,26 @@ def _lm(vocab_size: int, max_len: int, d_model: int, n_layers: int, n_heads: int
     return TransformerLM(cfg).eval()
 
 
-def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[int, ...] = (100, 16000),
+def run_generate(*, out: str | Path = "docs/benchmarks", positions: tuple[int, ...] = (100, 16000),
                  steps: int = 20, warmup: int = 2, d_model: int = 512, n_layers: int = 8, n_heads: int = 8,
-                 vocab_size: int = 32000, mechanisms: tuple[str, ...] = tuple(MECHANISMS),
+                 vocab_size: int = 32000, mechanisms: tuple[AttentionConfig, ...] | None = None,
                  recompute: bool = True, recompute_budget_s: float = 5.0, image_batch: int = 0,
-                 image_d_model: int = 256, image_layers: int = 8, compile: bool = False, runs: int = RUNS,
+                 image_d_model: int = 256, image_n_layers: int = 8, compile: bool = False, runs: int = RUNS,
                  quiet: bool = False) -> dict:
     """Run both parts (part 2 only when ``image_batch`` > 0) ``runs`` times, each run in a fresh
-    process, write generate.json/md, return the result. ``mechanisms`` must include "linear" and
-    "softmax" (the claims compare them). ``compile``: also time every mechanism's
-    ``TransformerLM.compiled_step()`` (as ``<name>+compile``), from its own copy of the prefilled
+    process, write generate.json/md to ``out``, return the result.
+
+    ``mechanisms``: attention configs with a recurrent form, each decoder labelled by
+    ``config_label`` (None: :func:`default_mechanisms`); linear and softmax with their defaults
+    must be among them (the claims compare them). ``compile``: also time every model's
+    ``TransformerLM.compiled_step()`` (as ``<label>+compile``), from its own copy of the prefilled
     state."""
-    unknown = sorted(set(mechanisms) - set(MECHANISMS))
-    if unknown or not {"linear", "softmax"} <= set(mechanisms):
-        raise ValueError(f"run_generate: mechanisms must include 'linear' and 'softmax' and come from "
-                         f"{list(MECHANISMS)}, got {list(mechanisms)}")
+    mechanisms = default_mechanisms() if mechanisms is None else tuple(mechanisms)
+    try:
+        check_mechanisms(mechanisms)
+    except ValueError as e:
+        raise ValueError(f"run_generate: mechanisms: {e}") from None
+    labels = [config_label(c) for c in mechanisms]
     if not positions or any(p < 1 for p in positions):
         raise ValueError(f"run_generate: positions must be >= 1, got {positions}")
     if image_batch < 0:
@@ -178,29 +215,32 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
         raise ValueError(f"run_generate: runs must be >= 1, got {runs}")
     # the children read the same variable; set here too so that machine_info records their count
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    say = functools.partial(progress.say, quiet=quiet)
     t_start = time.perf_counter()
     say(f"linattn bench generate: d_model {d_model}, {n_layers} layers, {n_heads} heads, vocab {vocab_size}, "
-        f"float32, batch 1, positions {list(positions)}, {steps} timed steps, mechanisms {list(mechanisms)}, "
+        f"float32, batch 1, positions {list(positions)}, {steps} timed steps, mechanisms {labels}, "
         f"{torch.get_num_threads()} threads, {runs} runs")
+    attention = {label: attention_config_to_dict(c) for label, c in zip(labels, mechanisms)}
     spec = {"positions": list(positions), "steps": steps, "warmup": warmup, "d_model": d_model,
-            "n_layers": n_layers, "n_heads": n_heads, "vocab_size": vocab_size, "mechanisms": list(mechanisms),
+            "n_layers": n_layers, "n_heads": n_heads, "vocab_size": vocab_size, "mechanisms": attention,
             "recompute": recompute, "recompute_budget_s": recompute_budget_s, "image_batch": image_batch,
-            "image_d_model": image_d_model, "image_layers": image_layers, "compile": compile}
+            "image_d_model": image_d_model, "image_n_layers": image_n_layers, "compile": compile}
+    names_only = all(label == c["name"] for label, c in attention.items())
+    mechanisms_arg = ",".join(labels) if names_only else shlex.quote(json.dumps(list(attention.values())))
     command = (f"linattn bench generate --positions {','.join(map(str, positions))} --steps {steps} "
-               f"--d-model {d_model} --layers {n_layers} --heads {n_heads} --vocab {vocab_size} "
-               f"--mechanisms {','.join(mechanisms)}" + ("" if recompute else " --no-recompute")
-               + f" --images {image_batch}"
-               + (f" --image-d-model {image_d_model} --image-layers {image_layers}" if image_batch else "")
+               f"--d-model {d_model} --n-layers {n_layers} --n-heads {n_heads} --vocab-size {vocab_size} "
+               f"--mechanisms {mechanisms_arg}" + ("" if recompute else " --no-recompute")
+               + f" --image-batch {image_batch}"
+               + (f" --image-d-model {image_d_model} --image-n-layers {image_n_layers}" if image_batch else "")
                + (" --compile" if compile else "") + (f" --runs {runs}" if runs != RUNS else "")
-               + f" --out {out_dir}")
+               + f" --out {out}")
     result = {
         "command": command,
         "machine": machine_info(),
         "config": {"d_model": d_model, "n_layers": n_layers, "n_heads": n_heads, "d_ff": 4 * d_model,
                    "vocab_size": vocab_size, "positional": "sinusoidal", "dtype": "float32", "batch": 1,
                    "positions": list(positions), "steps": steps, "warmup": warmup,
-                   "mechanisms": {n: MECHANISMS[n].to_dict() for n in mechanisms},
+                   "mechanisms": attention,
                    "compile": compile, "runs": runs,
                    "timing": "median per-token step time over interleaved steps after warm-up"
                              + (f" ({COMPILE_STEPS} more untimed steps per pair first, for compiling)" if compile else "")},
@@ -210,20 +250,22 @@ def run_generate(*, out_dir: str | Path = "docs/benchmarks", positions: tuple[in
     result.update(_summarise(result))
     result["wall_seconds"] = time.perf_counter() - t_start
     md = format_generate(result)
-    write_atomically(out_dir, {"generate.json": json.dumps(result, indent=2), "generate.md": md})
+    write_atomically(out, {"generate.json": json.dumps(result, indent=2), "generate.md": md})
     say(md)
     return result
 
 
 def _measure(*, positions: list[int], steps: int, warmup: int, d_model: int, n_layers: int, n_heads: int,
-             vocab_size: int, mechanisms: list[str], recompute: bool, recompute_budget_s: float, image_batch: int,
-             image_d_model: int, image_layers: int, compile: bool) -> dict:
+             vocab_size: int, mechanisms: dict[str, dict], recompute: bool, recompute_budget_s: float,
+             image_batch: int, image_d_model: int, image_n_layers: int, compile: bool) -> dict:
     """One run of both parts in this process (a benchmark child): every time, size and rate one run
-    measures; no claims (those are decided over the runs)."""
+    measures; no claims (those are decided over the runs). ``mechanisms``: ``{label: attention
+    config dict}``."""
     t_start = time.perf_counter()
     max_len = max(positions) + warmup + steps + 1 + (COMPILE_STEPS if compile else 0)
-    models = {name: _lm(vocab_size, max_len, d_model, n_layers, n_heads, 4 * d_model, MECHANISMS[name])
-              for name in mechanisms}
+    models = {label: _lm(vocab_size, max_len, d_model, n_layers, n_heads, 4 * d_model,
+                         attention_config_from_dict(config))
+              for label, config in mechanisms.items()}
     params = {name: count_parameters(lm) for name, lm in models.items()}
 
     g = torch.Generator().manual_seed(0)
@@ -301,7 +343,7 @@ def _measure(*, positions: list[int], steps: int, warmup: int, d_model: int, n_l
                         for p in positions},
     }
     if image_batch:
-        out["images"] = _images(image_batch, image_d_model, image_layers, n_heads)
+        out["images"] = _images(image_batch, image_d_model, image_n_layers, n_heads)
     out["wall_seconds"] = time.perf_counter() - t_start
     return out
 
@@ -309,7 +351,8 @@ def _measure(*, positions: list[int], steps: int, warmup: int, d_model: int, n_l
 def _images(batch: int, d_model: int, n_layers: int, n_heads: int) -> dict:
     """Part 2: time one full generation of ``batch`` 784-pixel images per contender."""
     start = 256  # pixel values are 0..255; the start token is one more id
-    models = {name: _lm(257, IMAGE_PIXELS + 1, d_model, n_layers, n_heads, 4 * d_model, MECHANISMS[name])
+    models = {name: _lm(257, IMAGE_PIXELS + 1, d_model, n_layers, n_heads, 4 * d_model,
+                        get_mechanism(name).default_config())
               for name in IMAGE_MECHANISMS}
     prompt = torch.full((batch, 1), start, dtype=torch.long)
     decoders = {f"{name} (recurrent)" if name != "softmax" else "softmax (KV cache)":
@@ -330,7 +373,9 @@ def _images(batch: int, d_model: int, n_layers: int, n_heads: int) -> dict:
         "config": {"batch": batch, "pixels": IMAGE_PIXELS, "vocab_size": 257, "d_model": d_model,
                    "n_layers": n_layers, "n_heads": n_heads, "d_ff": 4 * d_model, "dtype": "float32",
                    "sampling": "temperature 1 from a start token", "timing": "one full generation after a "
-                   "16-token warm-up"},
+                   "16-token warm-up",
+                   "mechanisms": {name: attention_config_to_dict(get_mechanism(name).default_config())
+                                  for name in IMAGE_MECHANISMS}},
         "parameters": {k: count_parameters(m) for k, m in models.items()},
         "seconds": seconds,
     }

@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -30,10 +30,20 @@ import torch
 
 import linattn
 
-__all__ = ["Case", "IMPLS", "INHERITED_ALLOCATOR", "Impl", "OtherLoad", "REFERENCE_DRIFT", "RUNS", "busy_reasons",
-           "describe_load", "format_allocator_times", "format_run_loads", "format_seconds", "format_spread",
-           "format_spread_cells", "machine_info", "peak_memory", "ratio_claim", "ratio_spreads", "run_repeated",
-           "spread", "time_calls", "write_atomically"]
+from ..nn import FavorConfig
+from ..nn.registry import (
+    AttentionConfig,
+    attention_config_from_dict,
+    attention_config_to_dict,
+    get_mechanism,
+    spec_for,
+)
+
+__all__ = ["Case", "INHERITED_ALLOCATOR", "OtherLoad", "PEERS", "Peer", "REFERENCE_DRIFT", "RUNS", "attention_fn",
+           "build_module", "busy_reasons", "call", "describe", "describe_load", "format_allocator_times", "format_run_loads",
+           "format_seconds", "format_spread", "format_spread_cells", "forms", "installed_peers", "machine_info",
+           "make_inputs", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
+           "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -48,9 +58,13 @@ ALLOCATORS = {"default": {}, "tuned": TUNED_MALLOC_ENV}
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmark configuration."""
+    """One benchmark configuration.
 
-    impl: str
+    ``contender`` is a peer's name (:data:`PEERS`) or a registered mechanism's; a mechanism runs
+    with ``attention`` (its config), or with its registry defaults when ``attention`` is None.
+    """
+
+    contender: str
     causal: bool
     n: int
     batch: int = 1
@@ -59,28 +73,41 @@ class Case:
     dtype: str = "float32"
     backward: bool = True
     device: str = "cpu"
+    attention: AttentionConfig | None = None
+
+    def config(self) -> AttentionConfig | None:
+        """The mechanism's config (None for a peer)."""
+        if self.contender in PEERS:
+            return None
+        return self.attention if self.attention is not None else get_mechanism(self.contender).default_config()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["attention"] = None if self.attention is None else attention_config_to_dict(self.attention)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Case":
+        attention = d.get("attention")
+        return cls(**{**d, "attention": None if attention is None else attention_config_from_dict(attention)})
 
 
 @dataclass(frozen=True)
-class Impl:
-    """An attention implementation under test: ``fn(q, k, v, causal) -> out``."""
+class Peer:
+    """An attention implementation from another project, timed beside linattn's mechanisms:
+    ``fn(q, k, v, causal, attention) -> out``, where ``attention`` is the linattn config it is
+    compared with (None: that mechanism's registry defaults), so that a peer with options of its
+    own (performer-pytorch's number of random features) runs with the same ones."""
 
     name: str
     fn: Callable
+    note: str
+    available: Callable[[], bool]
     layout: str = "bhnd"  # "bnhd" for fast-transformers
-    causal: bool = True
-    bidirectional: bool = True
-    note: str = ""
-    available: Callable[[], bool] = field(default=lambda: True)
-
-    def supports(self, causal: bool) -> bool:
-        return self.causal if causal else self.bidirectional
+    forms: frozenset[str] = frozenset({"bidirectional", "causal"})
 
 
-def _fast_transformers_fn(q, k, v, causal):
+def _fast_transformers_fn(q, k, v, causal, attention):
     from fast_transformers.attention import CausalLinearAttention, LinearAttention
     from fast_transformers.masking import LengthMask, TriangularCausalMask
 
@@ -104,44 +131,13 @@ def _has(module: str) -> Callable[[], bool]:
     return check
 
 
-# Settings of the mechanisms that have more than q, k, v and causal (fixed so that every benchmark
-# measures the same thing; N must be a multiple of LSH_BUCKET_SIZE for "lsh").
-LOCAL_WINDOW = 256
-LINFORMER_PROJ_LEN = 256
-LSH_N_HASHES = 4
-LSH_BUCKET_SIZE = 64
-FAVOR_NUM_FEATURES = 256
 
 
 @functools.lru_cache(maxsize=4)
-def _linformer_projections(n: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed E, F (P, N) with entries N(0, 1/P), drawn once per (N, dtype, device): not timed."""
-    g = torch.Generator().manual_seed(0)
-    e, f = (torch.randn(LINFORMER_PROJ_LEN, n, generator=g) / LINFORMER_PROJ_LEN**0.5 for _ in range(2))
-    return e.to(device=device, dtype=dtype), f.to(device=device, dtype=dtype)
-
-
-def _linformer_fn(q, k, v, causal):
-    e, f = _linformer_projections(k.shape[2], k.dtype, str(k.device))
-    return linattn.linformer_attention(q, k, v, e, f, causal=causal)
-
-
-@functools.lru_cache(maxsize=4)
-def _favor_projection(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A fixed orthogonal (m, D) projection, drawn once per (D, dtype, device): not timed."""
-    return linattn.favor_projection(FAVOR_NUM_FEATURES, d, generator=torch.Generator().manual_seed(0),
-                                    dtype=dtype, device=device)
-
-
-def _favor_fn(q, k, v, causal):
-    return linattn.favor_attention(q, k, v, _favor_projection(q.shape[-1], q.dtype, str(q.device)), causal=causal)
-
-
-@functools.lru_cache(maxsize=4)
-def _performer_module(d: int, causal: bool):
+def _performer_module(d: int, causal: bool, num_features: int):
     from performer_pytorch.performer_pytorch import FastAttention, causal_linear_attention
 
-    fa = FastAttention(dim_heads=d, nb_features=FAVOR_NUM_FEATURES, causal=causal)
+    fa = FastAttention(dim_heads=d, nb_features=num_features, causal=causal)
     if causal:
         # performer-pytorch looks only for the CUDA build of fast-transformers' kernel and otherwise
         # falls back to a path that needs gigabytes; this plugs in the CPU build, its fastest CPU path
@@ -149,39 +145,77 @@ def _performer_module(d: int, causal: bool):
     return fa
 
 
-def _performer_fn(q, k, v, causal):
-    return _performer_module(q.shape[-1], causal)(q, k, v)
+def _performer_fn(q, k, v, causal, attention):
+    # FAVOR+'s counterpart: as many random features as the FavorConfig it is compared with
+    favor = attention if isinstance(attention, FavorConfig) else FavorConfig()
+    return _performer_module(q.shape[-1], causal, favor.num_features)(q, k, v)
 
 
-def _lsh_fn(q, k, v, causal):
-    # shared query-key: q is the shared vector, k goes unused; a fixed generator gives fixed rotations
-    return linattn.lsh_attention(q, v, n_hashes=LSH_N_HASHES, bucket_size=LSH_BUCKET_SIZE, causal=causal,
-                                 generator=torch.Generator().manual_seed(0))
-
-
-IMPLS: dict[str, Impl] = {
-    "softmax": Impl("softmax", lambda q, k, v, c: linattn.softmax_attention(q, k, v, causal=c),
-                    note="linattn.softmax_attention (PyTorch SDPA)"),
-    "linear": Impl("linear", lambda q, k, v, c: linattn.linear_attention(q, k, v, causal=c),
-                   note="linattn.linear_attention, elu+1"),
-    "efficient": Impl("efficient", lambda q, k, v, c: linattn.efficient_attention(q, k, v),
-                      causal=False, note="linattn.efficient_attention"),
-    "favor": Impl("favor", _favor_fn,
-                  note=f"linattn.favor_attention, positive orthogonal features, m = {FAVOR_NUM_FEATURES}"),
-    "local": Impl("local", lambda q, k, v, c: linattn.local_attention(q, k, v, window=LOCAL_WINDOW, causal=c),
-                  note=f"linattn.local_attention, window {LOCAL_WINDOW}"),
-    "linformer": Impl("linformer", _linformer_fn, causal=False,
-                      note=f"linattn.linformer_attention, P = {LINFORMER_PROJ_LEN}, fixed E, F ~ N(0, 1/P)"),
-    "lsh": Impl("lsh", _lsh_fn,
-                note=f"linattn.lsh_attention, shared qk = q, {LSH_N_HASHES} hashes, bucket size {LSH_BUCKET_SIZE}"),
-    "performer_pytorch": Impl("performer_pytorch", _performer_fn,
-                              note=f"performer-pytorch 1.1.4 FastAttention, m = {FAVOR_NUM_FEATURES}, causal "
-                                   "with fast-transformers' CPU kernel",
+# The peers: implementations from other projects (benchmark-only installs, docs/benchmarks/README.md).
+# linattn's own mechanisms are not listed here: they come from linattn.nn.registry.MECHANISMS.
+PEERS: dict[str, Peer] = {
+    "performer_pytorch": Peer("performer_pytorch", _performer_fn,
+                              note="performer-pytorch 1.1.4 FastAttention with as many random features as FAVOR+ "
+                                   f"(default m = {FavorConfig().num_features}), causal with fast-transformers' "
+                                   "CPU kernel",
                               available=_has("performer_pytorch")),
-    "fast_transformers": Impl("fast_transformers", _fast_transformers_fn, layout="bnhd",
+    "fast_transformers": Peer("fast_transformers", _fast_transformers_fn, layout="bnhd",
                               note="fast-transformers 0.4.0 (Causal)LinearAttention, elu+1, C++ CPU kernel",
                               available=_has("fast_transformers")),
 }
+
+
+def installed_peers() -> tuple[str, ...]:
+    """The peers importable here, in :data:`PEERS` order."""
+    return tuple(name for name, peer in PEERS.items() if peer.available())
+
+
+def forms(contender: str, config: AttentionConfig | None = None) -> frozenset[str]:
+    """The forms a contender has: a peer's own, or its mechanism's from the registry."""
+    if contender in PEERS:
+        return PEERS[contender].forms
+    return (spec_for(config) if config is not None else get_mechanism(contender)).forms
+
+
+def supports(case: Case) -> bool:
+    return ("causal" if case.causal else "bidirectional") in forms(case.contender, case.config())
+
+
+def describe(contender: str, config: AttentionConfig | None = None) -> str:
+    """One line for a results document: a peer's note, or the mechanism's summary and options."""
+    if contender in PEERS:
+        return PEERS[contender].note
+    config = config if config is not None else get_mechanism(contender).default_config()
+    spec = spec_for(config)
+    options = ", ".join(f"{k} = {v}" for k, v in config.to_dict().items())
+    return f"linattn {spec.name}: {spec.summary}" + (f" ({options})" if options else "")
+
+
+def build_module(case: Case) -> torch.nn.Module:
+    """The mechanism module of ``case`` (not a peer's), built from its registry spec with the case's
+    heads, head width and N, on its device and in its dtype, parameters frozen: Linformer's E and F
+    and Hedgehog's maps get no gradients, so a backward timing is attention's alone. Its randomness
+    (FAVOR's projection, Linformer's E and F, LSH's rotations) is fixed by the config's seed.
+    ValueError when the mechanism has no form for the case's mode."""
+    if not supports(case):
+        mode = "causal" if case.causal else "bidirectional"
+        raise ValueError(f"{case.contender!r} has no {mode} form")
+    config = case.config()
+    module = spec_for(config).build(config, n_heads=case.heads, head_dim=case.head_dim, max_len=case.n)
+    return module.requires_grad_(False).to(device=case.device, dtype=getattr(torch, case.dtype))
+
+
+def attention_fn(case: Case) -> Callable:
+    """What :func:`call` times for ``case``: ``fn(q, k, v) -> out``, built here, once per case and
+    outside any timed region: a peer's function, or the mechanism's module (:func:`build_module`).
+    Shared query-key mechanisms (LSH) get q as the shared vector; k goes unused."""
+    if case.contender in PEERS:
+        peer = PEERS[case.contender]
+        return lambda q, k, v: peer.fn(q, k, v, case.causal, case.attention)
+    module = build_module(case)
+    if spec_for(case.config()).shared_qk:
+        return lambda q, k, v: module(q, q, v, causal=case.causal)
+    return lambda q, k, v: module(q, k, v, causal=case.causal)
 
 
 def write_atomically(out_dir: str | Path, files: dict[str, str]) -> Path:
@@ -197,28 +231,27 @@ def write_atomically(out_dir: str | Path, files: dict[str, str]) -> Path:
 
 
 def make_inputs(case: Case, *, seed: int = 0, requires_grad: bool | None = None):
-    impl = IMPLS[case.impl]
+    """q, k, v for ``case``, ``(B, H, N, D)`` (a peer's own layout when it has another), N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
     shape = (case.batch, case.heads, case.n, case.head_dim)
-    if impl.layout == "bnhd":
+    if case.contender in PEERS and PEERS[case.contender].layout == "bnhd":
         shape = (case.batch, case.n, case.heads, case.head_dim)
     rg = case.backward if requires_grad is None else requires_grad
     return [torch.randn(shape, generator=g).to(dtype=dtype, device=case.device).requires_grad_(rg) for _ in range(3)]
 
 
-def call(case: Case, inputs) -> None:
-    """One forward (and backward when ``case.backward``) of the case's implementation; on a GPU it
-    waits for the device, so that wall time measures the work."""
-    impl = IMPLS[case.impl]
+def call(case: Case, inputs, fn: Callable) -> None:
+    """One forward (and backward when ``case.backward``) of ``fn = attention_fn(case)``; on a GPU
+    it waits for the device, so that wall time measures the work."""
     for t in inputs:
         t.grad = None
     if case.backward:
-        out = impl.fn(*inputs, case.causal)
+        out = fn(*inputs)
         out.backward(torch.ones_like(out))
     else:
         with torch.no_grad():
-            impl.fn(*inputs, case.causal)
+            fn(*inputs)
     if case.device.startswith("cuda"):
         torch.cuda.synchronize(case.device)
 
@@ -248,7 +281,8 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _vm_kib(field_name: str) -> int:
+def proc_status_kib(field_name: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) as an int (Linux)."""
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith(field_name + ":"):
@@ -268,24 +302,25 @@ def _release_free_heap() -> None:
 
 
 def _memory_child(case_json: str) -> None:
-    case = Case(**json.loads(case_json))
+    case = Case.from_dict(json.loads(case_json))
+    fn = attention_fn(case)  # the module and its parameters exist before the baseline
     inputs = make_inputs(case)
-    call(case, make_inputs(case))  # warm-up: lazy initialisation is not the call's memory
+    call(case, make_inputs(case), fn)  # warm-up: lazy initialisation is not the call's memory
     for t in inputs:
         t.grad = None
     if case.device.startswith("cuda"):  # allocator peak above what is allocated now
         torch.cuda.synchronize(case.device)
         base = torch.cuda.memory_allocated(case.device)
         torch.cuda.reset_peak_memory_stats(case.device)
-        call(case, inputs)
+        call(case, inputs, fn)
         print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated(case.device) - base}))
         return
     _release_free_heap()
-    base = _vm_kib("VmRSS")
+    base = proc_status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset the high-water mark VmHWM to the current RSS
-    call(case, inputs)
-    peak = _vm_kib("VmHWM")
+    call(case, inputs, fn)
+    peak = proc_status_kib("VmHWM")
     print(json.dumps({"peak_bytes": (peak - base) * 1024}))
 
 

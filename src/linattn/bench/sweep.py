@@ -1,5 +1,10 @@
 """`linattn bench sweep`: time and memory of every mechanism against N, beside softmax and the peers.
 
+The contenders are attention configs (by default every mechanism of ``linattn.nn.registry``
+with its registry defaults: a new registry entry is swept without a change here), each timed
+through the module its spec builds (``harness.attention_fn``), plus the installed peers
+(``harness.PEERS``). Which modes a contender runs in comes from its spec's forms.
+
 For each mode (causal, bidirectional), pass (forward, forward+backward) and N in the grid, every
 contender that supports the mode is timed (median of the repeats after a warm-up, contenders
 interleaved A B A B at each N) and its peak memory is measured in a fresh subprocess (peak RSS
@@ -21,37 +26,67 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from ..config import Config, did_you_mean
 from ..extras import require_extra
+from ..nn.registry import MECHANISMS, AttentionConfig, attention_config_from_dict, attention_config_to_dict, config_label
+from ..progress import progress_bar, say
 from .harness import (
-    IMPLS,
+    PEERS,
     Case,
     OtherLoad,
+    attention_fn,
     call,
+    describe,
     describe_load,
     format_seconds,
+    installed_peers,
     machine_info,
     make_inputs,
     median,
     peak_memory,
+    supports,
     time_calls,
     write_atomically,
 )
 
-MECHANISMS = ("softmax", "linear", "efficient", "favor", "local", "linformer", "lsh")
-PEERS = ("fast_transformers", "performer_pytorch")
+__all__ = ["DEFAULT_NS", "MODES", "PASSES", "SweepConfig", "crossovers", "format_sweep", "plot_sweep", "run_sweep"]
+
 DEFAULT_NS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 PASSES = {"forward": False, "forward+backward": True}
 MODES = {"causal": True, "bidirectional": False}
+DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
-class SweepConfig:
-    """What to sweep. ``impls`` None means every mechanism plus the installed peers."""
+class SweepConfig(Config):
+    """What ``linattn bench sweep`` times.
 
-    impls: tuple[str, ...] | None = None
+    Attributes:
+        mechanisms: the attention configs to time, each a contender labelled by its name and the
+            options it sets (``config_label``); None means every registered mechanism with its
+            registry defaults.
+        peers: implementations from other projects to time beside them (names in
+            ``harness.PEERS``); None means every installed one.
+        ns: the sequence lengths N.
+        passes: "forward" and/or "forward+backward".
+        modes: "causal" and/or "bidirectional"; a contender without that form is marked, not run.
+        batch: B.
+        heads: H.
+        head_dim: D = Dv.
+        dtype: the inputs' dtype.
+        device: "cpu", or a GPU such as "cuda".
+        repeats: timed calls per configuration (their median is reported).
+        time_budget_s: a configuration predicted to take longer per call is skipped and marked.
+        memory_budget_bytes: a configuration predicted to need more peak memory is skipped and marked.
+        measure_memory: measure each configuration's peak memory in a fresh process.
+    """
+
+    mechanisms: tuple[AttentionConfig, ...] | None = None
+    peers: tuple[str, ...] | None = None
     ns: tuple[int, ...] = DEFAULT_NS
     passes: tuple[str, ...] = tuple(PASSES)
     modes: tuple[str, ...] = tuple(MODES)
@@ -66,26 +101,40 @@ class SweepConfig:
     measure_memory: bool = True
 
     def __post_init__(self) -> None:
-        for name, values, known in (("passes", self.passes, PASSES), ("modes", self.modes, MODES)):
-            bad = sorted(set(values) - set(known))
+        for name, values, known in (("passes", self.passes, PASSES), ("modes", self.modes, MODES),
+                                    ("peers", self.peers or (), PEERS)):
+            bad = [v for v in values if v not in known]
             if bad:
-                raise ValueError(f"SweepConfig: unknown {name} {bad}; known: {list(known)}")
-        if self.impls is not None:
-            bad = sorted(set(self.impls) - set(IMPLS))
-            if bad:
-                raise ValueError(f"SweepConfig: unknown impls {bad}; known: {sorted(IMPLS)}")
+                raise ValueError(f"SweepConfig: unknown {name} {bad[0]!r}{did_you_mean(bad[0], known)}; "
+                                 f"known: {', '.join(known)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"SweepConfig: unknown dtype {self.dtype!r}; known: {', '.join(DTYPES)}")
         if not self.ns or any(n < 1 for n in self.ns):
             raise ValueError(f"SweepConfig: ns must be positive sequence lengths, got {self.ns}")
         if self.repeats < 1:
             raise ValueError(f"SweepConfig: repeats must be >= 1, got {self.repeats}")
+        labels = [config_label(c) for c in self.mechanisms or ()]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"SweepConfig: the same mechanism config twice in {labels}")
 
-    def contenders(self) -> tuple[str, ...]:
-        if self.impls is not None:
-            return self.impls
-        return MECHANISMS + tuple(p for p in PEERS if IMPLS[p].available())
+    def encode_field(self, name: str, value: Any) -> Any:
+        if name == "mechanisms" and value is not None:
+            return [attention_config_to_dict(c) for c in value]
+        return super().encode_field(name, value)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @classmethod
+    def decode_field(cls, name: str, value: Any) -> Any:
+        if name == "mechanisms" and value is not None:
+            return tuple(attention_config_from_dict(c) for c in value)
+        return tuple(value) if isinstance(value, list) else value
+
+    def contenders(self) -> dict[str, AttentionConfig | None]:
+        """``{label: attention config}`` of the mechanisms, then ``{peer: None}`` of the peers."""
+        mechanisms = (self.mechanisms if self.mechanisms is not None
+                      else tuple(spec.default_config() for spec in MECHANISMS.values()))
+        out: dict[str, AttentionConfig | None] = {config_label(c): c for c in mechanisms}
+        out.update({p: None for p in (self.peers if self.peers is not None else installed_peers())})
+        return out
 
 
 @dataclass
@@ -112,87 +161,87 @@ class _History:
         return extrapolate(t0, t1), mem
 
 
-def run_sweep(config: SweepConfig = SweepConfig(), *, out_dir: str | Path = "report", command: str | None = None,
-              quiet: bool = False) -> dict:
-    """Run the sweep, write its files, return the result (the content of sweep.json)."""
+def run_sweep(config: SweepConfig = SweepConfig(), *, out: str | Path = "report", command: str | None = None,
+              quiet: bool = False, print_tables: bool = True) -> dict:
+    """Run the sweep, write its files to ``out``, return the result (the content of sweep.json).
+
+    A progress bar on standard error (on a terminal, and not ``quiet``) follows the (mode, pass, N)
+    steps; the tables are printed at the end unless ``quiet`` or not ``print_tables``."""
     require_extra("bench", command="linattn bench sweep")
     contenders = config.contenders()
     rows: list[dict] = []
     history: dict[tuple[str, str, str], _History] = {}
-    total = len(config.modes) * len(config.passes) * len(config.ns)
-    done, started = 0, time.perf_counter()
+    started = time.perf_counter()
     load = OtherLoad(reference=True)
-    for mode in config.modes:
-        causal = MODES[mode]
-        for pass_name in config.passes:
-            backward = PASSES[pass_name]
-            for n in sorted(config.ns):
-                done += 1
-                cases, pending = {}, []
-                for impl in contenders:
-                    row = {"impl": impl, "mode": mode, "pass": pass_name, "n": n}
-                    if not IMPLS[impl].supports(causal):
-                        rows.append({**row, "status": "unsupported", "reason": f"{impl} has no {mode} form"})
-                        continue
-                    t_pred, m_pred = history.setdefault((impl, mode, pass_name), _History()).predict(n)
-                    if t_pred is not None and t_pred > config.time_budget_s:
-                        rows.append({**row, "status": "skipped",
-                                     "reason": f"predicted {t_pred:.1f} s per call > budget {config.time_budget_s} s"})
-                        continue
-                    if m_pred is not None and m_pred > config.memory_budget_bytes:
-                        rows.append({**row, "status": "skipped",
-                                     "reason": f"predicted {m_pred / 2**30:.1f} GiB > budget "
-                                               f"{config.memory_budget_bytes / 2**30:.1f} GiB"})
-                        continue
-                    cases[impl] = Case(impl, causal, n, batch=config.batch, heads=config.heads,
-                                       head_dim=config.head_dim, dtype=config.dtype, backward=backward,
-                                       device=config.device)
-                    pending.append(row)
-                if not quiet:
-                    elapsed = time.perf_counter() - started
-                    print(f"[{done}/{total}] {mode} {pass_name} N={n}: {', '.join(cases) or 'nothing to run'}"
-                          f" ({elapsed:.0f} s so far)", flush=True)
-                rows.extend(_measure(config, cases, pending, history))
+    steps = [(mode, pass_name, n) for mode in config.modes for pass_name in config.passes for n in sorted(config.ns)]
+    with progress_bar(len(steps), desc="sweep", unit="step", quiet=quiet) as bar:
+        for mode, pass_name, n in steps:
+            causal, backward = MODES[mode], PASSES[pass_name]
+            cases, pending = {}, []
+            for label, attention in contenders.items():
+                row = {"impl": label, "mode": mode, "pass": pass_name, "n": n}
+                case = Case(label, causal, n, batch=config.batch, heads=config.heads, head_dim=config.head_dim,
+                            dtype=config.dtype, backward=backward, device=config.device, attention=attention)
+                if not supports(case):
+                    rows.append({**row, "status": "unsupported", "reason": f"{label} has no {mode} form"})
+                    continue
+                t_pred, m_pred = history.setdefault((label, mode, pass_name), _History()).predict(n)
+                if t_pred is not None and t_pred > config.time_budget_s:
+                    rows.append({**row, "status": "skipped",
+                                 "reason": f"predicted {t_pred:.1f} s per call > budget {config.time_budget_s} s"})
+                    continue
+                if m_pred is not None and m_pred > config.memory_budget_bytes:
+                    rows.append({**row, "status": "skipped",
+                                 "reason": f"predicted {m_pred / 2**30:.1f} GiB > budget "
+                                           f"{config.memory_budget_bytes / 2**30:.1f} GiB"})
+                    continue
+                cases[label] = case
+                pending.append(row)
+            bar.set_postfix_str(f"{mode} {pass_name} N={n}: {', '.join(cases) or 'nothing to run'}")
+            rows.extend(_measure(config, cases, pending, history))
+            bar.update()
     result = {
         "command": command or "linattn bench sweep",
         "machine": machine_info(),
         "config": config.to_dict(),
-        "contenders": {c: IMPLS[c].note for c in contenders},
+        "contenders": {label: describe(label, attention) for label, attention in contenders.items()},
+        "attention": {label: attention_config_to_dict(a) for label, a in contenders.items() if a is not None},
         "rows": rows,
         "crossover": crossovers(rows),
         "seconds": time.perf_counter() - started,
         "load": load.finish(),
     }
-    write_atomically(out_dir, {"sweep.json": json.dumps(result, indent=2), "sweep.md": format_sweep(result)})
-    plot_sweep(result, Path(out_dir))
-    if not quiet:
-        print(format_sweep(result))
+    write_atomically(out, {"sweep.json": json.dumps(result, indent=2), "sweep.md": format_sweep(result)})
+    plot_sweep(result, Path(out))
+    say(format_sweep(result), quiet=quiet or not print_tables)
     return result
 
 
 def _measure(config: SweepConfig, cases: dict[str, Case], rows: list[dict], history) -> list[dict]:
     """Time the cases interleaved (dropping any that fail), then measure their memory."""
     inputs, fns, out = {}, {}, {}
-    for (impl, case), row in zip(list(cases.items()), rows):
+    for (label, case), row in zip(list(cases.items()), rows):
         try:
-            inputs[impl] = make_inputs(case)
-            call(case, inputs[impl])  # a first call: fail here rather than inside the timing loop
-            fns[impl] = lambda c=case, x=inputs[impl]: call(c, x)
-            out[impl] = row
+            fn = attention_fn(case)  # the module is built here, outside the timed calls
+            inputs[label] = make_inputs(case)
+            call(case, inputs[label], fn)  # a first call: fail here rather than inside the timing loop
+            fns[label] = lambda c=case, x=inputs[label], f=fn: call(c, x, f)
+            out[label] = row
         except (RuntimeError, ValueError, MemoryError) as e:
-            out[impl] = {**row, "status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
-            inputs.pop(impl, None)
+            out[label] = {**row, "status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
+            inputs.pop(label, None)
     times = time_calls(fns, repeats=config.repeats, warmup=0) if fns else {}
     inputs.clear()
-    for impl, ts in times.items():
-        row = {**out[impl], "status": "ok", "median_s": median(ts), "all_s": ts, "peak_memory_bytes": None}
+    fns.clear()
+    for label, ts in times.items():
+        row = {**out[label], "status": "ok", "median_s": median(ts), "all_s": ts, "peak_memory_bytes": None}
         if config.measure_memory:
             try:
-                row["peak_memory_bytes"] = peak_memory(cases[impl])
+                row["peak_memory_bytes"] = peak_memory(cases[label])
             except (RuntimeError, OSError) as e:
                 row["memory_error"] = str(e)[-300:]
-        history[(impl, row["mode"], row["pass"])].points.append((row["n"], row["median_s"], row["peak_memory_bytes"]))
-        out[impl] = row
+        history[(label, row["mode"], row["pass"])].points.append((row["n"], row["median_s"], row["peak_memory_bytes"]))
+        out[label] = row
     return list(out.values())
 
 

@@ -1,139 +1,245 @@
-"""``linattn bench [sweep|core|favor|family|full|generate]``: the benchmarks."""
+"""``linattn bench [sweep|core|favor|family|full|generate]``: the benchmarks.
+
+Each sub-command's flags carry the names of its ``run_*`` function's parameters (``--out`` is
+``out``, ``--n-layers`` is ``n_layers``, ``--num-features`` is ``num_features``); mechanisms come
+from the registry (``--mechanisms``), the peers from ``linattn.bench.harness.PEERS``.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable, Sequence
 
-from .common import CommandParser, command_line, int_list, positive_int
+from ..config import did_you_mean
+from .common import (
+    CommandParser,
+    add_mechanisms_argument,
+    add_out_argument,
+    command_line,
+    int_list,
+    positive_int,
+    reported,
+)
+
+PASSES = ("forward", "forward+backward")
+MODES = ("causal", "bidirectional")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+FAVOR_PARTS = ("approx", "speed")
+RUNS_HELP = ("Separate runs, each in fresh processes, whose ratios give each claim's median and spread "
+             "(default: 3).")
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """An argument type: comma-separated values, each one of ``choices``."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(x.strip() for x in text.split(",") if x.strip())
+        if not values:
+            raise argparse.ArgumentTypeError(f"give at least one of {', '.join(choices)}")
+        for v in values:
+            if v not in choices:
+                raise argparse.ArgumentTypeError(f"unknown value {v!r}{did_you_mean(v, choices)}; "
+                                                 f"choose from {', '.join(choices)}")
+        return values
+
+    return parse
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    from ..bench.harness import PEERS
+
+    if text.strip() == "none":
+        return ()
+    return choice_list(tuple(PEERS))(text)
+
+
+def _add_runs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs", type=positive_int, default=None, help=RUNS_HELP)
 
 
 def build_parser(prog: str) -> CommandParser:
-    parser = CommandParser(prog=prog, description="benchmarks (no suite: the sweep with its defaults)")
-    bench_sub = parser.add_subparsers(dest="suite", required=False)
-    sweep = bench_sub.add_parser("sweep", help="time and memory of every mechanism vs N, beside softmax and peers")
-    sweep.add_argument("--out", default="report", help="folder for sweep.json/md/png (default: report)")
-    sweep.add_argument("--impls", default=None, help="comma-separated contenders (default: all + installed peers)")
-    sweep.add_argument("--ns", type=int_list, default=None, help="sequence lengths, e.g. 256,1024,4096")
-    sweep.add_argument("--passes", default="forward,forward+backward")
-    sweep.add_argument("--modes", default="causal,bidirectional")
-    sweep.add_argument("--batch", type=int, default=1)
-    sweep.add_argument("--heads", type=int, default=8)
-    sweep.add_argument("--head-dim", type=int, default=64)
-    sweep.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
-    sweep.add_argument("--device", default="cpu")
-    sweep.add_argument("--repeats", type=int, default=3)
-    sweep.add_argument("--time-budget", type=float, default=20.0, help="seconds per call (predicted) before skipping")
-    sweep.add_argument("--memory-budget-gib", type=float, default=8.0)
-    sweep.add_argument("--no-memory", action="store_true", help="skip the per-configuration memory subprocesses")
-    core = bench_sub.add_parser("core", help="the core speed/memory claims against fast-transformers")
-    core.add_argument("--out", default="docs/benchmarks", help="folder for core.json and core.md")
-    core.add_argument("--n", type=int, default=16384, help="sequence length (default 16384)")
-    core.add_argument("--repeats", type=int, default=7)
-    core.add_argument("--runs", type=positive_int, default=None,
-                      help="separate runs (fresh processes) whose ratios give the claim's median and spread (default 3)")
+    from ..bench.harness import PEERS
 
-    favor = bench_sub.add_parser("favor", help="FAVOR+ approximation figure and speed against performer-pytorch")
-    favor.add_argument("--out", default="docs/benchmarks", help="folder for favor_*.json/md/png")
-    favor.add_argument("--what", default="approx,speed",
-                       help="comma-separated parts: approx (error vs m), speed (needs performer-pytorch)")
-    favor.add_argument("--ms", type=int_list, default=None, help="numbers of random features, e.g. 16,64,256")
-    favor.add_argument("--seeds", type=int, default=20)
-    favor.add_argument("--n", type=int, default=4096, help="sequence length of the speed comparison")
-    favor.add_argument("--repeats", type=int, default=7)
-    favor.add_argument("--runs", type=positive_int, default=None,
-                       help="speed: separate runs (fresh processes) whose ratios give the claim's median and spread "
-                       "(default 3)")
-    family = bench_sub.add_parser("family", help="local attention at N = 65536 against softmax at N = 4096")
-    family.add_argument("--out", default="docs/benchmarks", help="folder for family.json and family.md")
-    family.add_argument("--n-local", type=int, default=65536, help="local attention's N (default 65536)")
-    family.add_argument("--n-softmax", type=int, default=4096, help="softmax attention's N (default 4096)")
-    family.add_argument("--repeats", type=int, default=3)
-    family.add_argument("--runs", type=positive_int, default=None,
-                        help="separate runs (fresh processes) whose ratios give the claim's median and spread (default 3)")
+    parser = CommandParser(prog=prog, description="The benchmarks. Without a sub-command, the sweep with its "
+                           "defaults.")
+    bench_sub = parser.add_subparsers(dest="suite", required=False, metavar="SUITE")
 
-    full = bench_sub.add_parser("full", help="the full sweep and generation benchmark, and docs/benchmarks.md")
-    full.add_argument("--out", default="docs/benchmarks/full", help="folder for the sweep and generation files")
-    full.add_argument("--doc", default="docs/benchmarks.md", help="the Markdown document to write")
-    full.add_argument("--doc-only", action="store_true", help="rebuild the document from the files in --out")
+    sweep = bench_sub.add_parser(
+        "sweep", help="Time and memory of every mechanism against N, beside softmax and the peers.",
+        description="Time and peak memory of attention against the sequence length N, every mechanism of the "
+        "registry with its defaults unless --mechanisms says otherwise, beside the installed peers.")
+    add_out_argument(sweep, "report", "Folder for sweep.json, sweep.md and the plots.")
+    add_mechanisms_argument(sweep, default=None, what="Mechanisms to time (default: every registered one, "
+                            "with its registry defaults)")
+    sweep.add_argument("--peers", type=_peers, default=None, metavar="A,B",
+                       help=f"Peers from other projects to time beside them: comma-separated names from "
+                       f"{', '.join(PEERS)}, or none (default: the installed ones).")
+    sweep.add_argument("--ns", type=int_list, default=None, metavar="N,N",
+                       help="Sequence lengths, e.g. 256,1024,4096 (default: 256 to 65536 in powers of 2).")
+    sweep.add_argument("--passes", type=choice_list(PASSES), default=PASSES, metavar="PASS,PASS",
+                       help=f"Comma-separated passes to time, from {', '.join(PASSES)} (default: both).")
+    sweep.add_argument("--modes", type=choice_list(MODES), default=MODES, metavar="MODE,MODE",
+                       help=f"Comma-separated modes, from {', '.join(MODES)} (default: both).")
+    sweep.add_argument("--batch", type=positive_int, default=1, help="Batch size B (default: 1).")
+    sweep.add_argument("--heads", type=positive_int, default=8, help="Heads H (default: 8).")
+    sweep.add_argument("--head-dim", type=positive_int, default=64, help="Head width D = Dv (default: 64).")
+    sweep.add_argument("--dtype", default="float32", choices=DTYPES, help="The inputs' dtype (default: float32).")
+    sweep.add_argument("--device", default="cpu", help="cpu, or a GPU such as cuda (default: cpu).")
+    sweep.add_argument("--repeats", type=positive_int, default=3,
+                       help="Timed calls per configuration; their median is reported (default: 3).")
+    sweep.add_argument("--time-budget-s", type=float, default=20.0,
+                       help="A configuration predicted to take longer per call, in seconds, is skipped and "
+                       "marked (default: 20).")
+    sweep.add_argument("--memory-budget-gib", type=float, default=8.0,
+                       help="A configuration predicted to need more peak memory, in GiB, is skipped and marked "
+                       "(default: 8).")
+    sweep.add_argument("--measure-memory", action=argparse.BooleanOptionalAction, default=True,
+                       help="Measure each configuration's peak memory in a fresh process (default: on).")
 
-    gen = bench_sub.add_parser("generate", help="per-token generation time of a linear vs a softmax (KV cache) LM")
-    gen.add_argument("--out", default="docs/benchmarks", help="folder for generate.json and generate.md")
-    gen.add_argument("--positions", type=int_list, default=(100, 16000), help="decoding positions, e.g. 100,16000")
-    gen.add_argument("--steps", type=int, default=20, help="timed steps per position (default 20)")
-    gen.add_argument("--d-model", type=int, default=512)
-    gen.add_argument("--layers", type=int, default=8)
-    gen.add_argument("--heads", type=int, default=8)
-    gen.add_argument("--vocab", type=int, default=32000)
-    gen.add_argument("--mechanisms", default="linear,favor,local,softmax",
-                     help="decoders to time (linear and softmax required; default: linear,favor,local,softmax)")
-    gen.add_argument("--no-recompute", action="store_true", help="skip softmax recomputing the prefix")
-    gen.add_argument("--images", type=int, default=8,
-                     help="batch of 784-pixel images to generate for images/s (0: skip; default 8)")
-    gen.add_argument("--image-d-model", type=int, default=256)
-    gen.add_argument("--image-layers", type=int, default=8)
+    core = bench_sub.add_parser(
+        "core", help="The core speed and memory claims against fast-transformers.",
+        description="Causal and bidirectional linear attention against fast-transformers' CPU kernels and "
+        "softmax (SDPA), forward+backward, under two allocators, and one recurrent step.")
+    add_out_argument(core, "docs/benchmarks", "Folder for core.json and core.md.")
+    core.add_argument("--n", type=positive_int, default=16384, help="Sequence length N (default: 16384).")
+    core.add_argument("--repeats", type=positive_int, default=7,
+                      help="Interleaved timed calls per run (default: 7).")
+    _add_runs(core)
+
+    favor = bench_sub.add_parser(
+        "favor", help="FAVOR+ approximation error and speed against performer-pytorch.",
+        description="FAVOR+: its error against softmax attention for several numbers of random features, and "
+        "its speed against performer-pytorch with as many features.")
+    add_out_argument(favor, "docs/benchmarks", "Folder for the favor_approx and favor_speed files.")
+    favor.add_argument("--what", type=choice_list(FAVOR_PARTS), default=FAVOR_PARTS, metavar="PART,PART",
+                       help="Comma-separated parts, from approx (error against the number of features) and speed "
+                       "(needs performer-pytorch) (default: both).")
+    favor.add_argument("--num-features", type=int_list, default=None, metavar="M,M",
+                       help="Approximation: the numbers of random features m, e.g. 16,64,256 "
+                       "(default: 16 to 4096 in powers of 2).")
+    favor.add_argument("--seeds", type=positive_int, default=20,
+                       help="Approximation: seeds (inputs and projections) per number of features (default: 20).")
+    favor.add_argument("--attention-num-features", type=positive_int, default=256, metavar="M",
+                       help="Speed: the random features of the FAVOR+ config timed, and of performer-pytorch "
+                       "beside it (default: 256).")
+    favor.add_argument("--n", type=positive_int, default=4096, help="Speed: sequence length N (default: 4096).")
+    favor.add_argument("--repeats", type=positive_int, default=7,
+                       help="Speed: interleaved timed calls per run (default: 7).")
+    _add_runs(favor)
+
+    family = bench_sub.add_parser(
+        "family", help="Local attention at N = 65536 against softmax at N = 4096.",
+        description="Local attention forward+backward at a long N against softmax attention at a short one.")
+    add_out_argument(family, "docs/benchmarks", "Folder for family.json and family.md.")
+    family.add_argument("--n-local", type=positive_int, default=65536,
+                        help="Local attention's sequence length (default: 65536).")
+    family.add_argument("--n-softmax", type=positive_int, default=4096,
+                        help="Softmax attention's sequence length (default: 4096).")
+    family.add_argument("--attention-window", type=positive_int, default=256, metavar="W",
+                        help="Local attention's window, part of the claim (default: 256, not the registry's "
+                        "default).")
+    family.add_argument("--repeats", type=positive_int, default=3,
+                        help="Interleaved timed calls per run (default: 3).")
+    _add_runs(family)
+
+    full = bench_sub.add_parser(
+        "full", help="The full sweep and generation benchmark, and docs/benchmarks.md.",
+        description="The sweep with its defaults and the generation benchmark, then the document written "
+        "from their files.")
+    add_out_argument(full, "docs/benchmarks/full", "Folder for the sweep and generation files.")
+    full.add_argument("--doc", default="docs/benchmarks.md", metavar="PATH",
+                      help="The Markdown document to write (default: docs/benchmarks.md).")
+    full.add_argument("--doc-only", action="store_true",
+                      help="Rebuild the document from the files already in --out, measuring nothing.")
+
+    gen = bench_sub.add_parser(
+        "generate", help="Per-token decoding time of each recurrent mechanism against softmax with a KV cache.",
+        description="Decoding speed of TransformerLMs against position (one per mechanism with a recurrent "
+        "form, softmax with a KV cache and recomputing the prefix), and images per second.")
+    add_out_argument(gen, "docs/benchmarks", "Folder for generate.json and generate.md.")
+    gen.add_argument("--positions", type=int_list, default=(100, 16000), metavar="P,P",
+                     help="Decoding positions, e.g. 100,16000 (default: 100,16000).")
+    gen.add_argument("--steps", type=positive_int, default=20, help="Timed steps per position (default: 20).")
+    add_mechanisms_argument(gen, default=None, what="Decoders to time, each a mechanism with a recurrent form; "
+                            "linear and softmax with their defaults are required (default: every recurrent "
+                            "mechanism, with its registry defaults)")
+    gen.add_argument("--d-model", type=positive_int, default=512, help="The model's width d_model (default: 512).")
+    gen.add_argument("--n-layers", type=positive_int, default=8, help="The model's layers (default: 8).")
+    gen.add_argument("--n-heads", type=positive_int, default=8, help="The model's heads (default: 8).")
+    gen.add_argument("--vocab-size", type=positive_int, default=32000,
+                     help="The model's vocabulary size (default: 32000).")
+    gen.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
+                     help="Also time softmax recomputing the whole prefix for each token (default: on).")
+    gen.add_argument("--image-batch", type=int, default=8, metavar="B",
+                     help="Images of 784 pixels generated at once for images per second; 0 skips that part "
+                     "(default: 8).")
+    gen.add_argument("--image-d-model", type=positive_int, default=256,
+                     help="The pixel model's width d_model (default: 256).")
+    gen.add_argument("--image-n-layers", type=positive_int, default=8, help="The pixel model's layers (default: 8).")
     gen.add_argument("--compile", action="store_true",
-                     help="also time each model's torch.compile'd decoding step (TransformerLM.compiled_step)")
-    gen.add_argument("--runs", type=positive_int, default=None,
-                     help="separate runs (fresh processes) whose ratios give the claims' medians and spreads "
-                     "(default 3)")
-
+                     help="Also time each model's compiled decoding step (TransformerLM.compiled_step).")
+    _add_runs(gen)
+    for sub in (sweep, core, favor, family, full, gen):  # its validation errors name it, not `linattn bench`
+        sub.set_defaults(suite_parser=sub)
     return parser
 
 
+def _runs(args: argparse.Namespace) -> dict:
+    return {} if args.runs is None else {"runs": args.runs}
+
+
 def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int:
-    if args.suite in (None, "sweep"):
+    if args.suite is None:  # `linattn bench`: the sweep with its defaults
+        args = parser.parse_args(["sweep"])
+    chosen = args.suite_parser
+    if args.suite == "sweep":
         from ..bench.sweep import DEFAULT_NS, SweepConfig, run_sweep
 
-        if args.suite is None:  # `linattn bench`: the sweep with its defaults
-            args = parser.parse_args(["sweep"])
-        split = lambda text: tuple(x for x in text.split(",") if x)  # noqa: E731
-        try:
+        with reported(chosen, ValueError):
             config = SweepConfig(
-                impls=split(args.impls) if args.impls else None, ns=args.ns or DEFAULT_NS,
-                passes=split(args.passes), modes=split(args.modes), batch=args.batch, heads=args.heads,
-                head_dim=args.head_dim, dtype=args.dtype, device=args.device, repeats=args.repeats,
-                time_budget_s=args.time_budget, memory_budget_bytes=int(args.memory_budget_gib * 2**30),
-                measure_memory=not args.no_memory,
+                mechanisms=args.mechanisms, peers=args.peers, ns=args.ns or DEFAULT_NS, passes=args.passes,
+                modes=args.modes, batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                device=args.device, repeats=args.repeats, time_budget_s=args.time_budget_s,
+                memory_budget_bytes=int(args.memory_budget_gib * 2**30), measure_memory=args.measure_memory,
             )
-        except ValueError as e:
-            parser.fail(str(e))
-        command = command_line(argv)
-        run_sweep(config, out_dir=args.out, command=command)
+        run_sweep(config, out=args.out, command=command_line(argv))
     elif args.suite == "core":
         from ..bench.core import run_core
 
-        run_core(out_dir=args.out, n=args.n, repeats=args.repeats, **({} if args.runs is None else {"runs": args.runs}))
+        run_core(out=args.out, n=args.n, repeats=args.repeats, **_runs(args))
     elif args.suite == "favor":
-        from ..bench.favor import APPROX_MS, run_favor
+        from ..bench.favor import APPROX_NUM_FEATURES, run_favor
+        from ..nn import FavorConfig
 
-        what = tuple(x for x in args.what.split(",") if x)
-        unknown = sorted(set(what) - {"approx", "speed"})
-        if unknown:
-            parser.fail(f"--what: unknown parts {unknown}; choose from approx, speed")
-        run_favor(out_dir=args.out, what=what, ms=args.ms or APPROX_MS, seeds=args.seeds, n=args.n,
-                  repeats=args.repeats, **({} if args.runs is None else {"runs": args.runs}))
+        with reported(chosen, ValueError, RuntimeError):
+            run_favor(out=args.out, what=args.what, num_features=args.num_features or APPROX_NUM_FEATURES,
+                      seeds=args.seeds, attention=FavorConfig(num_features=args.attention_num_features), n=args.n,
+                      repeats=args.repeats, **_runs(args))
     elif args.suite == "family":
         from ..bench.family import run_family
+        from ..nn import LocalConfig
 
-        run_family(out_dir=args.out, n_local=args.n_local, n_softmax=args.n_softmax, repeats=args.repeats,
-                   **({} if args.runs is None else {"runs": args.runs}))
+        run_family(out=args.out, n_local=args.n_local, n_softmax=args.n_softmax,
+                   attention=LocalConfig(window=args.attention_window), repeats=args.repeats, **_runs(args))
     elif args.suite == "full":
         from ..bench.full import run_full
 
-        try:
-            run_full(out_dir=args.out, doc=args.doc, doc_only=args.doc_only)
-        except FileNotFoundError as e:
-            parser.fail(str(e))
+        with reported(chosen, FileNotFoundError, ValueError):
+            run_full(out=args.out, doc=args.doc, doc_only=args.doc_only)
     elif args.suite == "generate":
-        from ..bench.generate import run_generate
+        from ..bench.generate import check_mechanisms, run_generate
 
-        try:
-            run_generate(out_dir=args.out, positions=args.positions, steps=args.steps, d_model=args.d_model,
-                         n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab,
-                         mechanisms=tuple(x for x in args.mechanisms.split(",") if x),
-                         recompute=not args.no_recompute, image_batch=args.images,
-                         image_d_model=args.image_d_model, image_layers=args.image_layers,
-                         compile=args.compile, **({} if args.runs is None else {"runs": args.runs}))
-        except ValueError as e:
-            parser.fail(str(e))
+        if args.image_batch < 0:
+            chosen.fail(f"--image-batch: must be >= 0 (0 skips the images), got {args.image_batch}")
+        if args.mechanisms is not None:
+            try:
+                check_mechanisms(args.mechanisms)
+            except ValueError as e:
+                chosen.fail(f"--mechanisms: {e}")
+        with reported(chosen, ValueError):
+            run_generate(out=args.out, positions=args.positions, steps=args.steps, d_model=args.d_model,
+                         n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size,
+                         mechanisms=args.mechanisms, recompute=args.recompute, image_batch=args.image_batch,
+                         image_d_model=args.image_d_model, image_n_layers=args.image_n_layers,
+                         compile=args.compile, **_runs(args))
     return 0

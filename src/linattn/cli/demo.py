@@ -8,14 +8,19 @@ from .common import CommandParser, add_out_argument, int_list
 
 
 def build_parser(prog: str) -> CommandParser:
-    parser = CommandParser(prog=prog, description="quick sweep, fast-vs-reference errors and generation timing")
-    parser.add_argument("--ns", type=int_list, default=None, help="sequence lengths, e.g. 256,1024")
-    add_out_argument(parser, "report", "output folder for demo.json/md and the parts' files")
+    parser = CommandParser(
+        prog=prog, description="The main job: a short sweep of every mechanism but LSH against softmax "
+        "(forward+backward time and peak memory, with a progress bar on a terminal), each fast form against its "
+        "reference form, and decoding speed of linear against softmax language models. It prints how long it "
+        "took; the run committed in docs/benchmarks/demo/demo.md states its own duration.")
+    parser.add_argument("--ns", type=int_list, default=None, metavar="N,N",
+                        help="Sequence lengths of the sweep, e.g. 256,1024 (default: 256,1024,4096,16384).")
+    add_out_argument(parser, "report", "Folder for demo.json, demo.md and the parts' files.")
     return parser
 
 
 def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int:
     from ..bench import demo
 
-    demo.run_demo(args.ns or demo.DEFAULT_NS, out_dir=args.out)
+    demo.run_demo(args.ns or demo.DEFAULT_NS, out=args.out)
     return 0

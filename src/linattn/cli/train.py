@@ -1,27 +1,130 @@
-"""``linattn train``: train a TransformerLM (config file, flags and ``--set`` overrides; DDP under torchrun)."""
+"""``linattn train``: train a TransformerLM (config file, flags and ``--set`` overrides; DDP under torchrun).
+
+The config is built in one order: the file (``--config``; with ``--resume`` and no file, the run's
+own ``train_config.json``; else the defaults), then ``--attention`` and its options on the file's
+attention, then ``--set`` and the field flags as overrides of the dict form (so
+``--attention local --set model.attention.window=64`` works), then validation.
+Field flags come from the config dataclasses: :class:`linattn.train.TrainConfig` unprefixed
+(``--lr``, ``--out``), :class:`linattn.TransformerConfig` unprefixed too (``--d-model``, applied as
+``model.d_model``) and :class:`linattn.train.DataConfig` as ``--data-FIELD`` (``data.FIELD``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
+import re
 import sys
+from pathlib import Path
 
-from .common import CommandParser
+from .common import (
+    CommandParser,
+    add_attention_arguments,
+    add_config_arguments,
+    add_set_argument,
+    attention_from_args,
+    config_overrides,
+)
+
+DEFAULT_ATTENTION = "linear"  # the default model's mechanism (TrainConfig's default model)
+
+
+def _sections():
+    """``(config class, dotted prefix, flag prefix)`` of every config whose fields are flags."""
+    from ..models import TransformerConfig
+    from ..train import DataConfig, TrainConfig
+
+    return ((TrainConfig, "", ""), (TransformerConfig, "model.", ""), (DataConfig, "data.", "data-"))
 
 
 def build_parser(prog: str) -> CommandParser:
-    from ..train.cli_args import add_train_arguments
-
     parser = CommandParser(prog=prog, description="Train a TransformerLM. Under `torchrun --nproc_per_node N` "
-                           "every process runs this command and DistributedDataParallel splits each global batch.")
-    add_train_arguments(parser)
+                           "every process runs this command and DistributedDataParallel splits each global batch. "
+                           "--attention, then --set and the field flags, are applied over the config file in that order.")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="A .json or .toml TrainConfig (default: the built-in recall demo).")
+    parser.add_argument("--resume", action="store_true",
+                        help="Continue from --out's checkpoints/latest.json (without --config: the run's own config).")
+    parser.add_argument("--print-config", action="store_true", help="Print the resolved config as JSON and exit.")
+    parser.add_argument("--quiet", action="store_true",
+                        help="No header, progress bar or closing line (metrics.jsonl is still written).")
+    add_set_argument(parser)
+    add_attention_arguments(parser, default=DEFAULT_ATTENTION)
+    titles = {"": "training (TrainConfig; each flag is --set FIELD=VALUE)",
+              "model.": "model size and shape (TransformerConfig; each flag is --set model.FIELD=VALUE)",
+              "data.": "data (DataConfig; each flag is --set data.FIELD=VALUE)"}
+    for cls, prefix, flag_prefix in _sections():
+        add_config_arguments(parser, cls, prefix=prefix, flag_prefix=flag_prefix, title=titles[prefix])
+    _model_defaults_in_help(parser)
     return parser
+
+
+def _model_defaults_in_help(parser: CommandParser) -> None:
+    """The model flags' help states the defaults of the model ``linattn train`` builds without a
+    file (:func:`linattn.train.config.default_model`), not TransformerConfig's own."""
+    from ..train.config import default_model
+
+    model = default_model()
+    for action in parser._actions:
+        if action.dest.startswith("field:model."):
+            value = getattr(model, action.dest[len("field:model."):])
+            text = re.sub(r" ?\(default: [^)]*\)$", "", action.help or "")
+            action.help = f"{text} (default: {value})".strip()
+
+
+def _flag_of(message: str) -> str | None:
+    """The flag of the field a config's validation message is about (``"TrainConfig: lr must ..."``
+    -> ``--lr``), or None when it names no field."""
+    m = re.match(r"(\w+): (?:unknown )?(\w+)", message)
+    if m is None:
+        return None
+    for cls, _, flag_prefix in _sections():
+        if cls.__name__ == m.group(1) and m.group(2) in {f.name for f in dataclasses.fields(cls)}:
+            if m.group(2) in ("model", "data", "attention", "layer_attention"):
+                return None
+            return "--" + (flag_prefix + m.group(2)).replace("_", "-")
+    return None
+
+
+def resolve_config(args: argparse.Namespace):
+    """The :class:`TrainConfig` the flags describe (see the module docstring). Raises ValueError,
+    TypeError or FileNotFoundError; a validation error about one field starts with its flag."""
+    from ..config import apply_overrides, read_config_file
+    from ..nn.registry import attention_config_from_dict, attention_config_to_dict
+    from ..train import TrainConfig
+    from ..train.config import default_model
+    from ..train.trainer import CONFIG_FILE
+
+    overrides = config_overrides(args)
+    str_fields = TrainConfig.str_fields()
+    path = args.config
+    if path is None and args.resume:
+        out = apply_overrides({}, overrides, str_fields=str_fields).get("out", TrainConfig().out)
+        saved = Path(str(out)) / CONFIG_FILE
+        if saved.is_file():
+            path = saved
+    d = {} if path is None else read_config_file(path)
+    # a file without a model table gets the default model's dict for the flags to edit
+    model = d.setdefault("model", default_model().to_dict())
+    if isinstance(model, dict):
+        base = model.get("attention")
+        chosen = attention_from_args(args, base=attention_config_from_dict(dict(base)) if isinstance(base, dict) else None)
+        if chosen is not None:
+            model["attention"] = attention_config_to_dict(chosen)
+    d = apply_overrides(d, overrides, str_fields=str_fields)
+    try:
+        return TrainConfig.from_dict(d)
+    except (ValueError, TypeError) as e:
+        flag = _flag_of(str(e))
+        if flag is None:
+            raise
+        raise type(e)(f"{flag}: {e}") from None
 
 
 def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int:
     from ..train import OutDirBusyError, train
-    from ..train.cli_args import resolve_config
+    from ..train.dist import is_main_process
 
     try:
         config = resolve_config(args)
@@ -36,8 +139,8 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         parser.fail(str(e))
     if result.stop_signal is None:
         return 0
-    if os.environ.get("RANK", "0") == "0":
+    if is_main_process():
         print(f"stopped by {result.stop_signal.name} at step {result.step}; continue with: "
-              f"linattn train --resume --out-dir {config.out_dir}", file=sys.stderr)
+              f"linattn train --resume --out {config.out}", file=sys.stderr)
     # interrupted, not done: 128 + signal as a shell reports it, so `linattn train ... && next` stops
     return 128 + result.stop_signal

@@ -53,9 +53,9 @@ class TransformerConfig(Config):
     n_layers: int = 4
     n_heads: int = 4
     d_ff: int = 1024
-    norm: str = "layernorm"
+    norm: str = field(default="layernorm", metadata={"choices": NORMS})
     pre_norm: bool = True
-    positional: str = "learned"
+    positional: str = field(default="learned", metadata={"choices": POSITIONAL})
     dropout: float = 0.0
     attention: AttentionConfig = field(default_factory=SoftmaxConfig)
     layer_attention: Any = ()

@@ -104,7 +104,8 @@ class DataConfig(Config):
             _int(o, name, getattr(self, name), 2)
 
 
-def _default_model() -> TransformerConfig:
+def default_model() -> TransformerConfig:
+    """The model of the built-in demo (and of a config file without a ``model`` table)."""
     return TransformerConfig(vocab_size=64, max_len=128, d_model=128, n_layers=2, n_heads=4, d_ff=512,
                              attention=LinearConfig())
 
@@ -148,7 +149,7 @@ class TrainConfig(Config):
         out: folder of ``train_config.json``, ``metrics.jsonl`` and ``checkpoints/``.
     """
 
-    model: TransformerConfig = field(default_factory=_default_model)
+    model: TransformerConfig = field(default_factory=default_model)
     data: DataConfig = field(default_factory=DataConfig)
     seed: int = 0
     batch_size: int = 32
@@ -245,5 +246,5 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     d: dict[str, Any] = {} if path is None else read_config_file(path)
     # Overrides edit the file's dict before validation, so they can repair or complete it; a file
     # without a model table gets the default model's dict for them to edit.
-    d.setdefault("model", _default_model().to_dict())
+    d.setdefault("model", default_model().to_dict())
     return TrainConfig.from_dict(apply_overrides(d, overrides, str_fields=TrainConfig.str_fields()))

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "World", "free_port", "setup", "spawn_local", "teardown"]
+__all__ = ["DistInfo", "World", "free_port", "is_main_process", "setup", "spawn_local", "teardown"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,12 @@ def _unusable(device: torch.device) -> str | None:
     except (RuntimeError, AssertionError) as e:  # AssertionError: "Torch not compiled with CUDA enabled"
         return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return None
+
+
+def is_main_process() -> bool:
+    """Whether this process is rank 0 of the group the environment describes (True without one):
+    the one that prints under torchrun."""
+    return _env_int("RANK", 0) == 0
 
 
 def setup(device: str) -> DistInfo:
