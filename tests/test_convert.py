@@ -299,7 +299,7 @@ def test_distill_attention_name_and_options_reach_the_config(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--attention", "locl"], "did you mean 'local'"),
+    (["--attention", "locl"], "--attention: unknown attention mechanism 'locl' (did you mean 'local'?)"),
     (["--attention", "lsh"], "--attention: linearize: 'lsh' attention shares one query-key projection"),
     (["--attention", "linear", "--attention-window", "8"], "--attention-window: 'linear' attention has no option"),
     (["--minutes", "abc"], "--minutes: expected a number, got 'abc'"),

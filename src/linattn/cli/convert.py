@@ -153,7 +153,10 @@ def distill_config(args: argparse.Namespace):
     from ..convert.distill import DistillConfig
     from ..nn.registry import attention_config, attention_config_from_dict, attention_config_to_dict, parse_attention
 
-    attention = attention_from_args(args, base=attention_config(DEFAULT_STUDENT))
+    try:
+        attention = attention_from_args(args, base=attention_config(DEFAULT_STUDENT))
+    except (ValueError, TypeError) as e:
+        raise ValueError(str(e) if str(e).startswith("--") else f"--attention: {e}") from None
     if attention is None:
         attention = attention_config(DEFAULT_STUDENT)
     base = {f.name: f.default for f in dataclasses.fields(DistillConfig) if f.default is not dataclasses.MISSING}
