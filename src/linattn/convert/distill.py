@@ -14,7 +14,8 @@ its window. Never the held-out plays that fidelity is measured on. Two stages, a
    ones at ``lr_model``) on the mean over layers of the hidden-state MSE on real tokens (each
    divided by the teacher layer's mean square) plus 1 - cosine of the pooled sentence embeddings.
 
-The budget counts training time only (steps, not evaluation or checkpoints) and is enforced:
+The budget counts training time only (steps, not evaluation or checkpoints) and is enforced by
+:class:`linattn.train.TrainingLoop` (``budget_s``, resumed with the time already spent):
 the run stops at the first step boundary past ``minutes``. Checkpoints (every
 ``checkpoint_every`` steps, at the end and on SIGINT/SIGTERM) hold the student (safetensors), the
 optimiser, RNG states, data positions, stage and elapsed time; ``--resume`` continues exactly there.
@@ -28,7 +29,6 @@ import io
 import json
 import math
 import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import Config
 from ..models.checkpoint import fsync_dir, write_atomic
 from ..nn.registry import attention_config_from_dict
 from ..train.checkpoint import capture_rng, restore_rng
+from ..train.loop import TrainingLoop
 from .data import Encoded, encode, load_pretrained, mean_pool, train_sentences
 from .fidelity import config_label, cosine_summary, embeddings, load_eval_sets
 from .linearize import linearize, linearized_layers
@@ -51,7 +53,7 @@ TRAINING_PASSAGE_MAX_TOKENS = 384  # passages for training are cut here: long en
 
 
 @dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(Config):
     """Options of :func:`distill` (CLI flags of the same names, with dashes).
 
     Attributes:
@@ -91,17 +93,6 @@ class DistillConfig:
         for name in ("batch_sentences", "batch_passages", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DistillConfig: {name} must be >= 1, got {getattr(self, name)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DistillConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"DistillConfig.from_dict: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +204,7 @@ def _optimizer(student: nn.Module, stage: int, config: DistillConfig) -> torch.o
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
-def _save(out: Path, student: nn.Module, optimizer, state: dict) -> None:
+def _save(out: Path, student: nn.Module, optimizer, state: dict) -> Path:
     from safetensors.torch import save_file
 
     root = out / "checkpoints"
@@ -234,6 +225,7 @@ def _save(out: Path, student: nn.Module, optimizer, state: dict) -> None:
     for old in root.glob("step_*"):
         if old != folder and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
+    return folder
 
 
 def _latest(out: Path) -> Path | None:
@@ -256,7 +248,6 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
             command: str = "", quiet: bool = False, model_and_tokenizer=None) -> dict:
     """Run (or resume) a distillation; returns and writes ``distill.json`` (also to ``result_path``)."""
     from safetensors.torch import load_file
-    from tqdm import tqdm
 
     from ..bench.harness import OtherLoad, machine_info
 
@@ -310,64 +301,48 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
     if resume:
         state["resumed"] += 1
 
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        stop["signal"] = signum
-
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     load = OtherLoad()
-    bar = tqdm(total=round(budget), initial=round(state["elapsed_s"]), unit="s", disable=quiet,
-               desc=f"distil {config_label(config.attention)}",
-               # n_fmt/total_fmt, not {n:.0f}: tqdm sets total to None when n passes it, and a format
-               # spec on None raises inside the training loop
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s [{elapsed}<{remaining}]{postfix}")
-    running = None
-    try:
-        while state["elapsed_s"] < budget and stop["signal"] is None:
-            if state["stage"] == 1 and state["elapsed_s"] >= stage1_budget:
-                state["stage"], state["stage1_steps"] = 2, state["step"]
-                optimizer = _optimizer(student, 2, config)
-            t = time.perf_counter()
-            passage_step = config.passage_every and state["step"] % config.passage_every == config.passage_every - 1
-            texts = passages.take(config.batch_passages) if passage_step else sentences.take(config.batch_sentences)
-            batch = encode(tok, texts, max_length=TRAINING_PASSAGE_MAX_TOKENS if passage_step else 128)
-            if state["stage"] == 1:
-                loss = attention_transfer_loss(student, batch)
-            else:
-                loss = end_to_end_loss(student, teacher, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
-            optimizer.step()
-            dt = time.perf_counter() - t
-            state["elapsed_s"] += dt
-            state["step"] += 1
-            state["data"] = {"sentences": sentences.pos, "passages": passages.pos}
-            value = loss.item()
-            running = value if running is None else 0.95 * running + 0.05 * value
-            if state["step"] % 20 == 0:
-                state["loss_log"].append([state["step"], state["stage"], round(state["elapsed_s"], 1), running])
-            bar.update(min(round(state["elapsed_s"]), round(budget)) - bar.n)
-            bar.set_postfix_str(f"stage {state['stage']} step {state['step']} loss {running:.4f}")
-            if state["step"] % config.checkpoint_every == 0:
-                _save(out, student, optimizer, state)
-    finally:
-        bar.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-    _save(out, student, optimizer, state)
+    running: list[float] = []  # the smoothed loss of loss_log (one value)
+
+    def before_step(step: int) -> None:
+        if state["stage"] == 1 and loop.elapsed_s >= stage1_budget:
+            state["stage"], state["stage1_steps"] = 2, step
+            loop.optimizer = _optimizer(student, 2, config)
+
+    def micro_loss(step: int, a: int) -> Tensor:
+        passage_step = config.passage_every and step % config.passage_every == config.passage_every - 1
+        texts = passages.take(config.batch_passages) if passage_step else sentences.take(config.batch_sentences)
+        batch = encode(tok, texts, max_length=TRAINING_PASSAGE_MAX_TOKENS if passage_step else 128)
+        if state["stage"] == 1:
+            return attention_transfer_loss(student, batch)
+        return end_to_end_loss(student, teacher, batch)
+
+    def on_step(step: int, record: dict) -> None:
+        state["elapsed_s"], state["step"] = loop.elapsed_s, step
+        state["data"] = {"sentences": sentences.pos, "passages": passages.pos}
+        value = record["loss"]
+        running[:] = [value if not running else 0.95 * running[0] + 0.05 * value]
+        if step % 20 == 0:
+            state["loss_log"].append([step, state["stage"], round(state["elapsed_s"], 1), running[0]])
+
+    loop = TrainingLoop(optimizer, params=None, grad_clip=1.0, budget_s=budget, log_every=20,
+                        ckpt_every=config.checkpoint_every, save=lambda step: _save(out, student, loop.optimizer, state),
+                        before_step=before_step, on_step=on_step, desc=f"distil {config_label(config.attention)}",
+                        quiet=quiet)
+    run = loop.run(micro_loss, start_step=state["step"], start_elapsed_s=state["elapsed_s"],
+                   checkpoint=latest if resume else None)
+    stopped = run.stop_signal is not None
     result = {"command": command, "config": config.to_dict(), "label": config_label(config.attention),
               "steps": state["step"], "stage1_steps": state["stage1_steps"] if state["stage"] == 2 else state["step"],
               "training_minutes": state["elapsed_s"] / 60, "before": state["before"], "loss_log": state["loss_log"],
               "resumed": state["resumed"], "machine": machine_info(), "load": load.finish(),
-              "stopped_by_signal": stop["signal"] is not None, "eval_seconds_before": eval_seconds}
-    if stop["signal"] is None:
+              "stopped_by_signal": stopped, "eval_seconds_before": eval_seconds}
+    if not stopped:
         result["after"] = _fidelity(student, sets, teacher_emb)
         result["eval_sets"] = {s.name: s.token_stats() for s in sets}
     text = json.dumps(result, indent=1)
     write_atomic(out / "distill.json", text.encode())
-    if result_path is not None and stop["signal"] is None:
+    if result_path is not None and not stopped:
         Path(result_path).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(Path(result_path), text.encode())
     if not quiet and "after" in result:
