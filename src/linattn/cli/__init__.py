@@ -62,4 +62,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return module.run(parser, args, argv)
     except MissingExtraError as e:  # checked before any work: a usage error, not a crash
-        parser.fail(str(e))
+        top.fail(str(e))  # the message names the whole command already
