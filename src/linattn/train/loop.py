@@ -87,10 +87,6 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-# experiments/common.py imports the old name until it runs on TrainingLoop; remove with that port
-_param_groups = decay_groups
-
-
 class MetricsLog:
     """A JSONL file of records, one a line, each flushed as it is written (so that a crash loses
     at most the line being written). ``fresh=True`` empties the file first; otherwise records are
