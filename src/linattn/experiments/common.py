@@ -18,7 +18,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
@@ -37,8 +36,8 @@ from ..nn.registry import (
     parse_mechanisms,
     spec_for,
 )
-from ..progress import progress_bar, say as print_line
-from ..train.loop import _param_groups, lr_at
+from ..progress import say as print_line
+from ..train.loop import CosineSchedule, MetricsLog, TrainingLoop, decay_groups
 
 __all__ = [
     "ExperimentConfig",
@@ -312,78 +311,70 @@ def train_mechanism(
     say: Callable[..., None] = print_line,
     quiet: bool = False,
 ) -> tuple[TransformerLM, dict[str, Any]]:
-    """Train the model of one mechanism and return ``(model in eval mode, record)``.
+    """Train the model of one mechanism on :class:`linattn.train.TrainingLoop` and return
+    ``(model in eval mode, record)``.
 
     ``batches(step)`` returns ``(ids (B, N), targets (B, N), mask (B, N) or None)`` for a step; it
     must depend on the step only, so every mechanism sees the same data. ``evaluate(model)`` (on
-    held-out data, in eval mode, no grad) runs every ``eval_every`` steps (0: only at the end) and
-    its numbers are logged and returned under ``"eval"``. The record holds the parameter count,
-    wall time of training, tokens/s, peak RSS above the baseline, the final training loss and the
-    load other processes put on the machine. Progress is a bar (:mod:`linattn.progress`); ``quiet``
-    hides it.
+    held-out data, in eval mode, no grad) runs every ``eval_every`` steps (0: only at the end);
+    its numbers go to the metrics file and the record's ``"eval"`` holds the last. The record also
+    holds the parameter count, training time (forward, backward and optimiser steps only), tokens/s,
+    peak RSS above the baseline, the final training loss and the load other processes put on the
+    machine. Progress is the loop's bar; ``quiet`` hides it.
     """
     torch.manual_seed(config.seed)
     model = TransformerLM(model_config)
-    opt = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
-    # the fields lr_at reads; the cosine ends at the last step
-    schedule = SimpleNamespace(lr=config.lr, warmup_steps=config.warmup_steps, schedule_steps=config.steps,
-                               min_lr_ratio=config.min_lr_ratio)
-    metrics = run.start_metrics(label)
+    opt = torch.optim.AdamW(decay_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98))
     rss, load = PeakRSS(), OtherLoad()
     rss.start()
+    t0 = time.perf_counter()
+    current: dict[str, Batch] = {}
     losses: list[float] = []
-    tokens, train_s, t0 = 0, 0.0, time.perf_counter()
-    last: dict[str, Any] = {}
-    with metrics.open("a") as fh, progress_bar(config.steps, desc=label, unit="step", quiet=quiet) as bar:
-        for step in range(config.steps):
-            ids, targets, mask = batches(step)
-            model.train()
-            t_step = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = lr_at(schedule, step)
-            loss = masked_cross_entropy(model(ids), targets, mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            opt.step()
-            train_s += time.perf_counter() - t_step
-            tokens += ids.numel()
-            losses.append(loss.item())
-            bar.update(1)
-            if not math.isfinite(losses[-1]):
-                say(f"  {label}: loss is {losses[-1]} at step {step}; stopping this mechanism")
-                break
-            done = step + 1
-            if done % config.log_every == 0 or done == config.steps:
-                window = losses[-config.log_every:]
-                rec: dict[str, Any] = {"step": done, "loss": sum(window) / len(window),
-                                       "lr": lr_at(schedule, step), "elapsed_s": time.perf_counter() - t0}
-                if evaluate is not None and eval_every and done % eval_every == 0 and done != config.steps:
-                    model.eval()
-                    with torch.no_grad():
-                        rec["eval"] = evaluate(model)
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
-                last = rec
-                bar.set_postfix_str(f"loss {rec['loss']:.4f}")
+    tokens = 0
+
+    def fetch(step: int) -> None:  # outside the loop's timed part: data is not training time
+        nonlocal tokens
+        current["batch"] = batches(step)
+        tokens += current["batch"][0].numel()
+
+    def micro_loss(step: int, a: int) -> torch.Tensor:
+        ids, targets, mask = current["batch"]
+        model.train()
+        return masked_cross_entropy(model(ids), targets, mask)
+
+    def held_out(step: int) -> dict[str, float]:
         model.eval()
-        final_eval: dict[str, float] = {}
-        if evaluate is not None:
-            with torch.no_grad():
-                final_eval = evaluate(model)
-            fh.write(json.dumps({"step": len(losses), "final": True, "eval": final_eval,
-                                 "elapsed_s": time.perf_counter() - t0}) + "\n")
+        with torch.no_grad():
+            return evaluate(model)
+
+    with MetricsLog(run.metrics_path(label), fresh=True) as metrics:
+        loop = TrainingLoop(
+            opt, params=model.parameters(), grad_clip=config.grad_clip, max_steps=config.steps,
+            schedule=CosineSchedule(config.lr, config.warmup_steps, config.steps, config.min_lr_ratio),
+            log_every=config.log_every, window_loss=True, metrics=metrics,
+            eval_every=eval_every if evaluate is not None else 0, evaluate=None if evaluate is None else held_out,
+            stop_on_nonfinite=True, before_step=fetch, on_step=lambda step, rec: losses.append(rec["loss"]),
+            handle_signals=False,  # Ctrl-C ends the whole experiment, as it always has
+            tokens_per_step=batches(0)[0].numel(), desc=label, quiet=quiet)
+        result = loop.run(micro_loss)
+        final_eval = result.last_eval or {}
+        if result.diverged:
+            say(f"  {label}: loss is {losses[-1]} at step {result.step - 1}; stopping this mechanism")
+            if evaluate is not None:  # the diverged model is still measured, so its row has numbers
+                final_eval = held_out(result.step)
+                metrics.write({"kind": "eval", "step": result.step, **final_eval})
+    model.eval()
     return model, {
         "label": label,
         "attention": model_config.to_dict()["attention"],
         "layer_attention": model_config.to_dict()["layer_attention"],
         "parameters": count_parameters(model),
-        "steps_done": len(losses),
-        "diverged": len(losses) < config.steps or not math.isfinite(losses[-1]),
+        "steps_done": result.step,
+        "diverged": result.diverged or result.step < config.steps,
         "first_loss": losses[0],
-        "final_train_loss": last.get("loss", losses[-1]),
-        "train_seconds": train_s,
-        "tokens_per_second": tokens / train_s if train_s > 0 else None,
+        "final_train_loss": losses[-1] if result.last_loss is None else result.last_loss,
+        "train_seconds": result.elapsed_s,
+        "tokens_per_second": tokens / result.elapsed_s if result.elapsed_s > 0 else None,
         "peak_rss_bytes": rss.peak_bytes(),
         "eval": final_eval,
         "wall_seconds": time.perf_counter() - t0,
