@@ -28,6 +28,7 @@ from ..config import Config, apply_overrides
 from ..extras import require_extra
 from ..models import TransformerConfig, TransformerLM, count_parameters
 from ..nn.registry import (
+    MECHANISMS,
     AttentionConfig,
     attention_config,
     attention_config_from_dict,
@@ -199,8 +200,6 @@ class ExperimentConfig(Config):
     @staticmethod
     def causal_names() -> list[str]:
         """The registered mechanisms an experiment can train (those with a causal form)."""
-        from ..nn.registry import MECHANISMS
-
         return [n for n, s in MECHANISMS.items() if s.causal]
 
     @classmethod
