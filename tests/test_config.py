@@ -73,6 +73,8 @@ def test_overrides_read_json_values_except_for_str_fields():
     assert d["inner"]["width"] == 9 and d["out"] == "2024" and d["sizes"] == [5, 6]
     assert d["new"] == {"deep": {"key": True}}
     assert parse_value("abc") == "abc" and parse_value("1e-3") == 1e-3 and parse_value("null") is None
+    assert parse_value(".001") == 0.001 and parse_value("1.") == 1.0 and parse_value("1_000") == 1000
+    assert parse_value("True") is True and parse_value("None") is None and parse_value("nan") == "nan"
 
 
 @pytest.mark.parametrize("bad", ["noequals", "=3", "a..b=1", ".a=1"])

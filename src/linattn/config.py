@@ -137,12 +137,24 @@ class Config:
         return out
 
 
+_WORDS = {"True": True, "False": False, "None": None}  # as help texts print Python defaults
+
+
 def parse_value(text: str) -> Any:
-    """JSON when ``text`` parses as JSON, else the text itself."""
+    """JSON when ``text`` parses as JSON; else a number in Python's spelling (``.001``, ``1.``,
+    ``1_000``); else ``True``/``False``/``None`` as Python prints them; else the text itself."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
-        return text
+        pass
+    for number in (int, float):
+        try:
+            value = number(text)
+        except ValueError:
+            continue
+        if value == value and value not in (float("inf"), float("-inf")):  # "nan", "inf" stay words
+            return value
+    return _WORDS.get(text.strip(), text)
 
 
 def split_override(item: str) -> tuple[list[str], str]:
