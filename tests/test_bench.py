@@ -262,7 +262,100 @@ def test_cli_bench_without_suite_is_the_sweep(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(sweep, "run_sweep", lambda config, **kw: seen.update(config=config, **kw))
     assert main(["bench"]) == 0
-    assert seen["config"] == sweep.SweepConfig() and seen["out_dir"] == "report"
+    assert seen["config"] == sweep.SweepConfig() and seen["out"] == "report"
+
+
+def test_cli_sweep_flags_reach_the_config(monkeypatch):
+    import linattn.bench.sweep as sweep
+    from linattn.nn import LocalConfig
+
+    seen = {}
+    monkeypatch.setattr(sweep, "run_sweep", lambda config, **kw: seen.update(config=config, **kw))
+    argv = ["bench", "sweep", "--mechanisms", '["linear", {"name": "local", "window": 64}]', "--peers", "none",
+            "--ns", "32,64", "--passes", "forward", "--modes", "causal", "--heads", "2", "--head-dim", "8",
+            "--time-budget-s", "3", "--memory-budget-gib", "0.5", "--no-measure-memory", "--out", "x"]
+    assert main(argv) == 0
+    config = seen["config"]
+    assert config.mechanisms == (MECHANISMS["linear"].default_config(), LocalConfig(window=64))
+    assert list(config.contenders()) == ["linear", "local window=64"]  # no peers
+    assert (config.ns, config.passes, config.modes, config.heads, config.head_dim) == ((32, 64), ("forward",),
+                                                                                       ("causal",), 2, 8)
+    assert config.time_budget_s == 3 and config.memory_budget_bytes == 2**29 and config.measure_memory is False
+    assert seen["out"] == "x" and seen["command"].startswith("linattn bench sweep --mechanisms")
+    assert sweep.SweepConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config  # what sweep.json holds
+
+
+@pytest.mark.parametrize("argv, flag, hint", [
+    (["bench", "sweep", "--mechanisms", "locl"], "--mechanisms", "did you mean 'local'"),
+    (["bench", "sweep", "--passes", "forwrd"], "--passes", "did you mean 'forward'"),
+    (["bench", "sweep", "--peers", "fast_transformer"], "--peers", "did you mean 'fast_transformers'"),
+    (["bench", "generate", "--mechanisms", "linaer,softmax"], "--mechanisms", "did you mean 'linear'"),
+    (["bench", "favor", "--what", "aprox"], "--what", "did you mean 'approx'"),
+])
+def test_cli_bench_names_the_flag_and_the_closest_name(capsys, argv, flag, hint):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert info.value.code == 2 and len(errors) == 1  # one line says what is wrong
+    assert flag in errors[0] and hint in errors[0], err
+
+
+def test_cli_generate_validation_errors_are_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "generate", "--mechanisms", "efficient,linear,softmax"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1  # no usage, no traceback
+    assert err.startswith("linattn bench generate: error: --mechanisms: efficient has no recurrent form")
+
+
+def test_every_registered_mechanism_is_a_sweep_contender_in_its_registry_forms(monkeypatch, tmp_path):
+    """The sweep reads its mechanisms from the registry: a new entry (here a bidirectional-only
+    copy of local attention with its own config type) is swept in the forms its spec gives it,
+    with its registry defaults recorded, without a change to the benchmark code."""
+    import dataclasses
+
+    import linattn.nn.registry as registry
+    from linattn.bench.sweep import SweepConfig, run_sweep
+    from linattn.nn import LocalConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class NarrowLocalConfig(LocalConfig):
+        window: int = 8
+
+    spec = dataclasses.replace(registry.MECHANISMS["local"], name="narrow_local", config_type=NarrowLocalConfig,
+                               forms=frozenset({"bidirectional"}), state_type=None)
+    monkeypatch.setitem(registry.MECHANISMS, "narrow_local", spec)
+    monkeypatch.setitem(registry._BY_TYPE, NarrowLocalConfig, spec)
+    config = SweepConfig(peers=(), ns=(64,), passes=("forward",), repeats=1, heads=2, head_dim=8,
+                         measure_memory=False)
+    assert list(config.contenders()) == list(registry.MECHANISMS)  # every one, each by its name
+    result = run_sweep(config, out=tmp_path, command="test", quiet=True)
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    for name, s in registry.MECHANISMS.items():
+        for mode in ("causal", "bidirectional"):
+            (row,) = [r for r in result["rows"] if (r["impl"], r["mode"]) == (name, mode)]
+            assert row["status"] == ("ok" if mode in s.forms else "unsupported"), row
+        # the recorded config is the registry default: the sweep states no other
+        assert saved["attention"][name] == attention_config_to_dict(s.default_config())
+    assert saved["attention"]["narrow_local"] == {"name": "narrow_local", "window": 8}
+
+
+def test_sweep_shows_progress_on_a_terminal_only(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from linattn.bench.sweep import SweepConfig, run_sweep
+
+    config = SweepConfig(mechanisms=_defaults("linear"), peers=(), ns=(32, 64), passes=("forward",),
+                         modes=("causal",), repeats=1, heads=2, head_dim=8, measure_memory=False)
+    run_sweep(config, out=tmp_path, command="test")
+    captured = capsys.readouterr()
+    assert captured.err == "" and "| linear |" in captured.out  # no terminal: no bar, the tables still printed
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    run_sweep(config, out=tmp_path, command="test", print_tables=False)
+    captured = capsys.readouterr()
+    assert "sweep" in captured.err and "2/2" in captured.err and "causal forward N=64: linear" in captured.err
+    assert captured.out == ""
 
 
 def test_generate_benchmark_tiny(tmp_path):
@@ -274,8 +367,11 @@ def test_generate_benchmark_tiny(tmp_path):
     saved = json.loads((tmp_path / "generate.json").read_text())
     assert saved["command"].startswith("linattn bench generate --positions 5,40 --steps 3")
     assert saved["command"].endswith(f"--runs 2 --out {tmp_path}") and saved["config"]["runs"] == 2
-    decoders = {f"{m}@{p}" for m in ("linear", "favor", "local", "softmax", "softmax-recompute") for p in (5, 40)}
+    recurrent = [s for s in MECHANISMS.values() if s.recurrent]  # every registered decoder, by default
+    decoders = {f"{m}@{p}" for m in [s.name for s in recurrent] + ["softmax-recompute"] for p in (5, 40)}
     assert set(saved["seconds_per_token"]) == decoders
+    # each decoder's config as recorded is the registry's default: generate states no other
+    assert saved["config"]["mechanisms"] == {s.name: attention_config_to_dict(s.default_config()) for s in recurrent}
     runs = [r["allocators"]["inherited"] for r in saved["runs"]]
     assert len(runs) == 2
     for key in decoders:

@@ -91,7 +91,8 @@ from .harness import (
     write_atomically,
 )
 
-__all__ = ["IMAGE_MECHANISMS", "IMAGE_PIXELS", "as_repeated", "check_mechanisms", "default_mechanisms", "describe_runs_load",
+__all__ = ["IMAGE_MECHANISMS", "IMAGE_PIXELS", "as_repeated", "check_mechanisms", "default_mechanisms",
+           "describe_runs_load",
            "format_generate", "generate_recompute", "run_generate", "state_bytes"]
 
 IMAGE_PIXELS = 28 * 28

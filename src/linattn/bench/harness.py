@@ -40,7 +40,8 @@ from ..nn.registry import (
 )
 
 __all__ = ["Case", "INHERITED_ALLOCATOR", "OtherLoad", "PEERS", "Peer", "REFERENCE_DRIFT", "RUNS", "attention_fn",
-           "build_module", "busy_reasons", "call", "describe", "describe_load", "format_allocator_times", "format_run_loads",
+           "build_module", "busy_reasons", "call", "describe", "describe_load", "format_allocator_times",
+           "format_run_loads",
            "format_seconds", "format_spread", "format_spread_cells", "forms", "installed_peers", "machine_info",
            "make_inputs", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
            "run_repeated", "spread", "supports", "time_calls", "write_atomically"]

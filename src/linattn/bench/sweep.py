@@ -32,7 +32,13 @@ from typing import Any
 
 from ..config import Config, did_you_mean
 from ..extras import require_extra
-from ..nn.registry import MECHANISMS, AttentionConfig, attention_config_from_dict, attention_config_to_dict, config_label
+from ..nn.registry import (
+    MECHANISMS,
+    AttentionConfig,
+    attention_config_from_dict,
+    attention_config_to_dict,
+    config_label,
+)
 from ..progress import progress_bar, say
 from .harness import (
     PEERS,

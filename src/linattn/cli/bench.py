@@ -8,6 +8,7 @@ from the registry (``--mechanisms``), the peers from ``linattn.bench.harness.PEE
 from __future__ import annotations
 
 import argparse
+import textwrap
 from typing import Callable, Sequence
 
 from ..config import did_you_mean
@@ -53,22 +54,27 @@ def _peers(text: str) -> tuple[str, ...]:
     return choice_list(tuple(PEERS))(text)
 
 
+def _wrapped(text: str) -> str:
+    return textwrap.fill(text, 100)
+
+
 def _add_runs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=positive_int, default=None, help=RUNS_HELP)
 
 
 def build_parser(prog: str) -> CommandParser:
     from ..bench.harness import PEERS
+    from ..nn.registry import MECHANISMS
 
-    parser = CommandParser(prog=prog, description="The benchmarks. Without a sub-command, the sweep with its "
-                           "defaults.")
+    parser = CommandParser(prog=prog, description=_wrapped("The benchmarks. Without a sub-command, the sweep with its "
+                           "defaults."))
     bench_sub = parser.add_subparsers(dest="suite", required=False, metavar="SUITE")
 
     sweep = bench_sub.add_parser(
         "sweep", help="Time and memory of every mechanism against N, beside softmax and the peers.",
-        description="Time and peak memory of attention against the sequence length N, every mechanism of the "
-        "registry with its defaults unless --mechanisms says otherwise, beside the installed peers.")
-    add_out_argument(sweep, "report", "Folder for sweep.json, sweep.md and the plots.")
+        description=_wrapped("Time and peak memory of attention against the sequence length N, every mechanism of the "
+        "registry with its defaults unless --mechanisms says otherwise, beside the installed peers."))
+    add_out_argument(sweep, "report", "Folder for sweep.json, sweep.md and the plots")
     add_mechanisms_argument(sweep, default=None, what="Mechanisms to time (default: every registered one, "
                             "with its registry defaults)")
     sweep.add_argument("--peers", type=_peers, default=None, metavar="A,B",
@@ -98,9 +104,9 @@ def build_parser(prog: str) -> CommandParser:
 
     core = bench_sub.add_parser(
         "core", help="The core speed and memory claims against fast-transformers.",
-        description="Causal and bidirectional linear attention against fast-transformers' CPU kernels and "
-        "softmax (SDPA), forward+backward, under two allocators, and one recurrent step.")
-    add_out_argument(core, "docs/benchmarks", "Folder for core.json and core.md.")
+        description=_wrapped("Causal and bidirectional linear attention against fast-transformers' CPU kernels and "
+        "softmax (SDPA), forward+backward, under two allocators, and one recurrent step."))
+    add_out_argument(core, "docs/benchmarks", "Folder for core.json and core.md")
     core.add_argument("--n", type=positive_int, default=16384, help="Sequence length N (default: 16384).")
     core.add_argument("--repeats", type=positive_int, default=7,
                       help="Interleaved timed calls per run (default: 7).")
@@ -108,9 +114,9 @@ def build_parser(prog: str) -> CommandParser:
 
     favor = bench_sub.add_parser(
         "favor", help="FAVOR+ approximation error and speed against performer-pytorch.",
-        description="FAVOR+: its error against softmax attention for several numbers of random features, and "
-        "its speed against performer-pytorch with as many features.")
-    add_out_argument(favor, "docs/benchmarks", "Folder for the favor_approx and favor_speed files.")
+        description=_wrapped("FAVOR+: its error against softmax attention for several numbers of random features, and "
+        "its speed against performer-pytorch with as many features."))
+    add_out_argument(favor, "docs/benchmarks", "Folder for the favor_approx and favor_speed files")
     favor.add_argument("--what", type=choice_list(FAVOR_PARTS), default=FAVOR_PARTS, metavar="PART,PART",
                        help="Comma-separated parts, from approx (error against the number of features) and speed "
                        "(needs performer-pytorch) (default: both).")
@@ -129,8 +135,8 @@ def build_parser(prog: str) -> CommandParser:
 
     family = bench_sub.add_parser(
         "family", help="Local attention at N = 65536 against softmax at N = 4096.",
-        description="Local attention forward+backward at a long N against softmax attention at a short one.")
-    add_out_argument(family, "docs/benchmarks", "Folder for family.json and family.md.")
+        description=_wrapped("Local attention forward+backward at a long N against softmax attention at a short one."))
+    add_out_argument(family, "docs/benchmarks", "Folder for family.json and family.md")
     family.add_argument("--n-local", type=positive_int, default=65536,
                         help="Local attention's sequence length (default: 65536).")
     family.add_argument("--n-softmax", type=positive_int, default=4096,
@@ -144,9 +150,9 @@ def build_parser(prog: str) -> CommandParser:
 
     full = bench_sub.add_parser(
         "full", help="The full sweep and generation benchmark, and docs/benchmarks.md.",
-        description="The sweep with its defaults and the generation benchmark, then the document written "
-        "from their files.")
-    add_out_argument(full, "docs/benchmarks/full", "Folder for the sweep and generation files.")
+        description=_wrapped("The sweep with its defaults and the generation benchmark, then the document written "
+        "from their files."))
+    add_out_argument(full, "docs/benchmarks/full", "Folder for the sweep and generation files")
     full.add_argument("--doc", default="docs/benchmarks.md", metavar="PATH",
                       help="The Markdown document to write (default: docs/benchmarks.md).")
     full.add_argument("--doc-only", action="store_true",
@@ -154,15 +160,15 @@ def build_parser(prog: str) -> CommandParser:
 
     gen = bench_sub.add_parser(
         "generate", help="Per-token decoding time of each recurrent mechanism against softmax with a KV cache.",
-        description="Decoding speed of TransformerLMs against position (one per mechanism with a recurrent "
-        "form, softmax with a KV cache and recomputing the prefix), and images per second.")
-    add_out_argument(gen, "docs/benchmarks", "Folder for generate.json and generate.md.")
+        description=_wrapped("Decoding speed of TransformerLMs against position (one per mechanism with a recurrent "
+        "form, softmax with a KV cache and recomputing the prefix), and images per second."))
+    add_out_argument(gen, "docs/benchmarks", "Folder for generate.json and generate.md")
     gen.add_argument("--positions", type=int_list, default=(100, 16000), metavar="P,P",
                      help="Decoding positions, e.g. 100,16000 (default: 100,16000).")
     gen.add_argument("--steps", type=positive_int, default=20, help="Timed steps per position (default: 20).")
-    add_mechanisms_argument(gen, default=None, what="Decoders to time, each a mechanism with a recurrent form; "
-                            "linear and softmax with their defaults are required (default: every recurrent "
-                            "mechanism, with its registry defaults)")
+    add_mechanisms_argument(gen, default=None, names=[s.name for s in MECHANISMS.values() if s.recurrent],
+                            what="Decoders to time, each a mechanism with a recurrent form (default: every one, "
+                            "with its registry defaults; linear and softmax with their defaults are required)")
     gen.add_argument("--d-model", type=positive_int, default=512, help="The model's width d_model (default: 512).")
     gen.add_argument("--n-layers", type=positive_int, default=8, help="The model's layers (default: 8).")
     gen.add_argument("--n-heads", type=positive_int, default=8, help="The model's heads (default: 8).")

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from .common import CommandParser, add_out_argument, int_list
 
 
 def build_parser(prog: str) -> CommandParser:
     parser = CommandParser(
-        prog=prog, description="The main job: a short sweep of every mechanism but LSH against softmax "
+        prog=prog, description=textwrap.fill("The main job: a short sweep of every mechanism but LSH against softmax "
         "(forward+backward time and peak memory, with a progress bar on a terminal), each fast form against its "
         "reference form, and decoding speed of linear against softmax language models. It prints how long it "
-        "took; the run committed in docs/benchmarks/demo/demo.md states its own duration.")
+        "took; the run committed in docs/benchmarks/demo/demo.md states its own duration.", 100))
     parser.add_argument("--ns", type=int_list, default=None, metavar="N,N",
                         help="Sequence lengths of the sweep, e.g. 256,1024 (default: 256,1024,4096,16384).")
-    add_out_argument(parser, "report", "Folder for demo.json, demo.md and the parts' files.")
+    add_out_argument(parser, "report", "Folder for demo.json, demo.md and the parts' files")
     return parser
 
 
