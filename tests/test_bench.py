@@ -326,7 +326,6 @@ def test_every_registered_mechanism_is_a_sweep_contender_in_its_registry_forms(m
     spec = dataclasses.replace(registry.MECHANISMS["local"], name="narrow_local", config_type=NarrowLocalConfig,
                                forms=frozenset({"bidirectional"}), state_type=None)
     monkeypatch.setitem(registry.MECHANISMS, "narrow_local", spec)
-    monkeypatch.setitem(registry._BY_TYPE, NarrowLocalConfig, spec)
     config = SweepConfig(peers=(), ns=(64,), passes=("forward",), repeats=1, heads=2, head_dim=8,
                          measure_memory=False)
     assert list(config.contenders()) == list(registry.MECHANISMS)  # every one, each by its name

@@ -201,7 +201,6 @@ MECHANISMS: dict[str, MechanismSpec] = {
     )
 }
 
-_BY_TYPE: dict[type, MechanismSpec] = {s.config_type: s for s in MECHANISMS.values()}
 
 
 def get_mechanism(name: str) -> MechanismSpec:
@@ -217,7 +216,8 @@ def get_mechanism(name: str) -> MechanismSpec:
 
 def spec_for(config) -> MechanismSpec:
     """The spec whose config type ``config`` is; TypeError naming the accepted types otherwise."""
-    spec = _BY_TYPE.get(type(config))
+    # a scan, not a cached map: MECHANISMS stays the only table (tests may add an entry to it)
+    spec = next((s for s in MECHANISMS.values() if type(config) is s.config_type), None)
     if spec is None:
         names = ", ".join(s.config_type.__name__ for s in MECHANISMS.values())
         raise TypeError(f"attention must be a mechanism config ({names}), got {type(config).__name__}")
