@@ -98,7 +98,7 @@ def test_cli_demo_passes_its_options(monkeypatch, tmp_path):
 
 
 def test_harness_times_and_resets_grads():
-    case = Case("linear", True, 33, heads=2, head_dim=8)
+    case = Case("linear", True, 33, n_heads=2, head_dim=8)
     x = make_inputs(case)
     fn = attention_fn(case)
     times = time_calls({"a": lambda: call(case, x, fn)}, repeats=2, warmup=1)
@@ -202,7 +202,7 @@ def test_every_mechanism_runs_forward_and_backward_with_frozen_parameters(name):
     from linattn.bench.harness import build_module, supports
 
     for causal in (False, True):
-        case = Case(name, causal, 128, heads=2, head_dim=8)
+        case = Case(name, causal, 128, n_heads=2, head_dim=8)
         assert supports(case) is (("causal" if causal else "bidirectional") in MECHANISMS[name].forms)
         if not supports(case):
             with pytest.raises(ValueError, match=f"no {'causal' if causal else 'bidirectional'} form"):
@@ -222,8 +222,7 @@ def test_sweep_tiny_reports_skips_unsupported_and_crossovers(tmp_path):
     from linattn.bench.sweep import SweepConfig, run_sweep
 
     cfg = SweepConfig(mechanisms=_defaults("softmax", "linear", "efficient"), peers=(), ns=(64, 128, 256), repeats=1,
-                      heads=2,
-                      head_dim=8, time_budget_s=1e-9, measure_memory=False)
+                      n_heads=2, head_dim=8, time_budget_s=1e-9, measure_memory=False)
     result = run_sweep(cfg, out=tmp_path, command="test", quiet=True)
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert saved["rows"] == result["rows"] and saved["command"] == "test"
@@ -245,7 +244,7 @@ def test_sweep_tiny_reports_skips_unsupported_and_crossovers(tmp_path):
 def test_sweep_measures_memory_and_crossover_logic(tmp_path):
     from linattn.bench.sweep import SweepConfig, crossovers, run_sweep
 
-    cfg = SweepConfig(mechanisms=_defaults("softmax", "linear"), peers=(), ns=(64,), repeats=1, heads=2, head_dim=8,
+    cfg = SweepConfig(mechanisms=_defaults("softmax", "linear"), peers=(), ns=(64,), repeats=1, n_heads=2, head_dim=8,
                       modes=("bidirectional",), passes=("forward",))
     row = run_sweep(cfg, out=tmp_path, quiet=True)["rows"][0]
     assert row["status"] == "ok" and isinstance(row["peak_memory_bytes"], int)
@@ -272,13 +271,13 @@ def test_cli_sweep_flags_reach_the_config(monkeypatch):
     seen = {}
     monkeypatch.setattr(sweep, "run_sweep", lambda config, **kw: seen.update(config=config, **kw))
     argv = ["bench", "sweep", "--mechanisms", '["linear", {"name": "local", "window": 64}]', "--peers", "none",
-            "--ns", "32,64", "--passes", "forward", "--modes", "causal", "--heads", "2", "--head-dim", "8",
+            "--ns", "32,64", "--passes", "forward", "--modes", "causal", "--n-heads", "2", "--head-dim", "8",
             "--time-budget-s", "3", "--memory-budget-gib", "0.5", "--no-measure-memory", "--out", "x"]
     assert main(argv) == 0
     config = seen["config"]
     assert config.mechanisms == (MECHANISMS["linear"].default_config(), LocalConfig(window=64))
     assert list(config.contenders()) == ["linear", "local window=64"]  # no peers
-    assert (config.ns, config.passes, config.modes, config.heads, config.head_dim) == ((32, 64), ("forward",),
+    assert (config.ns, config.passes, config.modes, config.n_heads, config.head_dim) == ((32, 64), ("forward",),
                                                                                        ("causal",), 2, 8)
     assert config.time_budget_s == 3 and config.memory_budget_bytes == 2**29 and config.measure_memory is False
     assert seen["out"] == "x" and seen["command"].startswith("linattn bench sweep --mechanisms")
@@ -326,7 +325,7 @@ def test_every_registered_mechanism_is_a_sweep_contender_in_its_registry_forms(m
     spec = dataclasses.replace(registry.MECHANISMS["local"], name="narrow_local", config_type=NarrowLocalConfig,
                                forms=frozenset({"bidirectional"}), state_type=None)
     monkeypatch.setitem(registry.MECHANISMS, "narrow_local", spec)
-    config = SweepConfig(peers=(), ns=(64,), passes=("forward",), repeats=1, heads=2, head_dim=8,
+    config = SweepConfig(peers=(), ns=(64,), passes=("forward",), repeats=1, n_heads=2, head_dim=8,
                          measure_memory=False)
     assert list(config.contenders()) == list(registry.MECHANISMS)  # every one, each by its name
     result = run_sweep(config, out=tmp_path, command="test", quiet=True)
@@ -346,7 +345,7 @@ def test_sweep_shows_progress_on_a_terminal_only(monkeypatch, tmp_path, capsys):
     from linattn.bench.sweep import SweepConfig, run_sweep
 
     config = SweepConfig(mechanisms=_defaults("linear"), peers=(), ns=(32, 64), passes=("forward",),
-                         modes=("causal",), repeats=1, heads=2, head_dim=8, measure_memory=False)
+                         modes=("causal",), repeats=1, n_heads=2, head_dim=8, measure_memory=False)
     run_sweep(config, out=tmp_path, command="test")
     captured = capsys.readouterr()
     assert captured.err == "" and "| linear |" in captured.out  # no terminal: no bar, the tables still printed

@@ -181,7 +181,7 @@ def test_distill_checkpoints_and_resumes(tmp_path):
 
     tok = transformers.AutoTokenizer.from_pretrained(gt.get_model_path())
     teacher = tiny_bert(vocab_size=tok.vocab_size, max_position_embeddings=512)  # with MiniLM's vocabulary
-    config = DistillConfig(attention={"name": "hedgehog", "window": 4}, minutes=0.01, checkpoint_every=2,
+    config = DistillConfig(attention={"name": "hedgehog", "window": 4}, minutes=0.01, ckpt_every=2,
                            batch_sentences=4, batch_passages=1, eval_sentences=8, eval_passages=2)
     first = distill(config, tmp_path, quiet=True, model_and_tokenizer=(teacher, tok))
     assert first["steps"] >= 1 and set(first["after"]) == {"sentences", "passages"}
@@ -340,9 +340,9 @@ def test_fidelity_mechanisms_reach_the_sweep_and_default_to_the_registry(monkeyp
     monkeypatch.setattr(linattn.convert.fidelity, "run_fidelity", lambda out, **kw: seen.update(out=out, **kw))
     if importlib.util.find_spec("transformers") is not None:
         assert main(["convert", "fidelity", "--mechanisms", "linear",
-                     "--out", "somewhere", "--sentences", "10", "--passages", "0"]) == 0
+                     "--out", "somewhere", "--eval-sentences", "10", "--eval-passages", "0"]) == 0
         assert seen["configs"] == (LinearConfig(),) and seen["out"] == "somewhere"
-        assert (seen["n_sentences"], seen["n_passages"]) == (10, 0)
+        assert (seen["eval_sentences"], seen["eval_passages"]) == (10, 0)
         assert main(["convert", "fidelity", "--mechanisms", '["favor", {"name": "local", "window": 8}]']) == 0
         assert seen["configs"] == (FavorConfig(), LocalConfig(window=8)) and seen["out"] == "docs/convert"
         assert main(["convert", "fidelity"]) == 0

@@ -142,8 +142,8 @@ def plot_approximation(result: dict, path: str | Path) -> None:
 
 def _cases(causal: bool, n: int, heads: int, d: int, attention: FavorConfig) -> dict[str, Case]:
     """linattn's FAVOR+ with ``attention`` and performer-pytorch with as many random features."""
-    return {"linattn": Case("favor", causal, n, heads=heads, head_dim=d, attention=attention),
-            "performer_pytorch": Case("performer_pytorch", causal, n, heads=heads, head_dim=d, attention=attention)}
+    return {"linattn": Case("favor", causal, n, n_heads=heads, head_dim=d, attention=attention),
+            "performer_pytorch": Case("performer_pytorch", causal, n, n_heads=heads, head_dim=d, attention=attention)}
 
 
 def _times_vs_performer(n: int, repeats: int, heads: int, d: int, attention: FavorConfig) -> dict:

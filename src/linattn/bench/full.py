@@ -148,7 +148,7 @@ def format_doc(sweep: dict, gen: dict, approx: dict | None, *, command: str, lin
         "",
         "## What is measured",
         "",
-        f"- Attention alone, B = {cfg['batch']}, H = {cfg['heads']}, D = Dv = {cfg['head_dim']}, {cfg['dtype']}, "
+        f"- Attention alone, B = {cfg.get('batch_size', cfg.get('batch'))}, H = {cfg.get('n_heads', cfg.get('heads'))}, D = Dv = {cfg['head_dim']}, {cfg['dtype']}, "
         f"{cfg['device']}: the median of {cfg['repeats']} calls after a warm-up call, contenders interleaved "
         "(A B A B ...) at each N so that noise of the shared machine hits all alike; forward+backward "
         "includes the backward of q, k, v.",

@@ -68,8 +68,8 @@ class Case:
     contender: str
     causal: bool
     n: int
-    batch: int = 1
-    heads: int = 8
+    batch_size: int = 1
+    n_heads: int = 8
     head_dim: int = 64
     dtype: str = "float32"
     backward: bool = True
@@ -202,7 +202,7 @@ def build_module(case: Case) -> torch.nn.Module:
         mode = "causal" if case.causal else "bidirectional"
         raise ValueError(f"{case.contender!r} has no {mode} form")
     config = case.config()
-    module = spec_for(config).build(config, n_heads=case.heads, head_dim=case.head_dim, max_len=case.n)
+    module = spec_for(config).build(config, n_heads=case.n_heads, head_dim=case.head_dim, max_len=case.n)
     return module.requires_grad_(False).to(device=case.device, dtype=getattr(torch, case.dtype))
 
 
@@ -235,9 +235,9 @@ def make_inputs(case: Case, *, seed: int = 0, requires_grad: bool | None = None)
     """q, k, v for ``case``, ``(B, H, N, D)`` (a peer's own layout when it has another), N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
-    shape = (case.batch, case.heads, case.n, case.head_dim)
+    shape = (case.batch_size, case.n_heads, case.n, case.head_dim)
     if case.contender in PEERS and PEERS[case.contender].layout == "bnhd":
-        shape = (case.batch, case.n, case.heads, case.head_dim)
+        shape = (case.batch_size, case.n, case.n_heads, case.head_dim)
     rg = case.backward if requires_grad is None else requires_grad
     return [torch.randn(shape, generator=g).to(dtype=dtype, device=case.device).requires_grad_(rg) for _ in range(3)]
 

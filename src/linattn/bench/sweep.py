@@ -80,8 +80,8 @@ class SweepConfig(Config):
         ns: the sequence lengths N.
         passes: "forward" and/or "forward+backward".
         modes: "causal" and/or "bidirectional"; a contender without that form is marked, not run.
-        batch: B.
-        heads: H.
+        batch_size: B.
+        n_heads: H.
         head_dim: D = Dv.
         dtype: the inputs' dtype.
         device: "cpu", or a GPU such as "cuda".
@@ -96,8 +96,8 @@ class SweepConfig(Config):
     ns: tuple[int, ...] = DEFAULT_NS
     passes: tuple[str, ...] = tuple(PASSES)
     modes: tuple[str, ...] = tuple(MODES)
-    batch: int = 1
-    heads: int = 8
+    batch_size: int = 1
+    n_heads: int = 8
     head_dim: int = 64
     dtype: str = "float32"
     device: str = "cpu"
@@ -105,6 +105,8 @@ class SweepConfig(Config):
     time_budget_s: float = 20.0
     memory_budget_bytes: int = 8 * 2**30
     measure_memory: bool = True
+
+    renamed = {"batch": "batch_size", "heads": "n_heads", "impls": "mechanisms"}
 
     def __post_init__(self) -> None:
         for name, values, known in (("passes", self.passes, PASSES), ("modes", self.modes, MODES),
@@ -186,7 +188,7 @@ def run_sweep(config: SweepConfig = SweepConfig(), *, out: str | Path = "report"
             cases, pending = {}, []
             for label, attention in contenders.items():
                 row = {"impl": label, "mode": mode, "pass": pass_name, "n": n}
-                case = Case(label, causal, n, batch=config.batch, heads=config.heads, head_dim=config.head_dim,
+                case = Case(label, causal, n, batch_size=config.batch_size, n_heads=config.n_heads, head_dim=config.head_dim,
                             dtype=config.dtype, backward=backward, device=config.device, attention=attention)
                 if not supports(case):
                     rows.append({**row, "status": "unsupported", "reason": f"{label} has no {mode} form"})
@@ -280,7 +282,7 @@ def crossovers(rows: list[dict]) -> dict[str, dict[str, str | int]]:
 def format_sweep(result: dict) -> str:
     cfg, m = result["config"], result["machine"]
     lines = [
-        f"# Sweep: B = {cfg['batch']}, H = {cfg['heads']}, D = {cfg['head_dim']}, {cfg['dtype']}, {cfg['device']}",
+        f"# Sweep: B = {cfg.get('batch_size', cfg.get('batch'))}, H = {cfg.get('n_heads', cfg.get('heads'))}, D = {cfg['head_dim']}, {cfg['dtype']}, {cfg['device']}",
         "",
         f"Written by `{result['command']}`; do not edit by hand. torch {m['torch']}, {m['threads']} threads, "
         f"{m['cpu_count']} CPUs. Median of {cfg['repeats']} interleaved repeats; memory = peak above the "

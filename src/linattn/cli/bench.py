@@ -86,8 +86,8 @@ def build_parser(prog: str) -> CommandParser:
                        help=f"Comma-separated passes to time, from {', '.join(PASSES)} (default: both).")
     sweep.add_argument("--modes", type=choice_list(MODES), default=MODES, metavar="MODE,MODE",
                        help=f"Comma-separated modes, from {', '.join(MODES)} (default: both).")
-    sweep.add_argument("--batch", type=positive_int, default=1, help="Batch size B (default: 1).")
-    sweep.add_argument("--heads", type=positive_int, default=8, help="Heads H (default: 8).")
+    sweep.add_argument("--batch-size", type=positive_int, default=1, help="Batch size B (default: 1).")
+    sweep.add_argument("--n-heads", type=positive_int, default=8, help="Heads H (default: 8).")
     sweep.add_argument("--head-dim", type=positive_int, default=64, help="Head width D = Dv (default: 64).")
     sweep.add_argument("--dtype", default="float32", choices=DTYPES, help="The inputs' dtype (default: float32).")
     sweep.add_argument("--device", default="cpu", help="cpu, or a GPU such as cuda (default: cpu).")
@@ -204,7 +204,7 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         with reported(chosen, ValueError):
             config = SweepConfig(
                 mechanisms=args.mechanisms, peers=args.peers, ns=args.ns or DEFAULT_NS, passes=args.passes,
-                modes=args.modes, batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                modes=args.modes, batch_size=args.batch_size, n_heads=args.n_heads, head_dim=args.head_dim, dtype=args.dtype,
                 device=args.device, repeats=args.repeats, time_budget_s=args.time_budget_s,
                 memory_budget_bytes=int(args.memory_budget_gib * 2**30), measure_memory=args.measure_memory,
             )

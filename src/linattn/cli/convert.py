@@ -74,9 +74,9 @@ def build_parser(prog: str) -> CommandParser:
                          "between converted and original sentence embeddings over held-out texts, one "
                          "configuration at a time; a rerun skips the configurations fidelity.json already holds.")
     add_out_argument(fid, "docs/convert", "Folder for fidelity.json")
-    fid.add_argument("--sentences", type=positive_int, default=1000, metavar="N",
+    fid.add_argument("--eval-sentences", type=positive_int, default=1000, metavar="N",
                      help="Held-out sentences to embed (default: 1000).")
-    fid.add_argument("--passages", type=_non_negative_int, default=200, metavar="N",
+    fid.add_argument("--eval-passages", type=_non_negative_int, default=200, metavar="N",
                      help="Held-out passages of 320 to 512 tokens to embed; 0 skips them (default: 200).")
     add_mechanisms_argument(fid, default=None, names=convertible_mechanisms(),
                             what="The mechanism configurations to measure (default: the full sweep, FAVOR+ "
@@ -235,7 +235,7 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
     if args.convert_command == "fidelity":
         from ..convert.fidelity import run_fidelity
 
-        run_fidelity(args.out, configs=args.mechanisms, n_sentences=args.sentences, n_passages=args.passages,
+        run_fidelity(args.out, configs=args.mechanisms, eval_sentences=args.eval_sentences, eval_passages=args.eval_passages,
                      command=command)
     elif args.convert_command == "distill":
         from ..convert.distill import distill

@@ -17,7 +17,7 @@ its window. Never the held-out plays that fidelity is measured on. Two stages, a
 The budget counts training time only (steps, not evaluation or checkpoints) and is enforced by
 :class:`linattn.train.TrainingLoop` (``budget_s``, resumed with the time already spent):
 the run stops at the first step boundary past ``minutes``. Checkpoints (every
-``checkpoint_every`` steps, at the end and on SIGINT/SIGTERM) hold the student (safetensors), the
+``ckpt_every`` steps, at the end and on SIGINT/SIGTERM) hold the student (safetensors), the
 optimiser, RNG states, data positions, stage and elapsed time; ``--resume`` continues exactly there.
 Fidelity (:mod:`linattn.convert.fidelity`) is measured before and after on the same held-out texts.
 """
@@ -66,7 +66,7 @@ class DistillConfig(Config):
         passage_every: every this many steps is a passage step (0: sentences only).
         lr_maps: learning rate of the mechanism's parameters.
         lr_model: learning rate of the pretrained parameters in stage 2 (0 freezes them).
-        checkpoint_every: steps between checkpoints.
+        ckpt_every: steps between checkpoints.
         seed: data order and any initialisation.
         eval_sentences, eval_passages: held-out texts for fidelity before and after.
     """
@@ -79,10 +79,12 @@ class DistillConfig(Config):
     passage_every: int = 2
     lr_maps: float = 1e-2
     lr_model: float = 5e-5
-    checkpoint_every: int = 100
+    ckpt_every: int = 100
     seed: int = 0
     eval_sentences: int = 1000
     eval_passages: int = 200
+
+    renamed = {"checkpoint_every": "ckpt_every"}  # one name with TrainConfig's
 
     def __post_init__(self) -> None:
         attention_config_from_dict(dict(self.attention))  # raises for unknown mechanisms/options
@@ -90,7 +92,7 @@ class DistillConfig(Config):
             raise ValueError(f"DistillConfig: minutes must be > 0, got {self.minutes}")
         if not 0 <= self.stage1_fraction <= 1:
             raise ValueError(f"DistillConfig: stage1_fraction must be in [0, 1], got {self.stage1_fraction}")
-        for name in ("batch_sentences", "batch_passages", "checkpoint_every"):
+        for name in ("batch_sentences", "batch_passages", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DistillConfig: {name} must be >= 1, got {getattr(self, name)}")
 
@@ -266,7 +268,7 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
     student.eval()  # no dropout: the student must reproduce a deterministic teacher
     torch.manual_seed(config.seed)
 
-    sets = load_eval_sets(tok, n_sentences=config.eval_sentences, n_passages=config.eval_passages)
+    sets = load_eval_sets(tok, eval_sentences=config.eval_sentences, eval_passages=config.eval_passages)
     t0 = time.perf_counter()
     teacher_emb = {s.name: embeddings(teacher, s) for s in sets}
     lines = train_sentences()
@@ -326,7 +328,7 @@ def distill(config: DistillConfig, out_dir: str | Path, *, resume: bool = False,
             state["loss_log"].append([step, state["stage"], round(state["elapsed_s"], 1), running[0]])
 
     loop = TrainingLoop(optimizer, params=None, grad_clip=1.0, budget_s=budget, log_every=20,
-                        ckpt_every=config.checkpoint_every, save=lambda step: _save(out, student, loop.optimizer, state),
+                        ckpt_every=config.ckpt_every, save=lambda step: _save(out, student, loop.optimizer, state),
                         before_step=before_step, on_step=on_step, desc=f"distil {config_label(config.attention)}",
                         quiet=quiet)
     run = loop.run(micro_loss, start_step=state["step"], start_elapsed_s=state["elapsed_s"],

@@ -93,11 +93,11 @@ def _eval_set(name: str, tokenizer, texts: list[str], batch_size: int) -> EvalSe
     return EvalSet(name, texts, batches, order)
 
 
-def load_eval_sets(tokenizer, *, n_sentences: int = 1000, n_passages: int = 200) -> list[EvalSet]:
+def load_eval_sets(tokenizer, *, eval_sentences: int = 1000, eval_passages: int = 200) -> list[EvalSet]:
     """The held-out sentences (batches of 64) and passages (batches of 8)."""
-    sets = [_eval_set("sentences", tokenizer, heldout_sentences(n_sentences), 64)]
-    if n_passages:
-        sets.append(_eval_set("passages", tokenizer, heldout_passages(tokenizer, n_passages), 8))
+    sets = [_eval_set("sentences", tokenizer, heldout_sentences(eval_sentences), 64)]
+    if eval_passages:
+        sets.append(_eval_set("passages", tokenizer, heldout_passages(tokenizer, eval_passages), 8))
     return sets
 
 
@@ -117,8 +117,8 @@ def cosine_summary(student: Tensor, teacher: Tensor) -> dict:
             "min_cosine": float(cos.min())}
 
 
-def run_fidelity(out_dir: str | Path, *, configs: Sequence[AttentionConfig] | None = None, n_sentences: int = 1000,
-                 n_passages: int = 200, command: str = "") -> dict:
+def run_fidelity(out_dir: str | Path, *, configs: Sequence[AttentionConfig] | None = None, eval_sentences: int = 1000,
+                 eval_passages: int = 200, command: str = "") -> dict:
     """Measure every mechanism config of ``configs`` (default :data:`FIDELITY_CONFIGS`); writes
     ``fidelity.json`` in ``out_dir`` after each one, and skips those it already holds."""
     from ..bench.harness import OtherLoad, machine_info, write_atomically
@@ -131,7 +131,7 @@ def run_fidelity(out_dir: str | Path, *, configs: Sequence[AttentionConfig] | No
     result = json.loads(path.read_text()) if path.exists() else {"results": []}
     done = {json.dumps(r["attention"], sort_keys=True) for r in result["results"]}
     model, tok = load_pretrained()
-    sets = load_eval_sets(tok, n_sentences=n_sentences, n_passages=n_passages)
+    sets = load_eval_sets(tok, eval_sentences=eval_sentences, eval_passages=eval_passages)
     load = OtherLoad()
     t0 = time.perf_counter()
     teacher = {s.name: embeddings(model, s) for s in sets}
