@@ -207,8 +207,14 @@ def add_attention_arguments(parser: argparse.ArgumentParser, *, default: str) ->
                        help=f"the mechanism: one of {', '.join(MECHANISMS)}, or a JSON config object such as "
                        f"'{{\"name\": \"local\", \"window\": 64}}' (default: {default})")
     for option, owners in sorted(attention_option_names().items()):
+        # the option's docstring entry in each config that has it, with that config's default
+        texts = []
+        for owner in owners:
+            config_type = MECHANISMS[owner].config_type
+            default = getattr(config_type(), option)
+            texts.append(f"{owner}: {field_help(config_type).get(option, '').rstrip('.')} (default: {default})")
         group.add_argument("--attention-" + option.replace("_", "-"), dest="attention_option:" + option,
-                           default=None, metavar="VALUE", help=f"option of {', '.join(owners)} attention")
+                           default=None, metavar="VALUE", help="; ".join(texts) + ".")
 
 
 def attention_from_args(args: argparse.Namespace, base=None):
