@@ -164,11 +164,11 @@ def add_out_argument(parser: argparse.ArgumentParser, default: str | None, what:
                         help=what + ("" if required else f" (default: {default})"))
 
 
-def add_set_argument(parser: argparse.ArgumentParser) -> None:
-    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``."""
+def add_set_argument(parser: argparse.ArgumentParser, *, example: str = "lr=3e-4") -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``; ``example`` is shown in the help."""
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="override any config field by its dotted name, e.g. --set lr=3e-4 or "
-                        "--set model.attention.window=64 (repeatable; values are read as JSON when they parse)")
+                        help=f"override any config field by its dotted name, e.g. --set {example} (repeatable; "
+                        "a value is read as JSON or a number when it parses as one, else as text)")
 
 
 def add_mechanisms_argument(parser: argparse.ArgumentParser, *, default: str | None, what: str,

@@ -97,7 +97,7 @@ def build_parser(prog: str) -> CommandParser:
     _add_threads(dis)
     add_attention_arguments(dis, default=DEFAULT_STUDENT)
     add_config_arguments(dis, DistillConfig, title="distillation (each flag is also --set FIELD=VALUE)")
-    add_set_argument(dis)
+    add_set_argument(dis, example="attention.window=32")
 
     long = sub.add_parser("long", help="Time and peak memory at N = 512, 2048 and 8192 against the original.",
                           description="Time and peak memory of the converted models past BERT's 512 positions, "

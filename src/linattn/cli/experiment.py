@@ -73,7 +73,7 @@ def build_parser(prog: str) -> CommandParser:
         p.add_argument("--hybrids", default=None, metavar="A,B",
                        help="mechanisms trained once more with softmax attention in the last layer, labelled "
                        f"MECHANISM+softmax@-1, in the form of --mechanisms; '' for none ({_defaults(cls, 'hybrids')})")
-        add_set_argument(p)
+        add_set_argument(p, example="steps=200")
         p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
         add_config_arguments(p, cls, skip=("mechanisms", "hybrids"),
                              title=f"{cls.__name__} fields (each is --set FIELD=VALUE; defaults are the full run's)")

@@ -49,7 +49,7 @@ def build_parser(prog: str) -> CommandParser:
     parser.add_argument("--print-config", action="store_true", help="Print the resolved config as JSON and exit.")
     parser.add_argument("--quiet", action="store_true",
                         help="No header, progress bar or closing line (metrics.jsonl is still written).")
-    add_set_argument(parser)
+    add_set_argument(parser, example="model.attention.window=64")
     add_attention_arguments(parser, default=DEFAULT_ATTENTION)
     titles = {"": "training (TrainConfig; each flag is --set FIELD=VALUE)",
               "model.": "model size and shape (TransformerConfig; each flag is --set model.FIELD=VALUE)",
