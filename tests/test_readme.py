@@ -10,3 +10,32 @@ def test_readme_usage_example_runs():
     assert blocks, "README has no python example"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every ``linattn ...`` (or ``torchrun ... -m linattn ...``) line of the README's shell blocks,
+    continuation lines joined and comments dropped, as argument lists after ``linattn``."""
+    import shlex
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["linattn"]:
+                out.append(words[1:])
+            elif words[:1] == ["torchrun"] and "linattn" in words:
+                out.append(words[words.index("linattn") + 1:])
+    return out
+
+
+def test_readme_commands_parse_with_the_current_flags():
+    """A renamed or removed flag cannot stay in the README: each command line there is parsed
+    (not run) by the command's own parser."""
+    import importlib
+
+    commands = _readme_commands()
+    assert len(commands) >= 10, commands
+    for argv in commands:
+        module = importlib.import_module(f"linattn.cli.{argv[0]}")
+        module.build_parser(f"linattn {argv[0]}").parse_args(argv[1:])  # SystemExit(2) on a stale flag
