@@ -39,3 +39,16 @@ def test_readme_commands_parse_with_the_current_flags():
     for argv in commands:
         module = importlib.import_module(f"linattn.cli.{argv[0]}")
         module.build_parser(f"linattn {argv[0]}").parse_args(argv[1:])  # SystemExit(2) on a stale flag
+
+
+def test_stated_demo_duration_is_the_committed_runs():
+    """README and docs/benchmarks/README state how long `linattn demo` took; the figure must be the
+    committed run's own (demo.json's elapsed_seconds), rerun or not."""
+    import json
+
+    root = pathlib.Path(__file__).parents[1]
+    elapsed = json.loads((root / "docs/benchmarks/demo/demo.json").read_text())["elapsed_seconds"]
+    for doc in ("README.md", "docs/benchmarks/README.md"):
+        stated = re.findall(r"took (\d+) s", (root / doc).read_text())
+        assert stated, f"{doc} no longer states the demo's duration"
+        assert {int(s) for s in stated} == {round(elapsed)}, (doc, stated, elapsed)
