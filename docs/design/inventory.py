@@ -21,7 +21,9 @@ from pathlib import Path
 
 COMMANDS = [
     ["demo"], ["bench", "sweep"], ["bench", "core"], ["bench", "favor"], ["bench", "family"], ["bench", "full"],
-    ["bench", "generate"], ["train"], ["experiment"], ["convert", "fidelity"], ["convert", "distill"],
+    ["bench", "generate"], ["train"], ["experiment"], ["experiment", "copy"], ["experiment", "mnist"],
+    ["experiment", "shakespeare"], ["experiment", "proteins"], ["experiment", "report"], ["convert", "fidelity"],
+    ["convert", "distill"],
     ["convert", "long"], ["convert", "report"],
 ]
 UPPER = ("cli", "cli.py", "train", "bench", "experiments", "convert", "config.py", "progress.py", "extras.py")
