@@ -12,20 +12,24 @@ import textwrap
 from typing import Callable, Sequence
 
 from ..config import did_you_mean
+from ..bench import favor as favor_options
+from ..bench import sweep as sweep_options
 from .common import (
     CommandParser,
     add_mechanisms_argument,
     add_out_argument,
     command_line,
     int_list,
+    non_negative_int,
     positive_int,
     reported,
 )
 
-PASSES = ("forward", "forward+backward")
-MODES = ("causal", "bidirectional")
-DTYPES = ("float32", "float64", "float16", "bfloat16")
-FAVOR_PARTS = ("approx", "speed")
+# the allowed values are the benchmarks' own (bench.sweep, bench.favor), listed once there
+PASSES = tuple(sweep_options.PASSES)
+MODES = tuple(sweep_options.MODES)
+DTYPES = tuple(sweep_options.DTYPES)
+FAVOR_PARTS = tuple(favor_options.WHAT)
 RUNS_HELP = ("Separate runs, each in fresh processes, whose ratios give each claim's median and spread "
              "(default: 3).")
 
@@ -176,7 +180,7 @@ def build_parser(prog: str) -> CommandParser:
                      help="The model's vocabulary size (default: 32000).")
     gen.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True,
                      help="Also time softmax recomputing the whole prefix for each token (default: on).")
-    gen.add_argument("--image-batch", type=int, default=8, metavar="B",
+    gen.add_argument("--image-batch", type=non_negative_int, default=8, metavar="B",
                      help="Images of 784 pixels generated at once for images per second; 0 skips that part "
                      "(default: 8).")
     gen.add_argument("--image-d-model", type=positive_int, default=256,
@@ -235,8 +239,6 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
     elif args.suite == "generate":
         from ..bench.generate import check_mechanisms, run_generate
 
-        if args.image_batch < 0:
-            chosen.fail(f"--image-batch: must be >= 0 (0 skips the images), got {args.image_batch}")
         if args.mechanisms is not None:
             try:
                 check_mechanisms(args.mechanisms)

@@ -45,6 +45,7 @@ __all__ = [
     "config_overrides",
     "field_help",
     "int_list",
+    "non_negative_int",
     "positive_int",
     "reported",
 ]
@@ -122,14 +123,21 @@ def command_line(argv: Sequence[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
 
 
 def int_list(text: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from .common import (
     command_line,
     config_overrides,
     int_list,
+    non_negative_int,
     positive_int,
     reported,
 )
@@ -42,16 +43,6 @@ DEFAULT_STUDENT = "hedgehog"
 
 # sub-commands that load the pretrained model through transformers
 NEEDS_TRANSFORMERS = ("fidelity", "distill", "long")
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
 
 
 def _add_threads(parser: argparse.ArgumentParser, where: str = "") -> None:
@@ -76,7 +67,7 @@ def build_parser(prog: str) -> CommandParser:
     add_out_argument(fid, "docs/convert", "Folder for fidelity.json")
     fid.add_argument("--eval-sentences", type=positive_int, default=1000, metavar="N",
                      help="Held-out sentences to embed (default: 1000).")
-    fid.add_argument("--eval-passages", type=_non_negative_int, default=200, metavar="N",
+    fid.add_argument("--eval-passages", type=non_negative_int, default=200, metavar="N",
                      help="Held-out passages of 320 to 512 tokens to embed; 0 skips them (default: 200).")
     add_mechanisms_argument(fid, default=None, names=convertible_mechanisms(),
                             what="The mechanism configurations to measure (default: the full sweep, FAVOR+ "
