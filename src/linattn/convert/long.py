@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..bench.harness import proc_status_kib
 from ..nn.registry import AttentionConfig, attention_config, attention_config_to_dict
 from .linearize import POSITION_METHODS
 
@@ -48,14 +49,6 @@ LONG_MODELS: dict[str, AttentionConfig | None] = {
 
 # glibc: every block of 64 KiB or more is its own mapping, returned to the system when freed
 MEMORY_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-
-
-def _vm_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def _child(spec: dict) -> dict:
@@ -88,11 +81,11 @@ def _child(spec: dict) -> dict:
     with torch.no_grad():
         if spec["mode"] == "memory":
             model(input_ids=ids[:, :128], attention_mask=mask[:, :128])  # lazy initialisation only
-            base = _vm_kib("VmRSS")
+            base = proc_status_kib("VmRSS")
             with open("/proc/self/clear_refs", "w") as fh:
                 fh.write("5")  # reset the high-water mark VmHWM to the current RSS
             model(input_ids=ids, attention_mask=mask)
-            return {"peak_bytes": (_vm_kib("VmHWM") - base) * 1024}
+            return {"peak_bytes": (proc_status_kib("VmHWM") - base) * 1024}
         model(input_ids=ids, attention_mask=mask)  # warm-up
         times = []
         for _ in range(spec["repeats"]):
