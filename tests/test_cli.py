@@ -23,7 +23,7 @@ from linattn.nn import LinearConfig, LocalConfig, MECHANISMS, FavorConfig
 
 # every (sub-)command whose help is checked; a new command belongs here
 HELPS = [["demo"], ["bench"], ["bench", "sweep"], ["bench", "core"], ["bench", "favor"], ["bench", "family"],
-         ["bench", "full"], ["bench", "generate"], ["train"], ["experiment"], ["convert"], ["convert", "fidelity"],
+         ["bench", "full"], ["bench", "generate"], ["bench", "gated"], ["train"], ["experiment"], ["convert"], ["convert", "fidelity"],
          ["convert", "distill"], ["convert", "long"], ["convert", "report"]]
 
 

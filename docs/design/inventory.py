@@ -21,7 +21,7 @@ from pathlib import Path
 
 COMMANDS = [
     ["demo"], ["bench", "sweep"], ["bench", "core"], ["bench", "favor"], ["bench", "family"], ["bench", "full"],
-    ["bench", "generate"], ["train"], ["experiment"], ["experiment", "copy"], ["experiment", "mnist"],
+    ["bench", "generate"], ["bench", "gated"], ["train"], ["experiment"], ["experiment", "copy"], ["experiment", "mnist"],
     ["experiment", "shakespeare"], ["experiment", "proteins"], ["experiment", "report"], ["convert", "fidelity"],
     ["convert", "distill"],
     ["convert", "long"], ["convert", "report"],

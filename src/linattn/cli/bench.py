@@ -189,7 +189,24 @@ def build_parser(prog: str) -> CommandParser:
     gen.add_argument("--compile", action="store_true",
                      help="Also time each model's compiled decoding step (TransformerLM.compiled_step).")
     _add_runs(gen)
-    for sub in (sweep, core, favor, family, full, gen):  # its validation errors name it, not `linattn bench`
+
+    gated = bench_sub.add_parser(
+        "gated", help="Gated and delta-rule attention against linear attention and transformers' gated delta rule.",
+        description=_wrapped("gated_linear_attention and delta_rule_attention, causal forward+backward, against "
+        "linear_attention and against transformers' torch_chunk_gated_delta_rule, interleaved; one recurrent step "
+        "of each; peak memory, finiteness and error against the float64 reference at a long N."))
+    add_out_argument(gated, "docs/benchmarks", "Folder for gated.json and gated.md")
+    gated.add_argument("--ns", type=int_list, default=(4096, 16384), metavar="N,N",
+                       help="Sequence lengths timed (default: 4096,16384).")
+    gated.add_argument("--repeats", type=positive_int, default=5,
+                       help="Interleaved timed calls per run against linear attention (default: 5).")
+    gated.add_argument("--hf-repeats", type=positive_int, default=2,
+                       help="Interleaved timed calls per run beside transformers' gated delta rule, which takes "
+                       "seconds per call at N = 16384 (default: 2).")
+    gated.add_argument("--memory-n", type=non_negative_int, default=65536, metavar="N",
+                       help="Sequence length of the memory and accuracy check; 0 skips it (default: 65536).")
+    _add_runs(gated)
+    for sub in (sweep, core, favor, family, full, gen, gated):  # its validation errors name it, not `linattn bench`
         sub.set_defaults(suite_parser=sub)
     return parser
 
@@ -236,6 +253,12 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
 
         with reported(chosen, FileNotFoundError, ValueError):
             run_full(out=args.out, doc=args.doc, doc_only=args.doc_only)
+    elif args.suite == "gated":
+        from ..bench.gated import run_gated
+
+        # the flags' types already hold run_gated's preconditions: an error from here on is a failure
+        run_gated(out=args.out, ns=args.ns, repeats=args.repeats, hf_repeats=args.hf_repeats,
+                  memory_n=args.memory_n, **_runs(args))
     elif args.suite == "generate":
         from ..bench.generate import check_mechanisms, run_generate
 

@@ -1,0 +1,353 @@
+"""`linattn bench gated`: the gated and delta-rule forms against plain linear attention and against
+Hugging Face's pure-PyTorch gated delta rule (issue 20's speed and memory claims).
+
+At B = 1, H = 8, D = Dv = 64, float32, causal forward+backward (every input's gradient):
+
+- ``gated_linear_attention`` with one decay per head and position (B, H, N) and with one per key
+  channel (B, H, N, D), ``delta_rule_attention`` without and with a decay, each against
+  ``linear_attention`` interleaved in one process (A B C D E A B ...), at each N;
+- our gated delta rule against ``torch_chunk_gated_delta_rule`` of transformers (the function its
+  Qwen3-Next falls back to without the Triton kernels), interleaved, at each N (fewer repeats: it
+  takes seconds per call at N = 16384);
+- one recurrent step (Nq = 1, no grad) of each against a linear-attention step;
+- in fresh processes at ``memory_n`` (65536): peak memory of forward+backward of each form, whether
+  the output and gradients are finite, and the output's largest error relative to the float64
+  reference recurrence (forward, computed in that process).
+
+Inputs: q, v N(0, 1); k N(0, 1) rows L2-normalised (the delta rule expects unit keys); decays
+log-sigmoid(N(0, 1) + 4) (about -0.02, a gate near 1 as trained models have); beta sigmoid(N(0, 1)).
+The whole timing is repeated ``runs`` times (default 3), each run in a fresh process with its own
+load and reference matmul speed; a claim is the median ratio over the runs, with min and max.
+Writes gated.json and gated.md; every number there comes from this code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import linattn
+
+from .. import progress
+from .harness import (
+    INHERITED_ALLOCATOR,
+    RUNS,
+    format_run_loads,
+    format_seconds,
+    format_spread,
+    format_spread_cells,
+    machine_info,
+    median,
+    proc_status_kib,
+    run_repeated,
+    spread,
+    time_calls,
+    write_atomically,
+)
+
+H, D = 8, 64
+BASE = "linear"
+OURS = ("gla_head", "gla_channel", "delta", "gated_delta")
+# the claims of issue 20: (contender, its time / linear's at most this)
+WITHIN = {"gla_head": 1.5, "gla_channel": 3.0, "delta": 3.0, "gated_delta": 3.0}
+HF_FASTER_BY = 10.0  # torch_chunk_gated_delta_rule's time / our gated delta rule's at least this
+STEP_WITHIN = 2.0  # one recurrent step / a linear-attention step at most this
+MEMORY_LIMIT_BYTES = 1.5e9
+REL_ERR_LIMIT = 1e-4
+DESCRIPTIONS = {
+    "linear": "linear_attention (elu+1), causal",
+    "gla_head": "gated_linear_attention, log_decay (B, H, N)",
+    "gla_channel": "gated_linear_attention, log_decay (B, H, N, D)",
+    "delta": "delta_rule_attention, no decay (DeltaNet)",
+    "gated_delta": "delta_rule_attention, log_decay (B, H, N) (Gated DeltaNet)",
+    "hf_gated_delta": "transformers' torch_chunk_gated_delta_rule (chunk 64), same inputs",
+}
+
+
+def hf_gated_delta_rule():
+    """transformers' pure-PyTorch chunked gated delta rule, or None when transformers is missing."""
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return torch_chunk_gated_delta_rule
+
+
+def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, requires_grad: bool = True) -> dict:
+    """Leaf tensors of every contender's inputs: q, k (unit rows), v ``(1, H, n, D)``, decays
+    ``(1, H, n)`` and ``(1, H, n, D)``, beta ``(1, H, n)``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, n, D, generator=g, dtype=dtype) for _ in range(3))
+    k = F.normalize(k, dim=-1)
+    x = {"q": q, "k": k, "v": v,
+         "decay_head": F.logsigmoid(torch.randn(1, H, n, generator=g, dtype=dtype) + 4),
+         "decay_channel": F.logsigmoid(torch.randn(1, H, n, D, generator=g, dtype=dtype) + 4),
+         "beta": torch.sigmoid(torch.randn(1, H, n, generator=g, dtype=dtype))}
+    return {name: t.requires_grad_(requires_grad) for name, t in x.items()}
+
+
+def forms(x: dict) -> dict:
+    """``name -> () -> output`` for every contender on the inputs ``x`` (forward only)."""
+    q, k, v = x["q"], x["k"], x["v"]
+    out = {
+        "linear": lambda: linattn.linear_attention(q, k, v, causal=True),
+        "gla_head": lambda: linattn.gated_linear_attention(q, k, v, x["decay_head"]),
+        "gla_channel": lambda: linattn.gated_linear_attention(q, k, v, x["decay_channel"]),
+        "delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"]),
+        "gated_delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"], log_decay=x["decay_head"]),
+    }
+    hf = hf_gated_delta_rule()
+    if hf is not None:
+        def hf_call():  # (B, N, H, D) layout; the transposes are views, part of what a caller pays
+            o, _ = hf(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x["decay_head"].transpose(1, 2),
+                      x["beta"].transpose(1, 2), chunk_size=64)
+            return o
+        out["hf_gated_delta"] = hf_call
+    return out
+
+
+def _forward_backward(fn, x: dict):
+    def call() -> None:
+        for t in x.values():
+            t.grad = None
+        o = fn()
+        o.backward(torch.ones_like(o))
+    return call
+
+
+def step_times(*, position: int = 1000, steps: int = 300, warmup: int = 50) -> dict[str, float]:
+    """Median seconds of one decoding step (Nq = 1, no grad) of each form after ``position`` tokens,
+    interleaved."""
+    x = make_inputs(position + 1, requires_grad=False)
+    with torch.no_grad():
+        prefix = {k: t[:, :, :position] for k, t in x.items()}
+        tok = {k: t[:, :, position:] for k, t in x.items()}
+        states = {name: fn()[1] for name, fn in _stateful(prefix, None).items()}
+        times = time_calls(_stateful(tok, states), repeats=steps, warmup=warmup)
+    return {name: median(ts) for name, ts in times.items()}
+
+
+def _stateful(x: dict, states: dict | None) -> dict:
+    """The forms with ``return_state=True`` (and ``initial_state`` from ``states`` when given)."""
+    q, k, v = x["q"], x["k"], x["v"]
+
+    def s(name):
+        return {} if states is None else {"initial_state": states[name]}
+
+    return {
+        "linear": lambda: linattn.linear_attention(q, k, v, causal=True, return_state=True, **s("linear")),
+        "gla_head": lambda: linattn.gated_linear_attention(q, k, v, x["decay_head"], return_state=True,
+                                                           **s("gla_head")),
+        "gla_channel": lambda: linattn.gated_linear_attention(q, k, v, x["decay_channel"], return_state=True,
+                                                              **s("gla_channel")),
+        "delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"], return_state=True, **s("delta")),
+        "gated_delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"], log_decay=x["decay_head"],
+                                                            return_state=True, **s("gated_delta")),
+    }
+
+
+def _child(ns: list[int], repeats: int, hf_repeats: int) -> dict:
+    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+    out: dict = {"times": {}, "hf_times": {}}
+    for n in ns:
+        x = make_inputs(n)
+        f = forms(x)
+        ours = {name: _forward_backward(f[name], x) for name in (BASE, *OURS)}
+        times = time_calls(ours, repeats=repeats, warmup=1)
+        out["times"][str(n)] = {k: {"median_s": median(v), "all_s": v} for k, v in times.items()}
+        if "hf_gated_delta" in f:
+            pair = {"gated_delta": ours["gated_delta"], "hf_gated_delta": _forward_backward(f["hf_gated_delta"], x)}
+            times = time_calls(pair, repeats=hf_repeats, warmup=1)
+            out["hf_times"][str(n)] = {k: {"median_s": median(v), "all_s": v} for k, v in times.items()}
+        del x, f, ours
+    out["step_s"] = step_times()
+    return out
+
+
+def _memory_child(name: str, n: int) -> dict:
+    """Peak RSS above the inputs of one forward+backward of ``name`` at ``n``, finiteness, and the
+    output's error relative to the float64 reference (run in a fresh process)."""
+    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+    x = make_inputs(n)
+    fn = forms(x)[name]
+    base = proc_status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # the high-water mark VmHWM back to the current RSS
+    o = fn()
+    o.backward(torch.ones_like(o))
+    peak = (proc_status_kib("VmHWM") - base) * 1024
+    finite = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(t.grad).all())
+                                                    for t in x.values() if t.grad is not None)
+    o = o.detach()
+    x64 = {k: t.detach().double() for k, t in x.items()}
+    reference = {
+        "linear": lambda: linattn.linear_attention_reference(x64["q"], x64["k"], x64["v"], causal=True),
+        "gla_head": lambda: linattn.gated_linear_attention_reference(x64["q"], x64["k"], x64["v"], x64["decay_head"]),
+        "gla_channel": lambda: linattn.gated_linear_attention_reference(x64["q"], x64["k"], x64["v"],
+                                                                        x64["decay_channel"]),
+        "delta": lambda: linattn.delta_rule_attention_reference(x64["q"], x64["k"], x64["v"], x64["beta"]),
+        "gated_delta": lambda: linattn.delta_rule_attention_reference(x64["q"], x64["k"], x64["v"], x64["beta"],
+                                                                      log_decay=x64["decay_head"]),
+    }[name]
+    with torch.no_grad():
+        ref = reference()
+    rel = float((o.double() - ref).abs().max() / ref.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+    return {"peak_bytes": peak, "finite": finite, "rel_err": rel}
+
+
+def memory(name: str, n: int, *, timeout: float = 1800) -> dict:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "linattn.bench.gated", "memory", name, str(n)],
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement of {name} at N = {n} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_gated(*, out: str | Path = "docs/benchmarks", ns: tuple[int, ...] = (4096, 16384), repeats: int = 5,
+              hf_repeats: int = 2, memory_n: int = 65536, runs: int = RUNS, quiet: bool = False) -> dict:
+    """Time ``runs`` times (a fresh process each), measure memory and accuracy at ``memory_n``
+    (0 skips it), write gated.json and gated.md, print the Markdown; return the result."""
+    for name, value, lo in (("runs", runs, 1), ("repeats", repeats, 1), ("hf_repeats", hf_repeats, 1),
+                            ("memory_n", memory_n, 0)):
+        if value < lo:
+            raise ValueError(f"run_gated: {name} must be >= {lo}, got {value}")
+    if not ns or any(n < 1 for n in ns):
+        raise ValueError(f"run_gated: ns must be positive sequence lengths, got {ns}")
+    say = functools.partial(progress.say, quiet=quiet)
+    have_hf = hf_gated_delta_rule() is not None
+    say(f"linattn bench gated: N = {list(ns)}, B=1 H={H} D={D} float32, {runs} runs; transformers' "
+        f"torch_chunk_gated_delta_rule {'found' if have_hf else 'NOT installed (the convert extra installs it)'}")
+    t0 = time.perf_counter()
+    result: dict = {
+        "command": (f"linattn bench gated --ns {','.join(map(str, ns))} --repeats {repeats} --hf-repeats {hf_repeats} "
+                    f"--memory-n {memory_n}" + (f" --runs {runs}" if runs != RUNS else "") + f" --out {out}"),
+        "machine": machine_info(),
+        "config": {"ns": list(ns), "batch_size": 1, "n_heads": H, "head_dim": D, "dtype": "float32",
+                   "repeats": repeats, "hf_repeats": hf_repeats, "memory_n": memory_n, "runs": runs,
+                   "pass": "forward+backward", "contenders": DESCRIPTIONS},
+        "runs": run_repeated("linattn.bench.gated", [",".join(map(str, ns)), str(repeats), str(hf_repeats)],
+                             runs=runs, allocators=INHERITED_ALLOCATOR, say=say),
+    }
+    children = [r["allocators"]["inherited"] for r in result["runs"]]
+    result["ratios"] = {str(n): {name: spread([c["times"][str(n)][name]["median_s"] / c["times"][str(n)][BASE]["median_s"]
+                                               for c in children]) for name in OURS} for n in ns}
+    if have_hf:
+        result["hf_ratios"] = {str(n): spread([c["hf_times"][str(n)]["hf_gated_delta"]["median_s"]
+                                               / c["hf_times"][str(n)]["gated_delta"]["median_s"] for c in children])
+                               for n in ns}
+    result["step_ratios"] = {name: spread([c["step_s"][name] / c["step_s"][BASE] for c in children]) for name in OURS}
+    if memory_n:
+        say(f"  memory and accuracy at N = {memory_n} (fresh processes) ...")
+        result["memory"] = {name: memory(name, memory_n) for name in (BASE, *OURS)}
+    result["claims"] = claims(result)
+    result["elapsed_seconds"] = time.perf_counter() - t0
+    md = format_gated(result)
+    write_atomically(out, {"gated.json": json.dumps(result, indent=2), "gated.md": md})
+    say(md)
+    return result
+
+
+def claims(result: dict) -> dict[str, dict]:
+    """Each of issue 20's claims: its statement, the measured spread and whether the median holds it."""
+    out = {}
+    largest = str(max(result["config"]["ns"]))
+    for name, limit in WITHIN.items():
+        s = result["ratios"][largest][name]
+        out[f"{name} within {limit}x of linear at N = {largest}"] = {
+            "text": f"{DESCRIPTIONS[name]} / linear_attention time at N = {largest}: {format_spread(s)}; "
+                    f"at most {limit}x wanted", "holds": s["median"] <= limit}
+    for n, s in result.get("hf_ratios", {}).items():
+        out[f"{HF_FASTER_BY:g}x faster than transformers at N = {n}"] = {
+            "text": f"torch_chunk_gated_delta_rule / our gated delta rule time at N = {n}: {format_spread(s)}; "
+                    f"at least {HF_FASTER_BY:g}x wanted", "holds": s["median"] >= HF_FASTER_BY}
+    for name, s in result["step_ratios"].items():
+        out[f"{name} step within {STEP_WITHIN:g}x of linear's"] = {
+            "text": f"one recurrent step of {DESCRIPTIONS[name]} / a linear-attention step: {format_spread(s)}; "
+                    f"at most {STEP_WITHIN:g}x wanted", "holds": s["median"] <= STEP_WITHIN}
+    for name, m in result.get("memory", {}).items():
+        if name == BASE:
+            continue
+        ok = m["peak_bytes"] < MEMORY_LIMIT_BYTES and m["finite"] and m["rel_err"] <= REL_ERR_LIMIT
+        out[f"{name} memory and accuracy at N = {result['config']['memory_n']}"] = {
+            "text": f"{DESCRIPTIONS[name]} at N = {result['config']['memory_n']}: peak {m['peak_bytes'] / 2**20:.0f} MiB "
+                    f"(under {MEMORY_LIMIT_BYTES / 1e9:g} GB wanted), finite: {m['finite']}, output error relative "
+                    f"to the float64 reference {m['rel_err']:.1e} (at most {REL_ERR_LIMIT:g} wanted)", "holds": ok}
+    return out
+
+
+def format_gated(result: dict) -> str:
+    cfg, m, runs = result["config"], result["machine"], result["runs"]
+    children = [r["allocators"]["inherited"] for r in runs]
+    lines = [
+        f"# Gated and delta-rule attention: B = 1, H = {cfg['n_heads']}, D = Dv = {cfg['head_dim']}, float32, "
+        "causal forward+backward",
+        "",
+        f"Written by `{result['command']}`; do not edit by hand. Machine: {m['processor']}, {m['cpu_count']} CPUs, "
+        f"torch {m['torch']}, {m['threads']} threads. The timing ran {len(runs)} times, each in a fresh process; "
+        f"within a run the median of {cfg['repeats']} interleaved repeats (transformers beside our gated delta rule: "
+        f"{cfg['hf_repeats']}). Each ratio is the median over the runs with min and max, each run's ratio from its "
+        "own medians.",
+        "",
+        "## Claims",
+        "",
+        *[f"- {'holds' if c['holds'] else '**does not hold**'}: {c['text']}" for c in result["claims"].values()],
+        "",
+        "## Time / linear_attention's, forward+backward",
+        "",
+        "| N | contender | median | min | max | per run |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for n, names in result["ratios"].items():
+        for name, s in names.items():
+            lines.append(f"| {n} | {DESCRIPTIONS[name]} | {format_spread_cells(s)} |")
+    if "hf_ratios" in result:
+        lines += ["", "## transformers' torch_chunk_gated_delta_rule time / our gated delta rule's", "",
+                  "| N | median | min | max | per run |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {n} | {format_spread_cells(s)} |" for n, s in result["hf_ratios"].items()]
+    lines += ["", "## Times (median over runs of each run's median)", "", "| N | contender | time | per run |",
+              "| --- | --- | --- | --- |"]
+    for n in result["ratios"]:
+        for name in (BASE, *OURS):
+            ts = [c["times"][n][name]["median_s"] for c in children]
+            lines.append(f"| {n} | {DESCRIPTIONS[name]} | {format_seconds(median(ts))} | "
+                         + ", ".join(format_seconds(t) for t in ts) + " |")
+        if "hf_ratios" in result:
+            ts = [c["hf_times"][n]["hf_gated_delta"]["median_s"] for c in children]
+            lines.append(f"| {n} | {DESCRIPTIONS['hf_gated_delta']} | {format_seconds(median(ts))} | "
+                         + ", ".join(format_seconds(t) for t in ts) + " |")
+    lines += ["", "## One recurrent step (Nq = 1, no grad, after 1000 positions)", "",
+              "| contender | time per step: median over runs | / linear's step (median, min, max) |",
+              "| --- | --- | --- |"]
+    for name in (BASE, *OURS):
+        ts = [c["step_s"][name] for c in children]
+        ratio = "" if name == BASE else (f"{result['step_ratios'][name]['median']:.2f}x "
+                                         f"({result['step_ratios'][name]['min']:.2f}-{result['step_ratios'][name]['max']:.2f}x)")
+        lines.append(f"| {DESCRIPTIONS[name]} | {median(ts) * 1e6:.0f} µs | {ratio} |")
+    if "memory" in result:
+        lines += ["", f"## N = {cfg['memory_n']}: peak memory of forward+backward (RSS above the inputs, fresh "
+                  "process), finiteness, error against the float64 reference recurrence", "",
+                  "| contender | peak memory | finite (output, gradients) | max abs error / max abs reference output |",
+                  "| --- | --- | --- | --- |"]
+        for name, mem in result["memory"].items():
+            lines.append(f"| {DESCRIPTIONS[name]} | {mem['peak_bytes'] / 2**20:.0f} MiB | {mem['finite']} | "
+                         f"{mem['rel_err']:.1e} |")
+    lines += ["", "## Each run's machine", "", *format_run_loads([r["load"] for r in runs])]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "child":
+        print(json.dumps(_child([int(n) for n in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4]))))
+    elif len(sys.argv) == 4 and sys.argv[1] == "memory":
+        print(json.dumps(_memory_child(sys.argv[2], int(sys.argv[3]))))
+    else:
+        raise SystemExit("usage: python -m linattn.bench.gated child NS REPEATS HF_REPEATS | memory NAME N")
