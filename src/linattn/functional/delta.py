@@ -1,0 +1,531 @@
+"""Delta-rule linear attention (DeltaNet, Gated DeltaNet): a causal recurrence with a chunked form,
+a recurrent step and a plain reference.
+
+DeltaNet (Schlag et al. 2021; parallelised by Yang et al., arXiv 2406.06484) and Gated DeltaNet
+(Yang, Kautz and Hatamizadeh, arXiv 2412.06464) keep one matrix state per head and, at every
+position, first decay it, then move the value it predicts for ``k_t`` a step ``beta_t`` towards
+``v_t`` (one step of online regression):
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T        o_t = scale * S_t^T q_t
+
+``g = log_decay`` (0 when None: DeltaNet). There is no bidirectional form: the state at position t
+is defined by a recurrence in time, not by a sum over a set of keys.
+
+Dimension legend: B batch, H heads, N positions, D query/key width, Dv value width, R = B*H rows
+(independent sequences), C chunk length, Nc number of chunks, m chunks in a batch of chunks.
+
+The chunked form (arXiv 2406.06484, section 3, with the decays of arXiv 2412.06464). Inside a chunk
+starting from state S, write the state after position t (t = 1..C) as
+
+    S_t = gamma_t S + sum_{i <= t} (gamma_t / gamma_i) k_i u_i^T,        gamma_t = exp(G_t),
+    G_t = g_1 + ... + g_t (cumulative log decay within the chunk).
+
+Putting that into the recurrence gives the "pseudo-values" u (the WY / UT representation):
+
+    u_t = beta_t (v_t - gamma_t S^T k_t - sum_{i < t} (gamma_t / gamma_i) (k_t . k_i) u_i)
+    (I + A) U = diag(beta) V - diag(beta gamma) K S,   A_ti = beta_t (gamma_t / gamma_i) k_t . k_i, i < t
+
+so with ``T = (I + A)^-1`` (unit lower triangular, one C x C inverse per chunk, all chunks at once):
+``U = Uv - W S`` with ``Uv = T diag(beta) V`` and ``W = T diag(beta gamma) K``, neither of which
+depends on the state. Then
+
+    O     = diag(gamma) Q S + P U,            P_ti = (gamma_t / gamma_i) q_t . k_i for i <= t, else 0
+    S_end = gamma_C S + Kd^T U,              Kd_i = (gamma_C / gamma_i) k_i
+
+which regroups into ``O = P Uv + Qe S`` with ``Qe = diag(gamma) Q - P W`` and ``S_end = M S + Hc``
+with ``M = gamma_C I - Kd^T W`` (D x D) and ``Hc = Kd^T Uv``. Everything but the state is computed
+for many chunks at once in batched matrix products; what is left sequential is one ``(D, D) x (D, Dv)``
+product per chunk. Every ratio ``gamma_t / gamma_i`` is ``exp(G_t - G_i)`` with the difference taken
+first (in float64, where large decays would otherwise cancel in float32) and masked to -inf above the
+diagonal before the exp: nothing exponentiated is ever above 1, so nothing overflows, even for
+decays near -inf.
+
+The backward (``_DeltaRule``) keeps only the inputs and the state before every chunk, recomputes
+the chunk-local products, runs the state gradient back through ``dS = M^T dS_end + Qe^T dO``, chunk
+by chunk, and derives every other gradient in batched products (the derivation is written out at
+``_block_backward``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .checks import (
+    check_key_padding_mask,
+    check_positive_int,
+    check_qkv,
+    check_scale,
+    compute_dtype,
+    no_autocast,
+    sanitize_padded,
+    shape_str,
+)
+from .decayed_state import DecayedState, check_decayed_state
+
+__all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
+
+# The chunked form works on blocks of this many chunks at a time (all rows together): the batched
+# per-chunk temporaries (C x C scores, D x D transitions) then exist for one block only, which keeps
+# them small whatever N is and the memory O(N) in the inputs and saved states alone. It does not
+# change the result (tests run several blocks with small chunk sizes).
+_CHUNKS_PER_BLOCK = 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks shared by both forms
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_gate(fn: str, name: str, x, q: Tensor) -> None:
+    """``beta`` or ``log_decay``: a floating-point ``(B, H, N)`` tensor on q's device."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor (B, H, N), got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{fn}: {name} must be a floating-point tensor, got dtype {x.dtype}")
+    if tuple(x.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"{fn}: {name} must have shape (B, H, N) = {tuple(q.shape[:3])} for q {shape_str(q)}, "
+                         f"got {shape_str(x)}")
+    if x.device != q.device:
+        raise ValueError(f"{fn}: {name} is on {x.device}, q on {q.device}")
+
+
+def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_state):
+    """Validate every argument; return the compute dtype, the scale and ``beta``, ``log_decay``
+    (or None), k and v in it, with padded positions made identity steps (beta = g = 0, k = v = 0;
+    ``torch.where``, so NaN in padding cannot leak)."""
+    check_qkv(fn, q, k, v, causal=True)
+    check_key_padding_mask(fn, key_padding_mask, k)
+    _check_gate(fn, "beta", beta, q)
+    if log_decay is not None:
+        _check_gate(fn, "log_decay", log_decay, q)
+    B, H, N, D = q.shape
+    if initial_state is not None:
+        check_decayed_state(fn, initial_state, B, H, D, v.shape[-1], q.device)
+    scale = check_scale(fn, scale, D)
+    dt = compute_dtype(q.dtype)
+    real = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, N)
+    beta = beta.to(dt)
+    if real is not None:
+        beta = torch.where(real, beta, beta.new_zeros(()))
+    with torch.no_grad():
+        if not bool(((beta >= 0) & (beta <= 2)).all()):
+            bad = beta[~((beta >= 0) & (beta <= 2))][0].item()
+            raise ValueError(f"{fn}: beta must lie in [0, 2] at every real position "
+                             f"(|I - beta k k^T| <= 1 for unit keys), got {bad}")
+    if log_decay is not None:
+        log_decay = log_decay.to(dt)
+        if real is not None:
+            log_decay = torch.where(real, log_decay, log_decay.new_zeros(()))
+        with torch.no_grad():
+            if not bool((log_decay <= 0).all()):
+                bad = log_decay[~(log_decay <= 0)][0].item()
+                raise ValueError(f"{fn}: log_decay must be <= 0 (a decay exp(g) in [0, 1]) at every real "
+                                 f"position, got {bad}")
+    k = sanitize_padded(k, key_padding_mask).to(dt)
+    v = sanitize_padded(v, key_padding_mask).to(dt)
+    return dt, scale, beta, log_decay, k, v
+
+
+def _zero_padded_outputs(out: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """A padded position outputs zeros (its query is not read)."""
+    return sanitize_padded(out, key_padding_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunked form
+# ---------------------------------------------------------------------------------------------
+
+
+class _Locals(NamedTuple):
+    """Chunk-local quantities of ``m`` chunks (see the module docstring), none depending on the state.
+
+    ``E (m, C, C)``: ``exp(G_t - G_i)`` for i <= t, 0 above the diagonal (a constant lower-triangular
+    ones matrix without decay); ``gam (m, C)``: gamma_t, ``delta (m, C)``: gamma_C / gamma_t, both
+    None without decay; ``KK (m, C, C)``: k_t . k_i; ``Tinv (m, C, C)``: ``(I + A)^-1``;
+    ``X (m, C, Dv + D)``: ``[Uv, W]``; ``P (m, C, C)``; ``Qe (m, C, D)``; ``Kd (m, C, D)``;
+    ``Oin (m, C, Dv)``: ``P Uv``; ``MH (m, D, Dv + D)``: ``Kd^T [Uv, W]``, from which ``Hc`` and ``M``.
+    """
+
+    E: Tensor
+    gam: Tensor | None
+    delta: Tensor | None
+    KK: Tensor
+    Tinv: Tensor
+    X: Tensor
+    P: Tensor
+    Qe: Tensor
+    Kd: Tensor
+    Oin: Tensor
+    MH: Tensor
+
+
+def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Locals:
+    """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b, g (m, C)`` -> :class:`_Locals`."""
+    m, C, D = k.shape
+    dt = k.dtype
+    if g is None:
+        E = torch.ones(C, C, dtype=dt, device=k.device).tril_()
+        gam = delta = None
+    else:
+        G = g.to(torch.float64).cumsum(-1)  # (m, C); float64: G_t - G_i must not cancel
+        diff = (G[:, :, None] - G[:, None, :]).to(dt)  # (m, C, C)
+        above = torch.ones(C, C, dtype=torch.bool, device=k.device).triu_(1)
+        E = diff.masked_fill_(above, float("-inf")).exp_()
+        gam = G.exp().to(dt)
+        delta = (G[:, -1:] - G).exp_().to(dt)
+    KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
+    A = (KK * E).tril_(-1).mul_(b[:, :, None])  # strictly lower; the unit diagonal is implicit
+    eye = torch.eye(C, dtype=dt, device=k.device).expand(m, C, C)
+    Tinv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)  # (I + A)^-1
+    bg = b if gam is None else b * gam
+    rhs = torch.cat([v * b[:, :, None], k * bg[:, :, None]], dim=-1)  # (m, C, Dv + D)
+    X = torch.bmm(Tinv, rhs)  # [Uv, W]
+    Dv = v.shape[-1]
+    P = torch.bmm(q, k.transpose(1, 2)).mul_(E)  # (m, C, C), lower incl. diagonal
+    PX = torch.bmm(P, X)  # [P Uv, P W]
+    Oin = PX[..., :Dv]
+    Qe = (q if gam is None else q * gam[:, :, None]) - PX[..., Dv:]
+    Kd = k if delta is None else k * delta[:, :, None]
+    MH = torch.bmm(Kd.transpose(1, 2), X)  # (m, D, Dv + D)
+    return _Locals(E, gam, delta, KK, Tinv, X, P, Qe, Kd, Oin, MH)
+
+
+def _transition(x: _Locals, Dv: int) -> tuple[Tensor, Tensor]:
+    """``M = gamma_C I - Kd^T W`` ``(m, D, D)`` and ``Hc = Kd^T Uv`` ``(m, D, Dv)``."""
+    M = x.MH[..., Dv:].neg()
+    gC = torch.ones((), dtype=M.dtype, device=M.device) if x.gam is None else x.gam[:, -1, None]
+    M.diagonal(dim1=-2, dim2=-1).add_(gC)
+    return M, x.MH[..., :Dv]
+
+
+class _Layout(NamedTuple):
+    """``R`` rows of ``N`` positions cut into ``Nc`` chunks of ``C`` (the last filled with zero
+    positions, which are identity steps), handled in blocks of ``_CHUNKS_PER_BLOCK`` chunks."""
+
+    R: int
+    N: int
+    C: int
+    Nc: int
+
+    @staticmethod
+    def of(N: int, R: int, chunk_size: int) -> "_Layout":
+        C = min(chunk_size, N)
+        return _Layout(R, N, C, -(-N // C))
+
+    def chunked(self, x: Tensor) -> Tensor:
+        """``(R, N, ...)`` -> ``(R, Nc, C, ...)``, zero-filled at the end."""
+        fill = self.Nc * self.C - self.N
+        if fill:
+            pad = [0, 0] * (x.dim() - 2) + [0, fill]
+            x = F.pad(x, pad)
+        return x.reshape(self.R, self.Nc, self.C, *x.shape[2:])
+
+    def blocks(self) -> list[slice]:
+        return [slice(c, min(c + _CHUNKS_PER_BLOCK, self.Nc)) for c in range(0, self.Nc, _CHUNKS_PER_BLOCK)]
+
+
+def _flat(x: Tensor) -> Tensor:
+    """``(R, n, ...)`` -> ``(R*n, ...)``."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _block_forward(q, k, v, b, g, s):
+    """One block of ``n`` chunks of every row: ``q, k (R, n, C, D)``, ``v (R, n, C, Dv)``,
+    ``b, g (R, n, C)`` (g or None), ``s (R, D, Dv)`` the state before it.
+    Returns ``o (R, n, C, Dv)``, the states before each chunk ``(R, n, D, Dv)`` and the state after."""
+    R, n, C, D = q.shape
+    Dv = v.shape[-1]
+    x = _locals(_flat(q), _flat(k), _flat(v), _flat(b), None if g is None else _flat(g))
+    M, Hc = _transition(x, Dv)
+    M, Hc = M.view(R, n, D, D), Hc.view(R, n, D, Dv)
+    states = s.new_empty(R, n, D, Dv)
+    for c in range(n):  # the only sequential part: S <- M S + Hc, one chunk at a time
+        states[:, c] = s
+        s = torch.baddbmm(Hc[:, c], M[:, c], s)
+    o = torch.baddbmm(x.Oin, x.Qe, _flat(states))  # (R*n, C, Dv)
+    return o.view(R, n, C, Dv), states, s
+
+
+def _chunked_forward(q, k, v, b, g, s0, chunk_size):
+    """``q, k (R, N, D)`` (q scaled), ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
+    ``o (R, N, Dv)``, states before every chunk ``(R, Nc, D, Dv)``, final state ``(R, D, Dv)``."""
+    R, N, D = q.shape
+    Dv = v.shape[-1]
+    lay = _Layout.of(N, R, chunk_size)
+    qc, kc, vc, bc = (lay.chunked(t) for t in (q, k, v, b))
+    gc = None if g is None else lay.chunked(g)
+    o = v.new_empty(R, lay.Nc, lay.C, Dv)
+    states = v.new_empty(R, lay.Nc, D, Dv)
+    s = s0
+    for blk in lay.blocks():
+        o[:, blk], states[:, blk], s = _block_forward(
+            qc[:, blk], kc[:, blk], vc[:, blk], bc[:, blk], None if gc is None else gc[:, blk], s)
+    return o.view(R, -1, Dv)[:, :N], states, s
+
+
+def _block_backward(q, k, v, b, g, states, do, ds, need_g):
+    """Gradients of one block (shapes as in :func:`_block_forward`), given ``do (R, n, C, Dv)``
+    and ``ds (R, D, Dv)``, the gradient of the state after the block. Returns
+    ``dq, dk (R, n, C, D)``, ``dv (R, n, C, Dv)``, ``db (R, n, C)``, ``dg (R, n, C)`` (None
+    unless ``need_g``) and the gradient of the state before the block ``(R, D, Dv)``.
+
+    Per chunk, with S the state before it and dSn the gradient of the state after it:
+
+        U   = Uv - W S                     (the pseudo-values)
+        dU  = P^T dO + Kd dSn              dP = dO U^T (lower)     dKd = U dSn^T
+        dS  = M^T dSn + Qe^T dO            (the chunk recurrence, run backwards)
+        dQ  = diag(gamma) dO S^T + (dP o E) K
+        [dUv, dW] = [dU, -dU S^T];  [dRv, dRw] = T^T [dUv, dW]      (X = T Rhs  =>  dRhs = T^T dX)
+        dA  = -strictly-lower([dRv, dRw] [Uv, W]^T)                 (dT^-1 = -T^T dX X^T ...)
+        dV  = diag(beta) dRv,  dK = diag(beta gamma) dRw + (Z + Z^T) K + (dP o E)^T Q + diag(delta) dKd
+              with Z = diag(beta) (dA o E), from A = diag(beta) (K K^T o E)
+        dbeta_t = dRv_t . v_t + gamma_t dRw_t . k_t + sum_i dA_ti (K K^T o E)_ti
+        dG  from E (rowsum - colsum of dA o A + dP o P), gamma, delta and gamma_C; dg = reverse
+              cumulative sum of dG within the chunk.
+    """
+    R, n, C, D = q.shape
+    Dv = v.shape[-1]
+    qf, kf, vf, bf = _flat(q), _flat(k), _flat(v), _flat(b)
+    gf = None if g is None else _flat(g)
+    x = _locals(qf, kf, vf, bf, gf)
+    M, _ = _transition(x, Dv)
+    M = M.view(R, n, D, D)
+    dof = _flat(do)
+    QdO = torch.bmm(x.Qe.transpose(1, 2), dof).view(R, n, D, Dv)  # Qe^T dO
+    dsn = ds.new_empty(R, n, D, Dv)  # gradient of the state after each chunk
+    for c in reversed(range(n)):
+        dsn[:, c] = ds
+        ds = torch.baddbmm(QdO[:, c], M[:, c].transpose(1, 2), ds)
+    S, dSn = _flat(states), _flat(dsn)
+    Uv, W = x.X[..., :Dv], x.X[..., Dv:]
+    U = torch.baddbmm(Uv, W, S, alpha=-1)  # (m, C, Dv)
+    dU = torch.bmm(x.P.transpose(1, 2), dof).baddbmm_(x.Kd, dSn)  # (m, C, Dv)
+    dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
+    YP = dP * x.P if need_g else None  # dE o E through P
+    dP.mul_(x.E)  # now d loss / d (Q K^T): lower incl. diagonal
+    dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
+    dOS = torch.bmm(dof, S.transpose(1, 2))  # dO S^T, (m, C, D)
+    dX = torch.cat([dU, torch.bmm(dU, S.transpose(1, 2)).neg_()], dim=-1)  # [dUv, dW]
+    dRhs = torch.bmm(x.Tinv.transpose(1, 2), dX)  # [dRv, dRw]
+    dRv, dRw = dRhs[..., :Dv], dRhs[..., Dv:]
+    dAE = torch.bmm(dRhs, x.X.transpose(1, 2)).neg_().tril_(-1).mul_(x.E)  # dA o E, (m, C, C)
+    bcol = bf[:, :, None]
+    Z = dAE * bcol  # d loss / d (K K^T), strictly lower
+    dk = torch.bmm(Z, kf).add_(torch.bmm(Z.transpose(1, 2), kf)).add_(torch.bmm(dP.transpose(1, 2), qf))
+    dq = torch.bmm(dP, kf)
+    t_w = torch.linalg.vecdot(dRw, kf, dim=-1)  # d loss / d (beta gamma)_t, (m, C)
+    dAEK = dAE.mul_(x.KK)  # dA o E o KK
+    db = torch.linalg.vecdot(dRv, vf, dim=-1).add_(dAEK.sum(-1))
+    dv = dRv * bcol
+    dg = None
+    if x.gam is None:
+        dq.add_(dOS)
+        dk.add_(dRw * bcol).add_(dKd)
+        db.add_(t_w)
+    else:
+        gcol, dcol = x.gam[:, :, None], x.delta[:, :, None]
+        dq.addcmul_(dOS, gcol)
+        dk.addcmul_(dRw, bcol * gcol).addcmul_(dKd, dcol)
+        db.addcmul_(t_w, x.gam)
+        if need_g:
+            # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E), gamma,
+            # delta = exp(G_C - G) and gamma_C (in gamma_C S).
+            Y = dAEK.mul_(bcol).add_(YP)  # dE o E, (m, C, C)
+            dgam = torch.linalg.vecdot(qf, dOS, dim=-1).addcmul_(bf, t_w)  # d loss / d gamma_t
+            ddel = torch.linalg.vecdot(kf, dKd, dim=-1).mul_(x.delta)  # d loss / d delta_t, times delta_t
+            dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
+            dgC = torch.linalg.vecdot(S.flatten(1), dSn.flatten(1), dim=-1)  # (m,)
+            dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC, x.gam[:, -1])
+            dg = dG.flip(-1).cumsum_(-1).flip(-1).view(R, n, C)  # G = cumsum(g)
+    return (dq.view(R, n, C, D), dk.view(R, n, C, D), dv.view(R, n, C, Dv), db.view(R, n, C), dg, ds)
+
+
+def _chunked_backward(q, k, v, b, g, states, do, ds_final, chunk_size, need_g):
+    """Gradients of :func:`_chunked_forward`: ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
+    ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards."""
+    R, N, D = q.shape
+    Dv = v.shape[-1]
+    lay = _Layout.of(N, R, chunk_size)
+    qc, kc, vc, bc, doc = (lay.chunked(t) for t in (q, k, v, b, do))
+    gc = None if g is None else lay.chunked(g)
+    dq, dk = q.new_empty(R, lay.Nc, lay.C, D), q.new_empty(R, lay.Nc, lay.C, D)
+    dv = v.new_empty(R, lay.Nc, lay.C, Dv)
+    db = b.new_empty(R, lay.Nc, lay.C)
+    dg = b.new_empty(R, lay.Nc, lay.C) if need_g else None
+    ds = ds_final
+    for blk in reversed(lay.blocks()):
+        parts = _block_backward(qc[:, blk], kc[:, blk], vc[:, blk], bc[:, blk],
+                                None if gc is None else gc[:, blk], states[:, blk], doc[:, blk], ds, need_g)
+        dq[:, blk], dk[:, blk], dv[:, blk], db[:, blk] = parts[:4]
+        if need_g:
+            dg[:, blk] = parts[4]
+        ds = parts[5]
+    crop = (lambda t: None if t is None else t.view(R, -1, *t.shape[3:])[:, :N])
+    return crop(dq), crop(dk), crop(dv), crop(db), crop(dg), ds
+
+
+class _DeltaRule(torch.autograd.Function):
+    """``(q, k, v, beta, g, s0) -> (o, s_final)`` of the chunked form, rows ``(R, N, ...)``.
+
+    q is already scaled; g may be None (no decay); s0 is a tensor (zeros when there was no initial
+    state). Saves the inputs and the state before every chunk ``(R, Nc, D, Dv)``, as large as v
+    when C = Dv, and recomputes the chunk-local products in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, b, g, s0, chunk_size):
+        with no_autocast(q.device.type):
+            o, states, s = _chunked_forward(q, k, v, b, g, s0, chunk_size)
+        ctx.device_type, ctx.chunk_size = q.device.type, chunk_size
+        ctx.save_for_backward(q, k, v, b, g, states)
+        return o, s
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, ds_final):
+        q, k, v, b, g, states = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        if ds_final is None:
+            ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
+        need_g = g is not None and ctx.needs_input_grad[4]
+        with no_autocast(ctx.device_type):
+            dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final,
+                                                        ctx.chunk_size, need_g)
+        return dq, dk, dv, db, dg, ds0, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public forms
+# ---------------------------------------------------------------------------------------------
+
+def _step(q, k, v, beta, log_decay, scale, s0):
+    """One position, ``N == 1``: ``S = exp(g) (S0 - beta k (k^T S0)) + beta k v^T``, ``o = scale S^T q``,
+    in O(D Dv) with plain autograd. ``q, k (B, H, 1, D)``, ``v (B, H, 1, Dv)``, ``beta, g (B, H, 1)``,
+    ``s0 (B, H, D, Dv)``, all in the compute dtype."""
+    kt = k.transpose(-1, -2)  # (B, H, D, 1)
+    b = beta[..., None]  # (B, H, 1, 1)
+    s = s0 - kt @ ((b * k) @ s0)  # (I - beta k k^T) S0
+    if log_decay is not None:
+        s = torch.exp(log_decay)[..., None] * s
+    s = s + kt @ (b * v)  # (B, H, D, Dv)
+    return scale * (q @ s), s
+
+
+def delta_rule_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    *,
+    log_decay: Tensor | None = None,
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    initial_state: DecayedState | None = None,
+    return_state: bool = False,
+    chunk_size: int = 64,
+) -> Union[Tensor, tuple[Tensor, DecayedState]]:
+    """Causal delta-rule attention (DeltaNet, Gated DeltaNet), chunked, O(N) memory:
+    ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+
+    Causal only: there is no bidirectional form (and no ``causal`` argument): the state is defined
+    by a recurrence in time.
+
+    Forms: the chunked form of arXiv 2406.06484 (WY / UT representation, one C x C triangular
+    inverse per chunk, all chunks at once, see the module docstring) with its own backward; and, for
+    ``N == 1`` with an ``initial_state`` (a generation step), the recurrence itself, O(D Dv).
+
+    Args:
+        q: ``(B, H, N, D)`` queries.
+        k: ``(B, H, N, D)`` keys, expected L2-normalised (``||k_t|| = 1``). Why: with a unit key and
+            ``beta`` in [0, 2] the transition ``I - beta k k^T`` has eigenvalues 1 (D - 1 times) and
+            ``1 - beta`` in [-1, 1], so its spectral norm is <= 1 and the state cannot grow from step
+            to step; with longer keys it can blow up exponentially. The function does not normalise
+            them (a layer does, as DeltaNet's recipe says).
+        v: ``(B, H, N, Dv)`` values.
+        beta: ``(B, H, N)`` write strength in [0, 2] at every real position (ValueError otherwise):
+            0 leaves the state as it is, 1 replaces the value stored under k by v, 2 reflects it.
+        log_decay: None (DeltaNet), or ``(B, H, N)``: the log of the decay ``exp(g_t)`` applied to
+            the whole state before the write (Gated DeltaNet, arXiv 2412.06464); entries <= 0 (-inf
+            is a decay of 0; a positive entry raises ValueError).
+        scale: multiplies the read-out; None means ``1/sqrt(D)``.
+        key_padding_mask: bool ``(B, N)``, True = a real position, False = padding. A padded
+            position is an identity step (no decay, no write: its beta and log_decay are taken as 0,
+            its q, k, v are never read, even NaN) and outputs zeros.
+        initial_state: the :class:`~linattn.functional.decayed_state.DecayedState` after an earlier
+            prefix, to resume from (None: zeros). Gradients flow into it.
+        return_state: also return the state after the last position.
+        chunk_size: a tuning knob, the chunk length C of the chunked form. Any C >= 1 gives the same
+            result up to rounding; 64 is among the fastest at D = 64.
+
+    Returns:
+        ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the
+        :class:`~linattn.functional.decayed_state.DecayedState` after position N,
+        ``s (B, H, D, Dv)``. Half inputs (float16, bfloat16) are computed with the state, the
+        cumulative decays and the triangular solves in float32; the returned state is float32 then.
+        Differentiable (once; no double backward) in q, k, v, beta, log_decay and initial_state.s.
+    """
+    fn = "delta_rule_attention"
+    check_positive_int(fn, "chunk_size", chunk_size)
+    with no_autocast(q.device.type):
+        dt, scale, beta, log_decay, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
+                                                      initial_state)
+        B, H, N, D = q.shape
+        Dv = v.shape[-1]
+        s0 = None if initial_state is None else initial_state.s.to(dt)
+        qx = sanitize_padded(q, key_padding_mask).to(dt)
+        if N == 1 and s0 is not None:  # the recurrent step
+            out, s = _step(qx, kx, vx, beta, log_decay, scale, s0)
+        elif N == 0:
+            out = vx.new_zeros(B, H, 0, Dv)
+            s = s0 if s0 is not None else vx.new_zeros(B, H, D, Dv)
+        else:
+            def rows(t):  # (B, H, N, ...) -> (R, N, ...)
+                return t.reshape(B * H, N, *t.shape[3:])
+
+            s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
+            o, s = _DeltaRule.apply(rows(qx * scale), rows(kx), rows(vx), rows(beta),
+                                    None if log_decay is None else rows(log_decay), s0r, chunk_size)
+            out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
+        out = _zero_padded_outputs(out, key_padding_mask).to(q.dtype)
+    return (out, DecayedState(s)) if return_state else out
+
+
+def delta_rule_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    *,
+    log_decay: Tensor | None = None,
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    initial_state: DecayedState | None = None,
+    return_state: bool = False,
+) -> Union[Tensor, tuple[Tensor, DecayedState]]:
+    """The recurrence itself, position by position (a Python loop over N, O(N D Dv)): what the
+    tests trust, in float64. Same arguments, checks and returns as :func:`delta_rule_attention`
+    (no ``chunk_size``)."""
+    fn = "delta_rule_attention_reference"
+    in_dtype = q.dtype
+    dt, scale, beta, log_decay, k, v = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
+                                                initial_state)
+    B, H, N, D = q.shape
+    s = q.new_zeros(B, H, D, v.shape[-1], dtype=dt) if initial_state is None else initial_state.s.to(dt)
+    q = sanitize_padded(q, key_padding_mask).to(dt)
+    outs = []
+    for t in range(N):
+        kt, vt = k[:, :, t, :, None], v[:, :, t, None, :]  # (B, H, D, 1), (B, H, 1, Dv)
+        bt = beta[:, :, t, None, None]  # (B, H, 1, 1)
+        s = s - bt * kt @ (kt.transpose(-1, -2) @ s)  # (I - beta k k^T) S, (B, H, D, Dv)
+        if log_decay is not None:
+            s = torch.exp(log_decay[:, :, t, None, None]) * s
+        s = s + bt * kt @ vt
+        outs.append(scale * (q[:, :, t, None, :] @ s))  # (B, H, 1, Dv)
+    out = torch.cat(outs, dim=2) if outs else v.new_zeros(B, H, 0, v.shape[-1])
+    out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
+    return (out, DecayedState(s)) if return_state else out
