@@ -15,8 +15,11 @@ from linattn.functional import (
 )
 from linattn.nn import (
     MECHANISMS,
+    DeltaNetConfig,
     EfficientConfig,
     FavorConfig,
+    GatedDeltaNetConfig,
+    GLAConfig,
     HedgehogConfig,
     KVCache,
     LinearConfig,
@@ -24,6 +27,7 @@ from linattn.nn import (
     LocalConfig,
     LSHConfig,
     MultiHeadAttention,
+    RetNetConfig,
     SoftmaxConfig,
     attention_config,
     attention_config_from_dict,
@@ -40,14 +44,23 @@ ALL_CONFIGS = [
     LinformerConfig(proj_len=4, max_len=16),
     LSHConfig(n_hashes=2, bucket_size=4),
     HedgehogConfig(window=2),
+    RetNetConfig(output_gate=False),
+    GLAConfig(gate_rank=4, gate_temperature=8.0),
+    DeltaNetConfig(output_gate=True),
+    GatedDeltaNetConfig(a_max=8.0, seed=3),
 ]
 
 
 def test_registry_names_and_specs():
-    assert sorted(MECHANISMS) == ["efficient", "favor", "hedgehog", "linear", "linformer", "local", "lsh", "softmax"]
-    assert {n for n, s in MECHANISMS.items() if s.causal} == {"softmax", "linear", "favor", "local", "lsh"}
-    assert {n for n, s in MECHANISMS.items() if s.recurrent} == {"softmax", "linear", "favor", "local"}
-    assert {n for n, s in MECHANISMS.items() if not s.rotary} == {"efficient", "hedgehog", "linformer"}
+    gated = {"retnet", "gla", "deltanet", "gated_deltanet"}
+    assert sorted(MECHANISMS) == sorted(["efficient", "favor", "hedgehog", "linear", "linformer", "local", "lsh",
+                                         "softmax", *gated])
+    assert {n for n, s in MECHANISMS.items() if s.causal} == {"softmax", "linear", "favor", "local", "lsh", *gated}
+    assert {n for n, s in MECHANISMS.items() if s.recurrent} == {"softmax", "linear", "favor", "local", *gated}
+    assert {n for n, s in MECHANISMS.items() if not s.bidirectional} == gated
+    assert {n for n, s in MECHANISMS.items() if s.needs_input} == gated
+    assert {n for n, s in MECHANISMS.items() if not s.rotary} == {"efficient", "hedgehog", "linformer", "deltanet",
+                                                                  "gated_deltanet"}
     assert get_mechanism("lsh").shared_qk and get_mechanism("softmax").state_type is KVCache
     assert {type(c) for c in ALL_CONFIGS} == {s.config_type for s in MECHANISMS.values()}
 

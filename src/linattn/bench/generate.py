@@ -3,7 +3,8 @@
 Part 1, tokens/s against position (issues 5 and 6). For a TransformerLM (default d_model 512,
 8 layers, 8 heads, vocab 32000, float32, batch 1), one model per attention config of
 ``mechanisms``: by default every registered mechanism with a recurrent form, with its registry
-defaults (softmax decoding with a KV cache; linear, favor, local with an O(1) state per layer):
+defaults (softmax decoding with a KV cache; linear, favor, local, retnet, gla, deltanet and
+gated_deltanet with an O(1) state per layer):
 
 - a random prompt of ``position`` tokens is prefilled with one causal forward that returns every
   layer's state (``TransformerLM.forward(return_state=True, last_only=True)``);

@@ -43,7 +43,7 @@ __all__ = ["Case", "INHERITED_ALLOCATOR", "OtherLoad", "PEERS", "Peer", "REFEREN
            "build_module", "busy_reasons", "call", "describe", "describe_load", "format_allocator_times",
            "format_run_loads",
            "format_seconds", "format_spread", "format_spread_cells", "forms", "installed_peers", "machine_info",
-           "make_inputs", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
+           "make_inputs", "needs_input", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
            "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
@@ -206,14 +206,22 @@ def build_module(case: Case) -> torch.nn.Module:
     return module.requires_grad_(False).to(device=case.device, dtype=getattr(torch, case.dtype))
 
 
+def needs_input(case: Case) -> bool:
+    """The case's mechanism also reads the layer input ``x`` (its gates do; a peer never does)."""
+    return case.contender not in PEERS and spec_for(case.config()).needs_input
+
+
 def attention_fn(case: Case) -> Callable:
-    """What :func:`call` times for ``case``: ``fn(q, k, v) -> out``, built here, once per case and
-    outside any timed region: a peer's function, or the mechanism's module (:func:`build_module`).
-    Shared query-key mechanisms (LSH) get q as the shared vector; k goes unused."""
+    """What :func:`call` times for ``case``: ``fn(q, k, v) -> out`` (``fn(q, k, v, x)`` when
+    :func:`needs_input`), built here, once per case and outside any timed region: a peer's
+    function, or the mechanism's module (:func:`build_module`). Shared query-key mechanisms (LSH)
+    get q as the shared vector; k goes unused."""
     if case.contender in PEERS:
         peer = PEERS[case.contender]
         return lambda q, k, v: peer.fn(q, k, v, case.causal, case.attention)
     module = build_module(case)
+    if needs_input(case):
+        return lambda q, k, v, x: module(q, k, v, x=x, causal=case.causal)
     if spec_for(case.config()).shared_qk:
         return lambda q, k, v: module(q, q, v, causal=case.causal)
     return lambda q, k, v: module(q, k, v, causal=case.causal)
@@ -232,14 +240,19 @@ def write_atomically(out_dir: str | Path, files: dict[str, str]) -> Path:
 
 
 def make_inputs(case: Case, *, seed: int = 0, requires_grad: bool | None = None):
-    """q, k, v for ``case``, ``(B, H, N, D)`` (a peer's own layout when it has another), N(0, 1)."""
+    """q, k, v for ``case``, ``(B, H, N, D)`` (a peer's own layout when it has another), N(0, 1);
+    for a mechanism that reads the layer input (:func:`needs_input`) also ``x (B, N, H * D)``, drawn
+    alike and with gradients alike, so that a backward timing includes its gates' backward."""
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
     shape = (case.batch_size, case.n_heads, case.n, case.head_dim)
     if case.contender in PEERS and PEERS[case.contender].layout == "bnhd":
         shape = (case.batch_size, case.n, case.n_heads, case.head_dim)
+    shapes = [shape] * 3
+    if needs_input(case):
+        shapes.append((case.batch_size, case.n, case.n_heads * case.head_dim))
     rg = case.backward if requires_grad is None else requires_grad
-    return [torch.randn(shape, generator=g).to(dtype=dtype, device=case.device).requires_grad_(rg) for _ in range(3)]
+    return [torch.randn(s, generator=g).to(dtype=dtype, device=case.device).requires_grad_(rg) for s in shapes]
 
 
 def call(case: Case, inputs, fn: Callable) -> None:

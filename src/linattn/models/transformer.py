@@ -3,8 +3,9 @@
 Dimension legend: B batch, N positions, C = d_model, V vocabulary, P prompt length, T new tokens.
 
 Decoding: every attention layer carries its own state (:class:`linattn.nn.AttentionState`): a KV
-cache for softmax layers (O(position) per token), the sums (S, z) for linear and FAVOR layers and
-a ring buffer of the last ``window`` keys for local layers (O(1) per token whatever the position).
+cache for softmax layers (O(position) per token), the sums (S, z) for linear and FAVOR layers, a
+ring buffer of the last ``window`` keys for local layers and one (H, D, D) matrix for the gated and
+delta-rule layers (retnet, gla, deltanet, gated_deltanet): O(1) per token whatever the position.
 A prompt is prefilled by one causal forward that returns every layer's state.
 """
 
@@ -117,8 +118,10 @@ class _Transformer(nn.Module):
         self.norm_f = _norm(c.norm, c.d_model) if c.pre_norm else nn.Identity()
 
     def _init_weights(self) -> None:
-        """Normal(0, init_std) linear and embedding weights, zero biases. Mechanism parameters and
-        buffers (Linformer's E and F, FAVOR's projection) keep their own initialisation."""
+        """Normal(0, init_std) linear and embedding weights, zero biases, the gate projections of
+        the gated mechanisms (``nn.Linear``) included. Other mechanism parameters and buffers
+        (Linformer's E and F, FAVOR's projection, Gated DeltaNet's A_log and dt_bias, norm gains)
+        keep their own initialisation."""
         std = self.config.init_std
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -163,12 +166,21 @@ class _Transformer(nn.Module):
 
 
 class TransformerEncoder(_Transformer):
-    """Bidirectional encoder: ``ids (B, N) -> hidden states (B, N, C)``. Any mechanism."""
+    """Bidirectional encoder: ``ids (B, N) -> hidden states (B, N, C)``. Any mechanism with a
+    bidirectional form (not the causal-only retnet, gla, deltanet, gated_deltanet)."""
 
     _kind = "TransformerEncoder"
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__(config)
+        for i in range(config.n_layers):
+            spec = spec_for(config.attention_for(i))
+            if not spec.bidirectional:
+                either = sorted(n for n, s in MECHANISMS.items() if s.bidirectional)
+                raise ValueError(
+                    f"TransformerEncoder: layer {i} uses {spec.name!r} attention, which has no bidirectional "
+                    f"form (it is causal only); an encoder needs one of {either}"
+                )
         self._init_weights()
 
     def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -187,9 +199,10 @@ class TransformerEncoder(_Transformer):
 class TransformerLM(_Transformer):
     """Causal language model: ``ids (B, N) -> logits (B, N, V)``, with recurrent decoding.
 
-    Every layer's mechanism must have a causal form (not efficient, not linformer). Decoding
+    Every layer's mechanism must have a causal form (not efficient, linformer, hedgehog). Decoding
     (:meth:`step`, :meth:`generate`) needs a recurrent form in every layer (softmax, linear, favor,
-    local; LSH layers can be trained and evaluated but not decoded).
+    local, retnet, gla, deltanet, gated_deltanet; LSH layers can be trained and evaluated but not
+    decoded).
     """
 
     _kind = "TransformerLM"
@@ -243,7 +256,8 @@ class TransformerLM(_Transformer):
             if not MECHANISMS[name].recurrent:
                 raise ValueError(
                     f"TransformerLM.{what}: layer {i} uses {name!r} attention, which has no recurrent "
-                    "form; decoding needs softmax, linear, favor or local attention in every layer"
+                    "form; decoding needs one of "
+                    + ", ".join(n for n, s in MECHANISMS.items() if s.recurrent) + " in every layer"
                 )
 
     def initial_state(self, batch_size: int) -> LMState:

@@ -8,6 +8,7 @@ registered in :mod:`linattn.nn.registry`.
 from .attention import AttentionState, MultiHeadAttention
 from .conv import ShortConv
 from .favor import FavorAttention, FavorConfig
+from .gated import DeltaNetConfig, GatedDeltaNetConfig, GatedMechanism, GLAConfig, RetNetConfig
 from .linformer import LinformerAttention
 from .mechanisms import (
     EfficientConfig,
@@ -35,9 +36,13 @@ from .registry import (
 __all__ = [
     "AttentionConfig",
     "AttentionState",
+    "DeltaNetConfig",
     "EfficientConfig",
     "FavorAttention",
     "FavorConfig",
+    "GLAConfig",
+    "GatedDeltaNetConfig",
+    "GatedMechanism",
     "HedgehogConfig",
     "KVCache",
     "LSHConfig",
@@ -49,6 +54,7 @@ __all__ = [
     "Mechanism",
     "MechanismSpec",
     "MultiHeadAttention",
+    "RetNetConfig",
     "ShortConv",
     "SoftmaxConfig",
     "attention_config",

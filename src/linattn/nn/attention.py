@@ -24,7 +24,8 @@ class AttentionState(NamedTuple):
 
     Attributes:
         mechanism: the mechanism's own state: ``KVCache`` (softmax), ``LinearAttentionState``
-            (linear, favor) or ``LocalAttentionState`` (local).
+            (linear, favor), ``LocalAttentionState`` (local) or ``DecayedState`` (retnet, gla,
+            deltanet, gated_deltanet).
         position: the position of the next token (the number of tokens seen so far).
         conv: the last ``K - 1`` attention inputs ``(B, K - 1, C)`` of the layer's short
             convolution (``short_conv = K > 0``), else None.
@@ -72,7 +73,9 @@ class MultiHeadAttention(nn.Module):
         n_heads: H; must divide d_model.
         attention: a mechanism config (``SoftmaxConfig()``, ``LinearConfig(...)``, ...; see
             ``linattn.nn.registry``). The mechanism module (``self.mechanism``) owns any buffers
-            or parameters of its own (FAVOR's projection, Linformer's E and F).
+            or parameters of its own (FAVOR's projection, Linformer's E and F, the gates of the
+            gated and delta-rule mechanisms). A mechanism with ``needs_input`` is also handed the
+            input the projections read, ``x (B, N, C)`` (after the short convolution).
         rotary: apply rotary position embeddings to q and k (positions 0..N-1, or the state's
             position in :meth:`step`); only for mechanisms whose spec allows it.
         max_len: the longest sequence; needed by Linformer (columns of E and F).
@@ -171,7 +174,8 @@ class MultiHeadAttention(nn.Module):
         """Attention over ``x (B, N, C)`` -> ``(B, N, C)``.
 
         Args:
-            causal: position i attends positions j <= i (mechanisms with a causal form only).
+            causal: position i attends positions j <= i (mechanisms with a causal form only);
+                False needs a bidirectional form (retnet, gla, deltanet, gated_deltanet have none).
             key_padding_mask: bool ``(B, N)``, True = a real token that may be attended, False =
                 padding.
             return_state: also return the :class:`AttentionState` after the last position, to
@@ -182,6 +186,12 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"MultiHeadAttention: {self.spec.name!r} attention has no causal form; causal "
                 "mechanisms: " + ", ".join(sorted(n for n, s in MECHANISMS.items() if s.causal))
+            )
+        if not causal and not self.spec.bidirectional:
+            raise ValueError(
+                f"MultiHeadAttention: {self.spec.name!r} attention has no bidirectional form (it is causal "
+                "only); bidirectional mechanisms: "
+                + ", ".join(sorted(n for n, s in MECHANISMS.items() if s.bidirectional))
             )
         if return_state and not (causal and self.spec.recurrent):
             raise ValueError(
@@ -196,7 +206,10 @@ class MultiHeadAttention(nn.Module):
                 conv_state = self.conv.tail(x)
             x = self.conv(x)
         q, k, v = self._qkv(x, 0)
-        res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
+        # mechanisms whose gates are functions of the layer input read the x the projections read
+        extra = {"x": x} if self.mechanism.needs_input else {}
+        res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
+                             **extra)
         if return_state:
             o, state = res
             return self._merge(o), AttentionState(state, x.shape[1], conv_state)
@@ -215,7 +228,8 @@ class MultiHeadAttention(nn.Module):
         """One causal decoding step: ``x_t (B, 1, C)`` at position ``state.position`` ->
         ``(B, 1, C)`` and the next state. Equals the matching row of ``forward(x, causal=True)``.
 
-        Raises ValueError for mechanisms without a recurrent form (efficient, linformer, lsh).
+        Raises ValueError for mechanisms without a recurrent form (efficient, linformer, lsh,
+        hedgehog).
         """
         self._check_x(x_t, "step")
         if x_t.shape[1] != 1:
@@ -234,7 +248,8 @@ class MultiHeadAttention(nn.Module):
                                  "carries no conv inputs (a state from a layer without one?)")
             x_t, conv_state = self.conv.step(x_t, state.conv)
         q, k, v = self._qkv(x_t, state.position)
-        o, inner = self.mechanism.step(q, k, v, state.mechanism)
+        extra = {"x": x_t} if self.mechanism.needs_input else {}
+        o, inner = self.mechanism.step(q, k, v, state.mechanism, **extra)
         return self._merge(o), AttentionState(inner, state.position + 1, conv_state)
 
     def extra_repr(self) -> str:

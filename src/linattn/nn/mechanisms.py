@@ -16,6 +16,11 @@ Every mechanism module has
   state. Equal to the matching row of the causal forward.
 
 ``key_padding_mask`` is bool ``(B, N)``, True = a real key that may be attended, False = padding.
+
+A mechanism whose class sets ``needs_input = True`` (the gated and delta-rule ones of
+:mod:`linattn.nn.gated`, whose gates are functions of the layer input) also takes ``x (B, N, C)``,
+the input the q/k/v projections read: ``forward(q, k, v, *, x, causal, key_padding_mask,
+return_state)`` and ``step(q, k, v, state, *, x)``. :class:`linattn.nn.MultiHeadAttention` passes it.
 """
 
 from __future__ import annotations
@@ -240,6 +245,10 @@ class Mechanism(nn.Module):
     name: ClassVar[str]
     # True when the constructor takes ``max_len`` (parameters sized by the longest input)
     needs_max_len: ClassVar[bool] = False
+    # True when forward and step also take ``x``, the layer input ``(B, N, C)`` the q/k/v
+    # projections read: mechanisms whose gates are functions of it (linattn.nn.gated). Keyword-only,
+    # so that every other mechanism keeps its signature.
+    needs_input: ClassVar[bool] = False
 
     def __init__(self, *, n_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -253,7 +262,7 @@ class Mechanism(nn.Module):
     def _no_recurrent(self, what: str):
         return ValueError(
             f"{type(self).__name__}: {self.name!r} attention has no recurrent form, so it has no "
-            f"{what}; mechanisms with one: softmax (KV cache), linear, favor, local"
+            f"{what}; the mechanisms with one have 'recurrent' among their forms in linattn.nn.MECHANISMS"
         )
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None):

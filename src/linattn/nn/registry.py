@@ -15,6 +15,24 @@ Rotary positions are applied to q and k before the mechanism (before any feature
   positional meaning there.
 - hedgehog: rejected. Its feature maps are learned for q and k as the pretrained model produced
   them (conversion of BERT-family encoders, which have absolute positions, not rotary ones).
+- retnet: accepted, and its paper's recipe: retention rotates q and k by position (arXiv
+  2307.08621, the e^{i n theta} of its parallel form), so that with the decay gamma^(n - m) a score
+  depends on n - m only.
+- gla: accepted, as for linear: a rotation of q and k is well defined there and lets a hybrid with
+  rotary softmax layers use one positional scheme, but a score is not a function of position
+  differences alone (the decays differ between the two channels of a rotated pair), and the paper
+  uses no positions beyond its decays.
+- deltanet, gated_deltanet: rejected. The delta rule overwrites what the state holds under a key:
+  k_t's write first erases the value stored along k_t. Rotating keys by position would store the
+  same key at two positions along two different directions, so a later write no longer corrects
+  an earlier one, which is the point of the rule; the papers use no positional encoding (the
+  decays and the short convolution give order).
+
+Bidirectional forms: retnet, gla, deltanet and gated_deltanet have none. They are recurrences in
+time (each position's state is the previous one decayed, corrected and written to), so "every
+position sees every other" is no form of theirs; a request for one (an encoder layer, the sweep's
+bidirectional mode) raises, naming the mechanism. Their gates are functions of the layer input,
+so their modules set ``needs_input`` (see :mod:`linattn.nn.mechanisms`).
 """
 
 from __future__ import annotations
@@ -44,13 +62,28 @@ from .mechanisms import (
     SoftmaxConfig,
     SoftmaxMechanism,
 )
+from .gated import (
+    DeltaNetConfig,
+    DeltaNetMechanism,
+    GatedDeltaNetConfig,
+    GatedDeltaNetMechanism,
+    GLAConfig,
+    GLAMechanism,
+    RetNetConfig,
+    RetNetMechanism,
+)
 from ..functional import (
+    DecayedState,
     LinearAttentionState,
     LocalAttentionState,
     efficient_attention,
     efficient_attention_reference,
     favor_attention,
     favor_attention_reference,
+    delta_rule_attention,
+    delta_rule_attention_reference,
+    gated_linear_attention,
+    gated_linear_attention_reference,
     hedgehog_attention,
     hedgehog_attention_reference,
     linear_attention,
@@ -83,7 +116,8 @@ __all__ = [
 ]
 
 AttentionConfig = Union[
-    SoftmaxConfig, LinearConfig, EfficientConfig, FavorConfig, LocalConfig, LinformerConfig, LSHConfig, HedgehogConfig
+    SoftmaxConfig, LinearConfig, EfficientConfig, FavorConfig, LocalConfig, LinformerConfig, LSHConfig, HedgehogConfig,
+    RetNetConfig, GLAConfig, DeltaNetConfig, GatedDeltaNetConfig,
 ]
 
 
@@ -103,7 +137,8 @@ class MechanismSpec:
             defaults (``config_type()``, :meth:`default_config`) are the mechanism's defaults
             everywhere.
         module_type: its :class:`Mechanism` module: ``forward(q, k, v, *, causal, ...)`` and, for
-            recurrent ones, ``initial_state`` and ``step`` (:meth:`build` makes one).
+            recurrent ones, ``initial_state`` and ``step`` (:meth:`build` makes one); with
+            ``module_type.needs_input`` both also take the layer input ``x`` (see :attr:`needs_input`).
         function: its functional fast form, ``function(q, k, v, ...)`` (SDPA conventions).
         reference: its plain reference form, same signature; what tests trust.
         forms: the forms it has, a subset of :data:`FORMS`.
@@ -146,6 +181,11 @@ class MechanismSpec:
         return "recurrent" in self.forms
 
     @property
+    def needs_input(self) -> bool:
+        """Its module's forward and step also take ``x (B, N, C)``, the layer input (its gates read it)."""
+        return self.module_type.needs_input
+
+    @property
     def step(self) -> Callable[..., Any] | None:
         """The recurrent form, ``module.step(q, k, v, state) -> (out, state)``; None without one."""
         return self.module_type.step if self.recurrent else None
@@ -173,6 +213,7 @@ def _spec(name, config_type, module_type, function, reference, forms, *, rotary,
 
 
 _ALL = "bidirectional causal recurrent"
+_CAUSAL = "causal recurrent"  # recurrences in time: no bidirectional form (see the module docstring)
 MECHANISMS: dict[str, MechanismSpec] = {
     s.name: s
     for s in (
@@ -198,6 +239,18 @@ MECHANISMS: dict[str, MechanismSpec] = {
         _spec("hedgehog", HedgehogConfig, HedgehogMechanism, hedgehog_attention, hedgehog_attention_reference,
               "bidirectional", rotary=False,
               summary="Hedgehog learnable softmax feature maps (+ optional softmax window); bidirectional"),
+        _spec("retnet", RetNetConfig, RetNetMechanism, gated_linear_attention, gated_linear_attention_reference,
+              _CAUSAL, rotary=True, state_type=DecayedState,
+              summary="RetNet retention: fixed per-head decays 1 - 2^(-5-h); O(1) state per token"),
+        _spec("gla", GLAConfig, GLAMechanism, gated_linear_attention, gated_linear_attention_reference, _CAUSAL,
+              rotary=True, state_type=DecayedState,
+              summary="gated linear attention: low-rank data-dependent per-channel decays; O(1) state per token"),
+        _spec("deltanet", DeltaNetConfig, DeltaNetMechanism, delta_rule_attention, delta_rule_attention_reference,
+              _CAUSAL, rotary=False, state_type=DecayedState,
+              summary="DeltaNet: delta-rule updates of unit keys; O(1) state per token"),
+        _spec("gated_deltanet", GatedDeltaNetConfig, GatedDeltaNetMechanism, delta_rule_attention,
+              delta_rule_attention_reference, _CAUSAL, rotary=False, state_type=DecayedState,
+              summary="Gated DeltaNet: delta rule with Mamba-2 decays and output gate; O(1) state per token"),
     )
 }
 
