@@ -126,6 +126,252 @@ def gated_linear_attention_reference(
     return (out, DecayedState(s)) if return_state else out
 
 
+
+# ---------------------------------------------------------------------------------------------
+# The chunked causal form.
+#
+# Within a chunk, with b_t = log_decay_1 + ... + log_decay_t (cumulative from the chunk's start,
+# <= 0 and non-increasing) and S_0 the state before the chunk:
+#
+#     o_t   = (q_t * exp(b_t))^T S_0 + sum_{s <= t} A_ts v_s,   A_ts = sum_d q_td k_sd exp(b_td - b_sd)
+#     S_end = exp(b_C) * S_0 + sum_s (k_s * exp(b_C - b_s)) v_s^T
+#
+# Every exponent above is <= 0 once the entries with s > t are masked (to -inf, before exp): no
+# exp(+large) anywhere, so decays near -1e4 give exact zeros rather than inf * 0 = NaN. Across
+# chunks, S_end = exp(b_C) * S_0 + U is a loop over chunks (never over positions) of one addcmul.
+#
+# A per-head gate (G = 1) makes exp(b_t - b_s) one number per (t, s): A is (q k^T) * exp(masked
+# differences), a C x C matrix. A per-channel gate (G = D) cannot be factored as exp(b_t) exp(-b_s)
+# (exp(-b_s) overflows once the chunk has decayed by more than ~88 in float32), and the explicit
+# (C, C, D) tensor of differences costs C*D exps per position. So the chunk is cut into sub-chunks
+# of c positions (the GLA paper's secondary chunking, arXiv 2312.06635 sec. 4): a block of queries
+# in sub-chunk i against keys in earlier sub-chunks factors safely through the cumulative decay r_i
+# at the end of sub-chunk i-1, exp(b_t - b_s) = exp(b_t - r_i) * exp(r_i - b_s), both exponents
+# <= 0 since s <= (end of i-1) < t, which makes it one bmm; only the c x c diagonal blocks are
+# formed explicitly, (c, c, D) each. Work in exps per position: about c*D + (n-1)^2/n * D, smallest
+# near c = sqrt(C) (c = 8 at C = 64).
+#
+# Backward: the per-chunk states S_0 are saved (N/C of them, (D, Dv) each: O(N) memory), the chunk-
+# local products are recomputed. The log decays need no product of their own. A term of an output
+# (or of the final state) at t' that reads the key at s carries exp(B_t' - B_s) (B: cumulative log
+# decay), so it reaches log_decay_t for s < t <= t' with the factor (term * dterm). For t in a
+# chunk, sort those terms by where s and t' lie:
+#   s, t' in the chunk:        reverse cumsum within the chunk of q*dq_intra - k*dk_intra
+#                              (each pair adds at t' and takes away at s; intra: from A alone)
+#   s before, t' in the chunk: reverse cumsum of q*dq_inter (dq_inter: through S_0)
+#   s in, t' after the chunk:  exclusive cumsum of k*dk_inter (dk_inter: through S_end)
+#   s before, t' after:        exp(b_C) * S_0 * dS_end summed over Dv, alike for the whole chunk.
+# Every sum stays inside one chunk. The shorter identity dL/dB_t = q_t*dq_t - k_t*dk_t with one
+# reverse cumsum over the whole sequence is the same sum regrouped, but it cancels terms across
+# the sequence: where decays are near -1e4 (true gradient 0) its float32 error grows with N.
+# ---------------------------------------------------------------------------------------------
+
+# Sub-chunk length of the per-channel intra-chunk product (the largest divisor of C up to this);
+# any value gives the same result.
+_SUB_CHUNK = 8
+# About how many positions (all B*H rows together) one tile of chunks holds: temporaries stay a few
+# MiB, recycled by malloc and in cache, instead of tensors over the whole sequence.
+_TILE_POSITIONS = 4096
+
+
+def _sub_length(C: int) -> int:
+    return max(d for d in range(1, min(C, _SUB_CHUNK) + 1) if C % d == 0)
+
+
+def _strict_upper(n: int, device) -> Tensor:
+    """``(n, n)`` bool, True above the diagonal (s > t: a key after the query)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+
+
+def _intra_head(q: Tensor, k: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` -> ``A (M, C, C)`` and the masked
+    decays ``E = exp(b_t - b_s)`` ``(M, C, C)`` (0 above the diagonal)."""
+    E = b - b.transpose(1, 2)  # (M, C, C): b_t - b_s
+    E.masked_fill_(_strict_upper(b.shape[1], b.device), float("-inf")).exp_()
+    return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
+
+
+def _intra_channel(q: Tensor, k: Tensor, b: Tensor, c: int):
+    """Per-channel gate: ``q, k, b (M, C, D)`` -> ``A (M, C, C)`` and what the backward needs
+    (sub-chunks of length ``c``, as described at the top of this section)."""
+    M, C, D = q.shape
+    n, P = C // c, C - c
+    qs, ks, bs = (t.view(M, n, c, D) for t in (q, k, b))
+    A = q.new_zeros(M, C, C)
+    # Diagonal blocks: E (M, n, c_t, c_s, D) = exp(b_t - b_s), masked for s > t.
+    E = bs.unsqueeze(3) - bs.unsqueeze(2)
+    E.masked_fill_(_strict_upper(c, q.device)[:, :, None], float("-inf")).exp_()
+    Ad = (qs.unsqueeze(3) * E).mul_(ks.unsqueeze(2)).sum(-1)  # (M, n, c, c)
+    off = None
+    if n > 1:
+        # Sub-chunk i >= 1 against keys s < i*c, through r_i = b at the end of sub-chunk i-1.
+        r = bs[:, :-1, -1:]  # (M, n-1, 1, D)
+        eq = torch.exp(bs[:, 1:] - r)  # (M, n-1, c, D): exp(b_t - r_i)
+        ek = r - b[:, None, :P]  # (M, n-1, P, D): r_i - b_s, masked where s >= i*c
+        later = torch.arange(P, device=q.device) >= torch.arange(1, n, device=q.device)[:, None] * c  # (n-1, P)
+        ek.masked_fill_(later[:, :, None], float("-inf")).exp_()
+        qt = qs[:, 1:] * eq  # (M, n-1, c, D)
+        kt = ek * k[:, None, :P]  # (M, n-1, P, D)
+        A.view(M, n, c, C)[:, 1:, :, :P] = qt @ kt.transpose(-1, -2)  # (M, n-1, c, P)
+        off = (eq, ek, qt, kt)
+    A.view(M, n, c, n, c).diagonal(dim1=1, dim2=3).copy_(Ad.permute(0, 2, 3, 1))
+    return A, (E, off)
+
+
+def _intra_channel_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> tuple[Tensor, Tensor]:
+    """``dq, dk (M, C, D)`` of the intra-chunk product ``A v`` of :func:`_intra_channel`, from
+    ``dA (M, C, C)`` (entries above the diagonal are ignored)."""
+    M, C, D = q.shape
+    n, P = C // c, C - c
+    E, off = saved
+    qs, ks = q.view(M, n, c, D), k.view(M, n, c, D)
+    dAd = dA.view(M, n, c, n, c).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # (M, n, c_t, c_s)
+    W = E.mul_(dAd.unsqueeze(-1))  # (M, n, c, c, D), E is not needed again
+    dq = (W * ks.unsqueeze(2)).sum(3).view(M, C, D)
+    dk = (W.mul_(qs.unsqueeze(3))).sum(2).view(M, C, D)
+    if off is not None:
+        eq, ek, qt, kt = off
+        dAo = dA.view(M, n, c, C)[:, 1:, :, :P]  # (M, n-1, c, P)
+        dq.view(M, n, c, D)[:, 1:] += (dAo @ kt).mul_(eq)
+        dk[:, :P] += (dAo.transpose(-1, -2) @ qt).mul_(ek).sum(1)
+    return dq, dk
+
+
+def _chunked(x: Tensor, C: int) -> Tensor:
+    """``(B, H, N, X)`` -> ``(B*H, Nc, C, X)``, zero positions appended to fill the last chunk
+    (zero q, k, v and log decay: an identity step that writes nothing)."""
+    B, H, N, X = x.shape
+    fill = -N % C
+    x = x.reshape(B * H, N, X)
+    if fill:
+        x = torch.nn.functional.pad(x, (0, 0, 0, fill))
+    return x.view(B * H, -1, C, X)
+
+
+def _unchunked(x: Tensor, B: int, H: int, N: int) -> Tensor:
+    """``(B*H, Nc, C, X)`` -> ``(B, H, N, X)``, fill positions dropped."""
+    return x.view(B * H, -1, x.shape[-1])[:, :N].reshape(B, H, N, x.shape[-1])
+
+
+def _tiles(Nc: int, R: int, C: int) -> list[slice]:
+    m = max(1, _TILE_POSITIONS // (R * C))
+    return [slice(j, min(j + m, Nc)) for j in range(0, Nc, m)]
+
+
+def _tile_decays(g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``g (R, m, C, G)`` -> cumulative ``b (R, m, C, G)``, ``exp(b) (R, m, C, G)`` and
+    ``exp(b_C - b) (R, m, C, G)``; every exponent <= 0."""
+    b = g.cumsum(2)
+    return b, torch.exp(b), torch.exp(b[:, :, -1:] - b)
+
+
+def _g_sum(x: Tensor, G: int) -> Tensor:
+    """Sum ``x (..., D)`` over its last dimension for a per-head gate (G = 1), keep it for G = D."""
+    return x.sum(-1, keepdim=True) if G == 1 else x
+
+
+def _tile_intra(q: Tensor, k: Tensor, b: Tensor, c: int):
+    """``A (R, m, C, C)`` of a tile and what its backward needs."""
+    R, m, C, D = q.shape
+    q2, k2, b2 = (t.reshape(R * m, C, t.shape[-1]) for t in (q, k, b))
+    if b.shape[-1] == 1:
+        A, saved = _intra_head(q2, k2, b2)
+    else:
+        A, saved = _intra_channel(q2, k2, b2, c)
+    return A.view(R, m, C, C), saved
+
+
+class _GatedChunked(torch.autograd.Function):
+    """``(q, k, v, g, s0) -> (o, s_final)`` of the chunked form; ``q`` already scaled.
+
+    Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, g ``(B, H, N, G)``, s0 ``(B, H, D, Dv)`` or
+    None; o ``(B, H, N, Dv)``, s_final ``(B, H, D, Dv)``. All in one (compute) dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, s0, chunk_size):
+        with no_autocast(q.device.type):
+            B, H, N, D = q.shape
+            Dv = v.shape[-1]
+            C = min(chunk_size, N)
+            q3, k3, v3, g3 = (_chunked(t, C) for t in (q, k, v, g))  # (R, Nc, C, *)
+            R, Nc = q3.shape[:2]
+            states = q3.new_empty(R, Nc + 1, D, Dv)  # states[:, j]: the state before chunk j
+            if s0 is None:
+                states[:, 0].zero_()
+            else:
+                states[:, 0] = s0.reshape(R, D, Dv)
+            o = q3.new_empty(R, Nc, C, Dv)
+            c = _sub_length(C)
+            for sl in _tiles(Nc, R, C):
+                q_, k_, v_, g_ = q3[:, sl], k3[:, sl], v3[:, sl], g3[:, sl]
+                b, eb, ek = _tile_decays(g_)
+                u = (k_ * ek).transpose(-1, -2) @ v_  # (R, m, D, Dv): what the chunk writes
+                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (R, m, G, 1): its decay of the state before
+                for j in range(sl.stop - sl.start):
+                    torch.addcmul(u[:, j], a[:, j], states[:, sl.start + j], out=states[:, sl.start + j + 1])
+                A, _ = _tile_intra(q_, k_, b, c)
+                o[:, sl] = (q_ * eb) @ states[:, sl] + A @ v_
+            ctx.save_for_backward(q3, k3, v3, g3, states)
+            ctx.shape, ctx.has_s0 = (B, H, N, C), s0 is not None
+            return _unchunked(o, B, H, N), states[:, Nc].reshape(B, H, D, Dv).clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, ds_final):
+        q3, k3, v3, g3, states = ctx.saved_tensors
+        B, H, N, C = ctx.shape
+        R, Nc, _, D = q3.shape
+        Dv, G = v3.shape[-1], g3.shape[-1]
+        with no_autocast(q3.device.type):
+            do3 = torch.zeros_like(v3) if do is None else _chunked(do.to(v3.dtype), C)
+            T = q3.new_empty(R, Nc + 1, D, Dv)  # T[:, j]: gradient of states[:, j]
+            if ds_final is None:
+                T[:, Nc].zero_()
+            else:
+                T[:, Nc] = ds_final.reshape(R, D, Dv)
+            dq3, dk3, dv3 = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+            dg3 = q3.new_empty(R, Nc, C, G)
+            c = _sub_length(C)
+            for sl in reversed(_tiles(Nc, R, C)):
+                q_, k_, v_, g_, do_ = q3[:, sl], k3[:, sl], v3[:, sl], g3[:, sl], do3[:, sl]
+                b, eb, ek = _tile_decays(g_)
+                qd = q_ * eb
+                gs = qd.transpose(-1, -2) @ do_  # (R, m, D, Dv): the outputs' gradient of the state before
+                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (R, m, G, 1)
+                for j in reversed(range(sl.stop - sl.start)):
+                    torch.addcmul(gs[:, j], a[:, j], T[:, sl.start + j + 1], out=T[:, sl.start + j])
+                s_, t_ = states[:, sl], T[:, sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
+                A, saved = _tile_intra(q_, k_, b, c)
+                dA = do_ @ v_.transpose(-1, -2)  # (R, m, C, C)
+                dv3[:, sl] = (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_
+                dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
+                dk = (v_ @ t_.transpose(-1, -2)).mul_(ek)  # through the state after it
+                y, z = _g_sum(q_ * dq, G), _g_sum(k_ * dk, G)  # (R, m, C, G)
+                M = R * (sl.stop - sl.start)
+                if G == 1:
+                    dP = dA.view(M, C, C).mul_(saved)  # saved: the masked decays E
+                    dqi = torch.bmm(dP, k_.reshape(M, C, D))
+                    dki = torch.bmm(dP.transpose(1, 2), q_.reshape(M, C, D))
+                else:
+                    dqi, dki = _intra_channel_backward(q_.reshape(M, C, D), k_.reshape(M, C, D), c, saved,
+                                                       dA.view(M, C, C))
+                dqi, dki = dqi.view_as(q_), dki.view_as(k_)
+                x = _g_sum(q_ * dqi - k_ * dki, G)
+                # Decay of the state through the whole chunk: (R, m, 1, G), the same for every position.
+                whole = _g_sum((a * s_ * t_).sum(-1), G).unsqueeze(2)
+                dg3[:, sl] = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
+                dq3[:, sl], dk3[:, sl] = dq + dqi, dk + dki
+            ds0 = T[:, 0].reshape(B, H, D, Dv) if ctx.has_s0 else None
+            return (_unchunked(dq3, B, H, N), _unchunked(dk3, B, H, N), _unchunked(dv3, B, H, N),
+                    _unchunked(dg3, B, H, N), ds0, None)
+
+
+def _recurrent_step(q, k, v, g, s0):
+    """One position (N = 1) from a state: O(D*Dv), no chunk machinery. Shapes as the chunked form."""
+    s = torch.addcmul(k.transpose(-1, -2) * v, torch.exp(g).transpose(-1, -2), s0)  # (B, H, D, Dv)
+    return q @ s, s
+
 def gated_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -138,7 +384,49 @@ def gated_linear_attention(
     return_state: bool = False,
     chunk_size: int = 64,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
-    """Placeholder: the chunked form is being written; same contract as the reference."""
-    check_positive_int("gated_linear_attention", "chunk_size", chunk_size)
-    return gated_linear_attention_reference(q, k, v, log_decay, scale=scale, key_padding_mask=key_padding_mask,
-                                            initial_state=initial_state, return_state=return_state)
+    """Gated linear attention ``S_t = exp(log_decay_t) * S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``.
+
+    Causal only: the decay is a recurrence in time, so there is no ``causal`` argument and no
+    bidirectional form. Chunked (O(N) memory, a loop over chunks, never over positions) with its
+    own backward; gradients reach q, k, v, log_decay and ``initial_state.s`` (once; no double
+    backward). A call with N = 1 and an ``initial_state`` is the recurrent form: one step of cost
+    O(D*Dv), without the chunk machinery.
+
+    Args:
+        q: ``(B, H, N, D)`` queries.
+        k: ``(B, H, N, D)`` keys.
+        v: ``(B, H, N, Dv)`` values.
+        log_decay: ``(B, H, N)``, one gate per head and position (RetNet, Mamba-2, simple GLA), or
+            ``(B, H, N, D)``, one per key channel, scaling the rows of S (GLA). Entries must be
+            <= 0 and finite (ValueError otherwise): a full reset is a large negative value such as
+            -1e4 (its decay is exactly 0), not -inf. Any floating dtype; used in the compute dtype.
+        scale: the factor of the readout; None is ``1/sqrt(D)``.
+        key_padding_mask: bool ``(B, N)``, True = a real position, False = padding. A padded
+            position is an identity step (no decay, no write; its content, even NaN, is never
+            read) and its output is zeros.
+        initial_state: the :class:`DecayedState` after an earlier prefix, to resume from (None:
+            zeros).
+        return_state: also return the :class:`DecayedState` after the last position.
+        chunk_size: a tuning knob, the chunk length C of the algorithm; any C >= 1 gives the
+            same result.
+
+    Returns:
+        ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` a :class:`DecayedState`.
+        Half inputs (float16, bfloat16) are computed in float32 (state, cumulative decays, every
+        chunk product); the state is float32 for them, else the input dtype.
+    """
+    fn = "gated_linear_attention"
+    check_positive_int(fn, "chunk_size", chunk_size)
+    in_dtype = q.dtype
+    with no_autocast(q.device.type):
+        q, k, v, g, s0 = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state)
+        B, H, N, D = q.shape
+        if N == 1 and s0 is not None:
+            out, s = _recurrent_step(q, k, v, g, s0)
+        elif N == 0:
+            s = q.new_zeros(B, H, D, v.shape[-1]) if s0 is None else s0 + 0
+            out = v.new_zeros(B, H, 0, v.shape[-1])
+        else:
+            out, s = _GatedChunked.apply(q, k, v, g, s0, chunk_size)
+    out = out.to(in_dtype)
+    return (out, DecayedState(s)) if return_state else out
