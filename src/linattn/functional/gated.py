@@ -148,8 +148,8 @@ def gated_linear_attention_reference(
 # in sub-chunk i against keys in earlier sub-chunks factors safely through the cumulative decay r_i
 # at the end of sub-chunk i-1, exp(b_t - b_s) = exp(b_t - r_i) * exp(r_i - b_s), both exponents
 # <= 0 since s <= (end of i-1) < t, which makes it one bmm; only the c x c diagonal blocks are
-# formed explicitly, (c, c, D) each. Work in exps per position: about c*D + (n-1)^2/n * D, smallest
-# near c = sqrt(C) (c = 8 at C = 64).
+# formed explicitly, (c, c, D) each. The factor exp(r_{i-1} - b_s) is itself split at the end of
+# the key's sub-chunk (see _intra_channel), so that exps per position are about (c + 2) * D.
 #
 # Backward: the per-chunk states S_0 are saved (N/C of them, (D, Dv) each: O(N) memory), the chunk-
 # local products are recomputed. The log decays need no product of their own. A term of an output
@@ -204,16 +204,20 @@ def _intra_channel(q: Tensor, k: Tensor, b: Tensor, c: int):
     Ad = (qs.unsqueeze(3) * E).mul_(ks.unsqueeze(2)).sum(-1)  # (M, n, c, c)
     off = None
     if n > 1:
-        # Sub-chunk i >= 1 against keys s < i*c, through r_i = b at the end of sub-chunk i-1.
-        r = bs[:, :-1, -1:]  # (M, n-1, 1, D)
-        eq = torch.exp(bs[:, 1:] - r)  # (M, n-1, c, D): exp(b_t - r_i)
-        ek = r - b[:, None, :P]  # (M, n-1, P, D): r_i - b_s, masked where s >= i*c
-        later = torch.arange(P, device=q.device) >= torch.arange(1, n, device=q.device)[:, None] * c  # (n-1, P)
-        ek.masked_fill_(later[:, :, None], float("-inf")).exp_()
+        # Queries of sub-chunk i >= 1 against keys s of sub-chunk j < i, with r_j = b at the end of
+        # sub-chunk j: exp(b_t - b_s) = exp(b_t - r_{i-1}) exp(r_{i-1} - r_j) exp(r_j - b_s), every
+        # exponent <= 0. Only the first and last factors are per position (one exp each); the
+        # middle one is per pair of sub-chunks, 0 for j >= i.
+        r = bs[:, :, -1:]  # (M, n, 1, D)
+        eq = torch.exp(bs[:, 1:] - r[:, :-1])  # (M, n-1, c, D): exp(b_t - r_{i-1})
+        ek = torch.exp(r[:, :-1] - bs[:, :-1])  # (M, n-1, c, D): exp(r_j - b_s)
+        mid = r[:, :-1] - r[:, :-1].transpose(1, 2)  # (M, n-1 (i), n-1 (j), D): r_{i-1} - r_j
+        mid.masked_fill_(_strict_upper(n - 1, q.device)[:, :, None], float("-inf")).exp_()
         qt = qs[:, 1:] * eq  # (M, n-1, c, D)
-        kt = ek * k[:, None, :P]  # (M, n-1, P, D)
+        kj = ks[:, :-1] * ek  # (M, n-1, c, D)
+        kt = (mid.unsqueeze(3) * kj.unsqueeze(1)).view(M, n - 1, P, D)  # (M, n-1 (i), P, D)
         A.view(M, n, c, C)[:, 1:, :, :P] = qt @ kt.transpose(-1, -2)  # (M, n-1, c, P)
-        off = (eq, ek, qt, kt)
+        off = (eq, ek, mid, qt, kt)
     A.view(M, n, c, n, c).diagonal(dim1=1, dim2=3).copy_(Ad.permute(0, 2, 3, 1))
     return A, (E, off)
 
@@ -230,10 +234,12 @@ def _intra_channel_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
     dq = (W * ks.unsqueeze(2)).sum(3).view(M, C, D)
     dk = (W.mul_(qs.unsqueeze(3))).sum(2).view(M, C, D)
     if off is not None:
-        eq, ek, qt, kt = off
+        eq, ek, mid, qt, kt = off
         dAo = dA.view(M, n, c, C)[:, 1:, :, :P]  # (M, n-1, c, P)
         dq.view(M, n, c, D)[:, 1:] += (dAo @ kt).mul_(eq)
-        dk[:, :P] += (dAo.transpose(-1, -2) @ qt).mul_(ek).sum(1)
+        dkt = (dAo.transpose(-1, -2) @ qt).view(M, n - 1, n - 1, c, D)  # (M, i, j, c, D)
+        dkj = dkt.mul_(mid.unsqueeze(3)).sum(1)  # (M, n-1 (j), c, D)
+        dk.view(M, n, c, D)[:, :-1] += dkj.mul_(ek)
     return dq, dk
 
 
