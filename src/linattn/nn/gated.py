@@ -285,7 +285,7 @@ class GatedMechanism(Mechanism):
 
 class RetNetMechanism(GatedMechanism):
     """Retention with the fixed per-head decays of :class:`RetNetConfig` (buffer ``log_decay (H,)``,
-    not saved: it is a function of H)."""
+    float64, not saved: it is a function of H)."""
 
     name = "retnet"
 
@@ -293,8 +293,10 @@ class RetNetMechanism(GatedMechanism):
         super().__init__(config, n_heads=n_heads, head_dim=head_dim, output_gate=config.output_gate,
                          output_norm=config.output_norm)
         h = torch.arange(n_heads, dtype=torch.float64)
-        # log1p: log(1 - 2^(-5-h)) without the cancellation of 1 - tiny for many heads
-        self.register_buffer("log_decay", torch.log1p(-torch.exp2(-5.0 - h)).float(), persistent=False)
+        # log1p: log(1 - 2^(-5-h)) without the cancellation of 1 - tiny for many heads. Kept in
+        # float64 (H numbers) and cast per call, so that a float64 model gets the exact decays
+        # rather than float32's rounding of them.
+        self.register_buffer("log_decay", torch.log1p(-torch.exp2(-5.0 - h)), persistent=False)
 
     def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state):
         B, H, N, _ = q.shape
