@@ -244,19 +244,21 @@ def _intra_channel_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
 
 
 def _chunked(x: Tensor, C: int) -> Tensor:
-    """``(B, H, N, X)`` -> ``(B*H, Nc, C, X)``, zero positions appended to fill the last chunk
-    (zero q, k, v and log decay: an identity step that writes nothing)."""
+    """``(B, H, N, X)`` -> ``(Nc, B*H, C, X)``, zero positions appended to fill the last chunk
+    (zero q, k, v and log decay: an identity step that writes nothing). Chunk-major, so that a
+    tile of consecutive chunks, and the state of one chunk for all rows, are contiguous: bmm
+    then runs on views, and the scan over chunks on whole (B*H, D, Dv) blocks."""
     B, H, N, X = x.shape
     fill = -N % C
     x = x.reshape(B * H, N, X)
     if fill:
         x = torch.nn.functional.pad(x, (0, 0, 0, fill))
-    return x.view(B * H, -1, C, X)
+    return x.view(B * H, -1, C, X).transpose(0, 1).contiguous()
 
 
 def _unchunked(x: Tensor, B: int, H: int, N: int) -> Tensor:
-    """``(B*H, Nc, C, X)`` -> ``(B, H, N, X)``, fill positions dropped."""
-    return x.view(B * H, -1, x.shape[-1])[:, :N].reshape(B, H, N, x.shape[-1])
+    """``(Nc, B*H, C, X)`` -> ``(B, H, N, X)``, fill positions dropped."""
+    return x.transpose(0, 1).reshape(B * H, -1, x.shape[-1])[:, :N].reshape(B, H, N, x.shape[-1])
 
 
 def _tiles(Nc: int, R: int, C: int) -> list[slice]:
@@ -265,8 +267,8 @@ def _tiles(Nc: int, R: int, C: int) -> list[slice]:
 
 
 def _tile_decays(g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``g (R, m, C, G)`` -> cumulative ``b (R, m, C, G)``, ``exp(b) (R, m, C, G)`` and
-    ``exp(b_C - b) (R, m, C, G)``; every exponent <= 0."""
+    """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)``, ``exp(b) (m, R, C, G)`` and
+    ``exp(b_C - b) (m, R, C, G)``; every exponent <= 0."""
     b = g.cumsum(2)
     return b, torch.exp(b), torch.exp(b[:, :, -1:] - b)
 
@@ -277,14 +279,14 @@ def _g_sum(x: Tensor, G: int) -> Tensor:
 
 
 def _tile_intra(q: Tensor, k: Tensor, b: Tensor, c: int):
-    """``A (R, m, C, C)`` of a tile and what its backward needs."""
-    R, m, C, D = q.shape
-    q2, k2, b2 = (t.reshape(R * m, C, t.shape[-1]) for t in (q, k, b))
+    """``A (m, R, C, C)`` of a tile and what its backward needs."""
+    m, R, C, D = q.shape
+    q2, k2, b2 = (t.reshape(m * R, C, t.shape[-1]) for t in (q, k, b))
     if b.shape[-1] == 1:
         A, saved = _intra_head(q2, k2, b2)
     else:
         A, saved = _intra_channel(q2, k2, b2, c)
-    return A.view(R, m, C, C), saved
+    return A.view(m, R, C, C), saved
 
 
 class _GatedChunked(torch.autograd.Function):
@@ -300,60 +302,60 @@ class _GatedChunked(torch.autograd.Function):
             B, H, N, D = q.shape
             Dv = v.shape[-1]
             C = min(chunk_size, N)
-            q3, k3, v3, g3 = (_chunked(t, C) for t in (q, k, v, g))  # (R, Nc, C, *)
-            R, Nc = q3.shape[:2]
-            states = q3.new_empty(R, Nc + 1, D, Dv)  # states[:, j]: the state before chunk j
+            q3, k3, v3, g3 = (_chunked(t, C) for t in (q, k, v, g))  # (Nc, R, C, *)
+            Nc, R = q3.shape[:2]
+            states = q3.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
             if s0 is None:
-                states[:, 0].zero_()
+                states[0].zero_()
             else:
-                states[:, 0] = s0.reshape(R, D, Dv)
-            o = q3.new_empty(R, Nc, C, Dv)
+                states[0] = s0.reshape(R, D, Dv)
+            o = q3.new_empty(Nc, R, C, Dv)
             c = _sub_length(C)
             for sl in _tiles(Nc, R, C):
-                q_, k_, v_, g_ = q3[:, sl], k3[:, sl], v3[:, sl], g3[:, sl]
+                q_, k_, v_, g_ = q3[sl], k3[sl], v3[sl], g3[sl]
                 b, eb, ek = _tile_decays(g_)
-                u = (k_ * ek).transpose(-1, -2) @ v_  # (R, m, D, Dv): what the chunk writes
-                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (R, m, G, 1): its decay of the state before
+                u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
+                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
                 for j in range(sl.stop - sl.start):
-                    torch.addcmul(u[:, j], a[:, j], states[:, sl.start + j], out=states[:, sl.start + j + 1])
+                    torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
                 A, _ = _tile_intra(q_, k_, b, c)
-                o[:, sl] = (q_ * eb) @ states[:, sl] + A @ v_
+                o[sl] = (q_ * eb) @ states[sl] + A @ v_
             ctx.save_for_backward(q3, k3, v3, g3, states)
             ctx.shape, ctx.has_s0 = (B, H, N, C), s0 is not None
-            return _unchunked(o, B, H, N), states[:, Nc].reshape(B, H, D, Dv).clone()
+            return _unchunked(o, B, H, N), states[Nc].reshape(B, H, D, Dv).clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, ds_final):
         q3, k3, v3, g3, states = ctx.saved_tensors
         B, H, N, C = ctx.shape
-        R, Nc, _, D = q3.shape
+        Nc, R, _, D = q3.shape
         Dv, G = v3.shape[-1], g3.shape[-1]
         with no_autocast(q3.device.type):
             do3 = torch.zeros_like(v3) if do is None else _chunked(do.to(v3.dtype), C)
-            T = q3.new_empty(R, Nc + 1, D, Dv)  # T[:, j]: gradient of states[:, j]
+            T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
             if ds_final is None:
-                T[:, Nc].zero_()
+                T[Nc].zero_()
             else:
-                T[:, Nc] = ds_final.reshape(R, D, Dv)
+                T[Nc] = ds_final.reshape(R, D, Dv)
             dq3, dk3, dv3 = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-            dg3 = q3.new_empty(R, Nc, C, G)
+            dg3 = q3.new_empty(Nc, R, C, G)
             c = _sub_length(C)
             for sl in reversed(_tiles(Nc, R, C)):
-                q_, k_, v_, g_, do_ = q3[:, sl], k3[:, sl], v3[:, sl], g3[:, sl], do3[:, sl]
+                q_, k_, v_, g_, do_ = q3[sl], k3[sl], v3[sl], g3[sl], do3[sl]
                 b, eb, ek = _tile_decays(g_)
                 qd = q_ * eb
-                gs = qd.transpose(-1, -2) @ do_  # (R, m, D, Dv): the outputs' gradient of the state before
-                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (R, m, G, 1)
+                gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
+                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (m, R, G, 1)
                 for j in reversed(range(sl.stop - sl.start)):
-                    torch.addcmul(gs[:, j], a[:, j], T[:, sl.start + j + 1], out=T[:, sl.start + j])
-                s_, t_ = states[:, sl], T[:, sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
+                    torch.addcmul(gs[j], a[j], T[sl.start + j + 1], out=T[sl.start + j])
+                s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
                 A, saved = _tile_intra(q_, k_, b, c)
-                dA = do_ @ v_.transpose(-1, -2)  # (R, m, C, C)
-                dv3[:, sl] = (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_
+                dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
+                dv3[sl] = (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_
                 dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
                 dk = (v_ @ t_.transpose(-1, -2)).mul_(ek)  # through the state after it
-                y, z = _g_sum(q_ * dq, G), _g_sum(k_ * dk, G)  # (R, m, C, G)
+                y, z = _g_sum(q_ * dq, G), _g_sum(k_ * dk, G)  # (m, R, C, G)
                 M = R * (sl.stop - sl.start)
                 if G == 1:
                     dP = dA.view(M, C, C).mul_(saved)  # saved: the masked decays E
@@ -364,11 +366,11 @@ class _GatedChunked(torch.autograd.Function):
                                                        dA.view(M, C, C))
                 dqi, dki = dqi.view_as(q_), dki.view_as(k_)
                 x = _g_sum(q_ * dqi - k_ * dki, G)
-                # Decay of the state through the whole chunk: (R, m, 1, G), the same for every position.
+                # Decay of the state through the whole chunk: (m, R, 1, G), the same for every position.
                 whole = _g_sum((a * s_ * t_).sum(-1), G).unsqueeze(2)
-                dg3[:, sl] = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
-                dq3[:, sl], dk3[:, sl] = dq + dqi, dk + dki
-            ds0 = T[:, 0].reshape(B, H, D, Dv) if ctx.has_s0 else None
+                dg3[sl] = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
+                dq3[sl], dk3[sl] = dq + dqi, dk + dki
+            ds0 = T[0].reshape(B, H, D, Dv) if ctx.has_s0 else None
             return (_unchunked(dq3, B, H, N), _unchunked(dk3, B, H, N), _unchunked(dv3, B, H, N),
                     _unchunked(dg3, B, H, N), ds0, None)
 
