@@ -143,63 +143,60 @@ def _zero_padded_outputs(out: Tensor, key_padding_mask: Tensor | None) -> Tensor
 class _Locals(NamedTuple):
     """Chunk-local quantities of ``m`` chunks (see the module docstring), none depending on the state.
 
-    ``E (m, C, C)``: ``exp(G_t - G_i)`` for i <= t, 0 above the diagonal (a constant lower-triangular
-    ones matrix without decay); ``gam (m, C)``: gamma_t, ``delta (m, C)``: gamma_C / gamma_t, both
-    None without decay; ``KK (m, C, C)``: k_t . k_i; ``Tinv (m, C, C)``: ``(I + A)^-1``;
-    ``X (m, C, Dv + D)``: ``[Uv, W]``; ``P (m, C, C)``; ``Qe (m, C, D)``; ``Kd (m, C, D)``;
-    ``Oin (m, C, Dv)``: ``P Uv``; ``MH (m, D, Dv + D)``: ``Kd^T [Uv, W]``, from which ``Hc`` and ``M``.
+    ``E (m, C, C)``: ``gamma_t / gamma_i = exp(G_t - G_i)`` for i <= t, 0 above the diagonal;
+    ``gam (m, C)``: gamma_t; ``delta (m, C)``: gamma_C / gamma_t; ``gC (m,)``: gamma_C. These four
+    are None without decay (E is then the lower-triangular ones matrix, applied as ``tril``).
+    ``KK (m, C, C)``: k_t . k_i; ``Tinv (m, C, C)``: ``T = (I + A)^-1``; ``X (m, C, Dv + D)``:
+    ``[Uv, W] = T [diag(beta) V, diag(beta gamma) K]``; ``P (m, C, C)``; ``Kd (m, C, D)``: delta k;
+    ``GQ (m, C, D)``: gamma q.
     """
 
-    E: Tensor
+    E: Tensor | None
     gam: Tensor | None
     delta: Tensor | None
+    gC: Tensor | None
     KK: Tensor
     Tinv: Tensor
     X: Tensor
     P: Tensor
-    Qe: Tensor
     Kd: Tensor
-    Oin: Tensor
-    MH: Tensor
+    GQ: Tensor
+
+
+# A log decay below this is taken as this inside the chunked form: exp(-1000) is 0 in float64
+# already, and so is every product of decays that contains it, and every gradient with respect
+# to it (each carries such a factor), so nothing changes; but -inf would make the differences
+# G_t - G_i NaN, and huge finite values would drown the small decays beside them in G.
+_LOG_DECAY_FLOOR = -1000.0
 
 
 def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Locals:
     """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b, g (m, C)`` -> :class:`_Locals`."""
     m, C, D = k.shape
     dt = k.dtype
-    if g is None:
-        E = torch.ones(C, C, dtype=dt, device=k.device).tril_()
-        gam = delta = None
-    else:
-        G = g.to(torch.float64).cumsum(-1)  # (m, C); float64: G_t - G_i must not cancel
-        diff = (G[:, :, None] - G[:, None, :]).to(dt)  # (m, C, C)
-        above = torch.ones(C, C, dtype=torch.bool, device=k.device).triu_(1)
-        E = diff.masked_fill_(above, float("-inf")).exp_()
+    E = gam = delta = gC = None
+    if g is not None:
+        G = g.to(torch.float64).clamp(min=_LOG_DECAY_FLOOR).cumsum(-1)  # (m, C)
+        # The difference is taken in float64: in float32, G_t - G_i after a large decay earlier in
+        # the chunk would keep few of the small decays' digits. G does not increase, so the
+        # differences are <= 0 on and below the diagonal; clamping those above it to 0 before the
+        # exp (then zeroing them) keeps every exponentiated number <= 0.
+        E = (G[:, :, None] - G[:, None, :]).to(dt).clamp_(max=0).exp_().tril_()  # (m, C, C)
         gam = G.exp().to(dt)
         delta = (G[:, -1:] - G).exp_().to(dt)
+        gC = gam[:, -1]
     KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
-    A = (KK * E).tril_(-1).mul_(b[:, :, None])  # strictly lower; the unit diagonal is implicit
+    bcol = b[:, :, None]
+    A = (KK.tril(-1) if E is None else (KK * E).tril_(-1)).mul_(bcol)  # the unit diagonal is implicit
     eye = torch.eye(C, dtype=dt, device=k.device).expand(m, C, C)
     Tinv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)  # (I + A)^-1
-    bg = b if gam is None else b * gam
-    rhs = torch.cat([v * b[:, :, None], k * bg[:, :, None]], dim=-1)  # (m, C, Dv + D)
-    X = torch.bmm(Tinv, rhs)  # [Uv, W]
-    Dv = v.shape[-1]
-    P = torch.bmm(q, k.transpose(1, 2)).mul_(E)  # (m, C, C), lower incl. diagonal
-    PX = torch.bmm(P, X)  # [P Uv, P W]
-    Oin = PX[..., :Dv]
-    Qe = (q if gam is None else q * gam[:, :, None]) - PX[..., Dv:]
+    kb = k * bcol if gam is None else k * (b * gam)[:, :, None]
+    X = torch.bmm(Tinv, torch.cat([v * bcol, kb], dim=-1))  # [Uv, W], (m, C, Dv + D)
+    P = torch.bmm(q, k.transpose(1, 2))  # (m, C, C)
+    P = P.tril_() if E is None else P.mul_(E)
     Kd = k if delta is None else k * delta[:, :, None]
-    MH = torch.bmm(Kd.transpose(1, 2), X)  # (m, D, Dv + D)
-    return _Locals(E, gam, delta, KK, Tinv, X, P, Qe, Kd, Oin, MH)
-
-
-def _transition(x: _Locals, Dv: int) -> tuple[Tensor, Tensor]:
-    """``M = gamma_C I - Kd^T W`` ``(m, D, D)`` and ``Hc = Kd^T Uv`` ``(m, D, Dv)``."""
-    M = x.MH[..., Dv:].neg()
-    gC = torch.ones((), dtype=M.dtype, device=M.device) if x.gam is None else x.gam[:, -1, None]
-    M.diagonal(dim1=-2, dim2=-1).add_(gC)
-    return M, x.MH[..., :Dv]
+    GQ = q if gam is None else q * gam[:, :, None]
+    return _Locals(E, gam, delta, gC, KK, Tinv, X, P, Kd, GQ)
 
 
 class _Layout(NamedTuple):
@@ -220,8 +217,7 @@ class _Layout(NamedTuple):
         """``(R, N, ...)`` -> ``(R, Nc, C, ...)``, zero-filled at the end."""
         fill = self.Nc * self.C - self.N
         if fill:
-            pad = [0, 0] * (x.dim() - 2) + [0, fill]
-            x = F.pad(x, pad)
+            x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, fill])
         return x.reshape(self.R, self.Nc, self.C, *x.shape[2:])
 
     def blocks(self) -> list[slice]:
@@ -236,17 +232,25 @@ def _flat(x: Tensor) -> Tensor:
 def _block_forward(q, k, v, b, g, s):
     """One block of ``n`` chunks of every row: ``q, k (R, n, C, D)``, ``v (R, n, C, Dv)``,
     ``b, g (R, n, C)`` (g or None), ``s (R, D, Dv)`` the state before it.
-    Returns ``o (R, n, C, Dv)``, the states before each chunk ``(R, n, D, Dv)`` and the state after."""
+    Returns ``o (R, n, C, Dv)``, the states before each chunk ``(R, n, D, Dv)`` and the state after.
+
+    The loop over chunks carries the state: ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``; the
+    outputs ``O = diag(gamma) Q S + P U`` follow for all chunks at once.
+    """
     R, n, C, D = q.shape
     Dv = v.shape[-1]
     x = _locals(_flat(q), _flat(k), _flat(v), _flat(b), None if g is None else _flat(g))
-    M, Hc = _transition(x, Dv)
-    M, Hc = M.view(R, n, D, D), Hc.view(R, n, D, Dv)
+    Uv, W = x.X[..., :Dv].view(R, n, C, Dv), x.X[..., Dv:].view(R, n, C, D)
+    KdT = x.Kd.view(R, n, C, D).transpose(2, 3)  # (R, n, D, C)
+    gC = None if x.gC is None else x.gC.view(R, n, 1, 1)
     states = s.new_empty(R, n, D, Dv)
-    for c in range(n):  # the only sequential part: S <- M S + Hc, one chunk at a time
+    U = s.new_empty(R, n, C, Dv)
+    for c in range(n):  # the only sequential part, two (R, C|D, D) x (R, D, Dv) products a chunk
         states[:, c] = s
-        s = torch.baddbmm(Hc[:, c], M[:, c], s)
-    o = torch.baddbmm(x.Oin, x.Qe, _flat(states))  # (R*n, C, Dv)
+        u = torch.baddbmm(Uv[:, c], W[:, c], s, alpha=-1)  # (R, C, Dv)
+        U[:, c] = u
+        s = torch.baddbmm(s if gC is None else s * gC[:, c], KdT[:, c], u)
+    o = torch.bmm(x.P, _flat(U)).baddbmm_(x.GQ, _flat(states))  # (R*n, C, Dv)
     return o.view(R, n, C, Dv), states, s
 
 
@@ -273,49 +277,56 @@ def _block_backward(q, k, v, b, g, states, do, ds, need_g):
     ``dq, dk (R, n, C, D)``, ``dv (R, n, C, Dv)``, ``db (R, n, C)``, ``dg (R, n, C)`` (None
     unless ``need_g``) and the gradient of the state before the block ``(R, D, Dv)``.
 
-    Per chunk, with S the state before it and dSn the gradient of the state after it:
+    Per chunk, with S the state before it and dSn the gradient of the state after it, from
+    ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
 
-        U   = Uv - W S                     (the pseudo-values)
-        dU  = P^T dO + Kd dSn              dP = dO U^T (lower)     dKd = U dSn^T
-        dS  = M^T dSn + Qe^T dO            (the chunk recurrence, run backwards)
+        dU  = P^T dO + Kd dSn,   dS = gamma_C dSn + (diag(gamma) Q)^T dO - W^T dU
+              (run backwards chunk by chunk: the only sequential part)
+        dP  = dO U^T (lower),    dKd = U dSn^T,    dgamma_C = <S, dSn>
         dQ  = diag(gamma) dO S^T + (dP o E) K
-        [dUv, dW] = [dU, -dU S^T];  [dRv, dRw] = T^T [dUv, dW]      (X = T Rhs  =>  dRhs = T^T dX)
-        dA  = -strictly-lower([dRv, dRw] [Uv, W]^T)                 (dT^-1 = -T^T dX X^T ...)
-        dV  = diag(beta) dRv,  dK = diag(beta gamma) dRw + (Z + Z^T) K + (dP o E)^T Q + diag(delta) dKd
-              with Z = diag(beta) (dA o E), from A = diag(beta) (K K^T o E)
-        dbeta_t = dRv_t . v_t + gamma_t dRw_t . k_t + sum_i dA_ti (K K^T o E)_ti
-        dG  from E (rowsum - colsum of dA o A + dP o P), gamma, delta and gamma_C; dg = reverse
-              cumulative sum of dG within the chunk.
+        [dRv, dRw] = T^T [dU, -dU S^T]               (X = T Rhs, so dRhs = T^T dX)
+        dA  = -strictly-lower([dRv, dRw] [Uv, W]^T)  (T = (I + A)^-1, so dA = -T^T dT T^T)
+        dV  = diag(beta) dRv
+        dK  = diag(beta gamma) dRw + (Z + Z^T) K + (dP o E)^T Q + diag(delta) dKd,
+              Z = diag(beta) (dA o E)                (A = diag(beta) (K K^T o E), strictly lower)
+        dbeta_t = dRv_t . v_t + gamma_t dRw_t . k_t + sum_i (dA o E o K K^T)_ti
+        dG  through E (rowsum minus colsum of dE o E, from A and P), gamma, delta and gamma_C;
+        dg  = the reverse cumulative sum of dG within the chunk (G = cumsum g).
     """
     R, n, C, D = q.shape
     Dv = v.shape[-1]
-    qf, kf, vf, bf = _flat(q), _flat(k), _flat(v), _flat(b)
-    gf = None if g is None else _flat(g)
-    x = _locals(qf, kf, vf, bf, gf)
-    M, _ = _transition(x, Dv)
-    M = M.view(R, n, D, D)
-    dof = _flat(do)
-    QdO = torch.bmm(x.Qe.transpose(1, 2), dof).view(R, n, D, Dv)  # Qe^T dO
+    qf, kf, vf, bf, dof = _flat(q), _flat(k), _flat(v), _flat(b), _flat(do)
+    x = _locals(qf, kf, vf, bf, None if g is None else _flat(g))
+    W = x.X[..., Dv:]
+    PtdO = torch.bmm(x.P.transpose(1, 2), dof).view(R, n, C, Dv)  # P^T dO
+    QtdO = torch.bmm(x.GQ.transpose(1, 2), dof).view(R, n, D, Dv)  # (diag(gamma) Q)^T dO
+    Kd4, WT = x.Kd.view(R, n, C, D), W.view(R, n, C, D).transpose(2, 3)
+    gC = None if x.gC is None else x.gC.view(R, n, 1, 1)
     dsn = ds.new_empty(R, n, D, Dv)  # gradient of the state after each chunk
+    dU = ds.new_empty(R, n, C, Dv)
     for c in reversed(range(n)):
         dsn[:, c] = ds
-        ds = torch.baddbmm(QdO[:, c], M[:, c].transpose(1, 2), ds)
-    S, dSn = _flat(states), _flat(dsn)
-    Uv, W = x.X[..., :Dv], x.X[..., Dv:]
-    U = torch.baddbmm(Uv, W, S, alpha=-1)  # (m, C, Dv)
-    dU = torch.bmm(x.P.transpose(1, 2), dof).baddbmm_(x.Kd, dSn)  # (m, C, Dv)
+        du = torch.baddbmm(PtdO[:, c], Kd4[:, c], ds)  # (R, C, Dv)
+        dU[:, c] = du
+        t = QtdO[:, c] + (ds if gC is None else ds * gC[:, c])
+        ds = torch.baddbmm(t, WT[:, c], du, alpha=-1)
+    S, dSn, dU = _flat(states), _flat(dsn), _flat(dU)
+    U = torch.baddbmm(x.X[..., :Dv], W, S, alpha=-1)  # (m, C, Dv)
     dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
     YP = dP * x.P if need_g else None  # dE o E through P
-    dP.mul_(x.E)  # now d loss / d (Q K^T): lower incl. diagonal
+    dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
     dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
     dOS = torch.bmm(dof, S.transpose(1, 2))  # dO S^T, (m, C, D)
     dX = torch.cat([dU, torch.bmm(dU, S.transpose(1, 2)).neg_()], dim=-1)  # [dUv, dW]
     dRhs = torch.bmm(x.Tinv.transpose(1, 2), dX)  # [dRv, dRw]
     dRv, dRw = dRhs[..., :Dv], dRhs[..., Dv:]
-    dAE = torch.bmm(dRhs, x.X.transpose(1, 2)).neg_().tril_(-1).mul_(x.E)  # dA o E, (m, C, C)
+    dAE = torch.bmm(dRhs, x.X.transpose(1, 2)).neg_().tril_(-1)  # dA, (m, C, C)
+    if x.E is not None:
+        dAE.mul_(x.E)  # dA o E
     bcol = bf[:, :, None]
     Z = dAE * bcol  # d loss / d (K K^T), strictly lower
-    dk = torch.bmm(Z, kf).add_(torch.bmm(Z.transpose(1, 2), kf)).add_(torch.bmm(dP.transpose(1, 2), qf))
+    Z += Z.transpose(1, 2).clone()  # K K^T is symmetric: both of its factors get the gradient
+    dk = torch.bmm(Z, kf).baddbmm_(dP.transpose(1, 2), qf)
     dq = torch.bmm(dP, kf)
     t_w = torch.linalg.vecdot(dRw, kf, dim=-1)  # d loss / d (beta gamma)_t, (m, C)
     dAEK = dAE.mul_(x.KK)  # dA o E o KK
@@ -330,17 +341,17 @@ def _block_backward(q, k, v, b, g, states, do, ds, need_g):
         gcol, dcol = x.gam[:, :, None], x.delta[:, :, None]
         dq.addcmul_(dOS, gcol)
         dk.addcmul_(dRw, bcol * gcol).addcmul_(dKd, dcol)
-        db.addcmul_(t_w, x.gam)
         if need_g:
             # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E), gamma,
             # delta = exp(G_C - G) and gamma_C (in gamma_C S).
             Y = dAEK.mul_(bcol).add_(YP)  # dE o E, (m, C, C)
             dgam = torch.linalg.vecdot(qf, dOS, dim=-1).addcmul_(bf, t_w)  # d loss / d gamma_t
-            ddel = torch.linalg.vecdot(kf, dKd, dim=-1).mul_(x.delta)  # d loss / d delta_t, times delta_t
+            ddel = torch.linalg.vecdot(kf, dKd, dim=-1).mul_(x.delta)  # (d loss / d delta_t) delta_t
             dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
             dgC = torch.linalg.vecdot(S.flatten(1), dSn.flatten(1), dim=-1)  # (m,)
-            dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC, x.gam[:, -1])
+            dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC, x.gC)
             dg = dG.flip(-1).cumsum_(-1).flip(-1).view(R, n, C)  # G = cumsum(g)
+        db.addcmul_(t_w, x.gam)
     return (dq.view(R, n, C, D), dk.view(R, n, C, D), dv.view(R, n, C, Dv), db.view(R, n, C), dg, ds)
 
 

@@ -1,0 +1,375 @@
+"""delta_rule_attention (DeltaNet, Gated DeltaNet) against its plain float64 recurrence, and its
+forms against each other: chunked = step by step = split and resumed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.functional.decayed_state import DecayedState
+from linattn.functional.delta import delta_rule_attention, delta_rule_attention_reference
+
+f64 = torch.float64
+
+
+def make(B=1, H=2, N=65, D=60, Dv=48, *, decay=True, dtype=f64, seed=0, g_low=-1.0, g_high=0.0,
+         state=False):
+    """Random inputs: unit keys, beta in [0, 2], log decays in [g_low, g_high]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, N, D, generator=gen, dtype=f64)
+    k = F.normalize(torch.randn(B, H, N, D, generator=gen, dtype=f64), dim=-1)
+    v = torch.randn(B, H, N, Dv, generator=gen, dtype=f64)
+    beta = 2 * torch.rand(B, H, N, generator=gen, dtype=f64)
+    g = (g_low + (g_high - g_low) * torch.rand(B, H, N, generator=gen, dtype=f64)) if decay else None
+    s0 = torch.randn(B, H, D, Dv, generator=gen, dtype=f64) if state else None
+    cast = (lambda t: None if t is None else t.to(dtype))
+    return dict(q=cast(q), k=cast(k), v=cast(v), beta=cast(beta), log_decay=cast(g),
+                initial_state=None if s0 is None else DecayedState(s0))
+
+
+def call(fn, x, **kw):
+    return fn(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"], initial_state=x["initial_state"],
+              return_state=True, **kw)
+
+
+def close(a, b, tol=1e-10):
+    assert a.shape == b.shape
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= tol * (1 + b.abs().max().item() if b.numel() else 1), err
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the reference: outputs, final states and every gradient
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [1, 63, 65, 1000])
+@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_outputs_and_state_match_reference(N, decay, chunk_size):
+    x = make(N=N, decay=decay, state=True, seed=N)
+    out, st = call(delta_rule_attention, x, chunk_size=chunk_size)
+    ref, st_ref = call(delta_rule_attention_reference, x)
+    assert out.dtype == f64 and out.shape == (1, 2, N, 48) and st.s.shape == (1, 2, 60, 48)
+    close(out, ref)
+    close(st.s, st_ref.s)
+
+
+def _grads(fn, x, names, seed=1, **kw):
+    """Gradients of a random linear function of (out, final state) w.r.t. ``names``."""
+    leaves = {n: (x[n].s if n == "initial_state" else x[n]).clone().requires_grad_() for n in names}
+    y = dict(x)
+    for n, t in leaves.items():
+        y[n] = DecayedState(t) if n == "initial_state" else t
+    out, st = call(fn, y, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (out * torch.randn(out.shape, generator=gen, dtype=out.dtype)).sum() \
+        + (st.s * torch.randn(st.s.shape, generator=gen, dtype=st.s.dtype)).sum()
+    return torch.autograd.grad(loss, list(leaves.values()))
+
+
+ALL = ["q", "k", "v", "beta", "log_decay", "initial_state"]
+
+
+@pytest.mark.parametrize("N,chunk_size", [(1, 64), (63, 16), (65, 64), (300, 32)])
+@pytest.mark.parametrize("decay", [False, True])
+def test_gradients_match_reference(N, chunk_size, decay):
+    x = make(N=N, decay=decay, state=True, seed=N + 7)
+    names = [n for n in ALL if decay or n != "log_decay"]
+    got = _grads(delta_rule_attention, x, names, chunk_size=chunk_size)
+    want = _grads(delta_rule_attention_reference, x, names)
+    for n, a, b in zip(names, got, want):
+        assert torch.isfinite(a).all(), n
+        close(a, b, 1e-9)
+
+
+def test_gradcheck_tiny():
+    """The hand-written backward against finite differences, several chunks and a partial one."""
+    x = make(B=1, H=1, N=9, D=3, Dv=2, state=True, seed=3)
+    leaves = [x[n].clone().requires_grad_() for n in ["q", "k", "v", "beta", "log_decay"]]
+    s0 = x["initial_state"].s.clone().requires_grad_()
+
+    def fn(q, k, v, beta, g, s):
+        out, st = delta_rule_attention(q, k, v, beta, log_decay=g, initial_state=DecayedState(s),
+                                       return_state=True, chunk_size=4)
+        return out, st.s
+
+    assert torch.autograd.gradcheck(fn, (*leaves, s0))
+
+
+def test_many_blocks_of_chunks():
+    """Chunk size 2 at N = 1000: hundreds of chunks, the chunked form's blocks carry the state."""
+    x = make(N=1000, D=8, Dv=8, state=True, seed=11)
+    out, st = call(delta_rule_attention, x, chunk_size=2)
+    ref, st_ref = call(delta_rule_attention_reference, x)
+    close(out, ref)
+    close(st.s, st_ref.s)
+    names = ["k", "beta", "log_decay", "initial_state"]
+    for a, b in zip(_grads(delta_rule_attention, x, names, chunk_size=3),
+                    _grads(delta_rule_attention_reference, x, names)):
+        close(a, b, 1e-9)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 5000])
+def test_chunk_size_changes_nothing(chunk_size):
+    x = make(N=40 if chunk_size == 1 else 100, seed=5, state=True)
+    out, st = call(delta_rule_attention, x, chunk_size=chunk_size)
+    ref, st_ref = call(delta_rule_attention_reference, x)
+    close(out, ref)
+    close(st.s, st_ref.s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge values of beta and the decay
+# ---------------------------------------------------------------------------------------------
+
+
+def test_beta_at_zero_and_two():
+    x = make(N=70, seed=2, state=True)
+    x["beta"] = torch.where(torch.rand(x["beta"].shape, generator=torch.Generator().manual_seed(0)) < 0.5,
+                            torch.zeros_like(x["beta"]), torch.full_like(x["beta"], 2.0))
+    names = ["q", "k", "v", "beta", "log_decay", "initial_state"]
+    close(call(delta_rule_attention, x, chunk_size=16)[0], call(delta_rule_attention_reference, x)[0])
+    for a, b in zip(_grads(delta_rule_attention, x, names, chunk_size=16),
+                    _grads(delta_rule_attention_reference, x, names)):
+        close(a, b, 1e-9)
+
+
+def test_beta_zero_without_decay_keeps_the_initial_state():
+    x = make(N=40, decay=False, seed=4, state=True)
+    x["beta"] = torch.zeros_like(x["beta"])
+    out, st = call(delta_rule_attention, x, chunk_size=16)
+    s0 = x["initial_state"].s
+    close(st.s, s0)
+    close(out, (x["q"] @ s0) / 60 ** 0.5)
+
+
+@pytest.mark.parametrize("low,high", [(-1e-6, 0.0), (-1e4, -1e4 + 1), (-1e4, 0.0)])
+def test_extreme_decays(low, high):
+    """Decays near 1 (log near 0), near 0 (log near -1e4), and both mixed within a chunk."""
+    x = make(N=130, seed=6, state=True, g_low=low, g_high=high)
+    if low == -1e4 and high == 0.0:  # mostly mild decays, some huge ones, one -inf
+        mild = -0.1 * torch.rand(x["beta"].shape, generator=torch.Generator().manual_seed(1), dtype=f64)
+        x["log_decay"] = torch.where(x["log_decay"] < -9000, x["log_decay"], mild)
+        x["log_decay"][0, 0, 50] = float("-inf")
+    out, st = call(delta_rule_attention, x, chunk_size=32)
+    ref, st_ref = call(delta_rule_attention_reference, x)
+    close(out, ref)
+    close(st.s, st_ref.s)
+    for n, a, b in zip(ALL, _grads(delta_rule_attention, x, ALL, chunk_size=32),
+                       _grads(delta_rule_attention_reference, x, ALL)):
+        assert torch.isfinite(a).all(), n
+        close(a, b, 1e-9)
+
+
+def test_float32_with_huge_decays_mixed_in():
+    """In float32 a decay of exp(-1e4) early in a chunk must not drown the mild ones after it."""
+    x = make(N=256, seed=8, g_low=-0.05, g_high=0.0)
+    x["log_decay"][..., ::17] = -1e4
+    ref = call(delta_rule_attention_reference, x)[0]
+    y = {n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    out = call(delta_rule_attention, y)[0]
+    assert out.dtype == torch.float32
+    close(out.double(), ref, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding, causality, resuming, stepping
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end", "mixed"])
+def test_padding_is_an_identity_step(where):
+    B, N = 2, 50
+    x = make(B=B, N=N, seed=9, state=True)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    if where == "start":
+        mask[:, :7] = False
+    elif where == "middle":
+        mask[0, 20:37] = False
+        mask[1, 30] = False
+    elif where == "end":
+        mask[:, -9:] = False
+    else:
+        mask[0, :3] = mask[0, 25:29] = mask[1, -1] = False
+    # NaN in every padded position must not leak into outputs, states or gradients
+    for n in ["q", "k", "v", "beta", "log_decay"]:
+        x[n] = x[n].clone()
+        x[n].transpose(1, 2)[~mask] = float("nan")  # (B, N, H, ...) indexed by (B, N)
+    out, st = call(delta_rule_attention, x, chunk_size=16, key_padding_mask=mask)
+    ref, st_ref = call(delta_rule_attention_reference, x, key_padding_mask=mask)
+    assert (out.transpose(1, 2)[~mask] == 0).all()
+    close(out, ref)
+    close(st.s, st_ref.s)
+    # ... and equals the sequence with the padded positions taken out
+    for b in range(B):
+        sub = {n: (t[b:b + 1][:, :, mask[b]] if n != "initial_state" else DecayedState(t.s[b:b + 1]))
+               for n, t in x.items()}
+        o_b, st_b = call(delta_rule_attention, sub, chunk_size=16)
+        close(out[b:b + 1][:, :, mask[b]], o_b)
+        close(st.s[b:b + 1], st_b.s)
+    got = _grads(delta_rule_attention, x, ALL, chunk_size=16, key_padding_mask=mask)
+    want = _grads(delta_rule_attention_reference, x, ALL, key_padding_mask=mask)
+    for n, a, b in zip(ALL, got, want):
+        assert torch.isfinite(a).all(), n
+        close(a, b, 1e-9)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_causal_under_perturbation_of_a_later_position(decay):
+    x = make(N=150, seed=10, decay=decay, dtype=torch.float32)
+    out = call(delta_rule_attention, x)[0]
+    for t0 in (0, 40, 63, 64, 149):
+        y = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+        for n in ["q", "k", "v"]:
+            y[n][:, :, t0] += 1.0
+        y["beta"][:, :, t0] = 2.0 - y["beta"][:, :, t0]
+        if decay:
+            y["log_decay"][:, :, t0] = -5.0
+        out2 = call(delta_rule_attention, y)[0]
+        assert torch.equal(out2[:, :, :t0], out[:, :, :t0]), t0
+        assert not torch.equal(out2[:, :, t0:], out[:, :, t0:])
+
+
+@pytest.mark.parametrize("split", [1, 30, 64, 99])
+def test_split_and_resume(split):
+    x = make(N=100, seed=12, state=True)
+    whole, st = call(delta_rule_attention, x, chunk_size=16)
+    first = {n: (t[:, :, :split] if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    o1, st1 = call(delta_rule_attention, first, chunk_size=16)
+    second = {n: (t[:, :, split:] if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    second["initial_state"] = st1
+    o2, st2 = call(delta_rule_attention, second, chunk_size=16)
+    close(torch.cat([o1, o2], dim=2), whole)
+    close(st2.s, st.s)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_step_by_step_equals_chunked(decay):
+    x = make(N=70, seed=13, decay=decay, state=True)
+    whole, st = call(delta_rule_attention, x)
+    state, outs = x["initial_state"], []
+    for t in range(70):
+        o, state = delta_rule_attention(x["q"][:, :, t:t + 1], x["k"][:, :, t:t + 1], x["v"][:, :, t:t + 1],
+                                        x["beta"][:, :, t:t + 1],
+                                        log_decay=None if not decay else x["log_decay"][:, :, t:t + 1],
+                                        initial_state=state, return_state=True)
+        outs.append(o)
+    close(torch.cat(outs, dim=2), whole)
+    close(state.s, st.s)
+
+
+def test_step_gradients_match_reference():
+    x = make(N=1, seed=14, state=True)
+    for a, b in zip(_grads(delta_rule_attention, x, ALL), _grads(delta_rule_attention_reference, x, ALL)):
+        close(a, b)
+
+
+def test_empty_sequence():
+    x = make(N=0, seed=15, state=True)
+    out, st = call(delta_rule_attention, x)
+    assert out.shape == (1, 2, 0, 48)
+    close(st.s, x["initial_state"].s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Half precision
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_keep_a_float32_state(dtype):
+    x = make(N=200, seed=16, dtype=dtype)
+    out, st = call(delta_rule_attention, x)
+    assert out.dtype == dtype and st.s.dtype == torch.float32
+    ref, st_ref = call(delta_rule_attention_reference, {n: (t.double() if isinstance(t, torch.Tensor) else t)
+                                                         for n, t in x.items()})
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    close(out.double(), ref, tol)
+    close(st.s.double(), st_ref.s, 1e-4)  # from the same (rounded) inputs, all float32 after them
+    leaves = [x[n].clone().requires_grad_() for n in ["q", "k", "v", "beta", "log_decay"]]
+    o = delta_rule_attention(*leaves[:4], log_decay=leaves[4])
+    o.float().square().sum().backward()
+    for t in leaves:
+        assert t.grad.dtype == dtype and torch.isfinite(t.grad).all()
+    # a half state resumes too (it is taken to float32)
+    o2 = delta_rule_attention(x["q"], x["k"], x["v"], x["beta"], initial_state=DecayedState(st.s.to(dtype)))
+    assert o2.dtype == dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Against Hugging Face's pure-PyTorch gated delta rule (a comparison of results)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_equals_transformers_torch_chunk_gated_delta_rule():
+    qwen = pytest.importorskip(
+        "transformers.models.qwen3_next.modeling_qwen3_next",
+        reason="transformers (with Qwen3-Next) is not installed: nothing to compare with",
+    )
+    x = make(B=2, H=3, N=150, D=32, Dv=16, seed=17, dtype=torch.float32, g_low=-0.3)
+    s0 = torch.randn(2, 3, 32, 16, generator=torch.Generator().manual_seed(3))
+    x["initial_state"] = DecayedState(s0)
+    out, st = call(delta_rule_attention, x)
+    t = (lambda a: a.transpose(1, 2).contiguous())  # (B, H, N, ...) -> (B, N, H, ...)
+    hf_out, hf_state = qwen.torch_chunk_gated_delta_rule(
+        t(x["q"]), t(x["k"]), t(x["v"]), t(x["log_decay"]), t(x["beta"]), chunk_size=64,
+        initial_state=s0.clone(), output_final_state=True, use_qk_l2norm_in_kernel=False)
+    close(out, hf_out.transpose(1, 2), 1e-4)
+    close(st.s, hf_state, 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs raise, naming the argument
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [delta_rule_attention, delta_rule_attention_reference])
+def test_bad_inputs_raise_naming_the_argument(fn):
+    x = make(N=10, seed=18, D=4, Dv=3)
+    q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x["log_decay"]
+    with pytest.raises(ValueError, match="beta"):
+        fn(q, k, v, beta + 2.5)
+    with pytest.raises(ValueError, match="beta"):
+        fn(q, k, v, beta - 2.5)
+    with pytest.raises(ValueError, match="beta"):
+        fn(q, k, v, torch.full_like(beta, float("nan")))
+    with pytest.raises(ValueError, match="beta"):
+        fn(q, k, v, beta[..., :5])
+    with pytest.raises(TypeError, match="beta"):
+        fn(q, k, v, beta > 1)
+    with pytest.raises(ValueError, match="log_decay"):
+        fn(q, k, v, beta, log_decay=g + 1.5)
+    with pytest.raises(ValueError, match="log_decay"):
+        fn(q, k, v, beta, log_decay=g[..., None])
+    with pytest.raises(ValueError, match="initial_state"):
+        fn(q, k, v, beta, initial_state=DecayedState(torch.zeros(1, 2, 3, 4, dtype=f64)))
+    with pytest.raises(TypeError, match="initial_state"):
+        fn(q, k, v, beta, initial_state=torch.zeros(1, 2, 4, 3, dtype=f64))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        fn(q, k, v, beta, key_padding_mask=torch.ones(1, 10))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        fn(q, k, v, beta, key_padding_mask=torch.ones(1, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\bk\b"):
+        fn(q, k[..., :3], v, beta)
+    with pytest.raises(ValueError, match="k and v"):
+        fn(q, k, v[:, :, :9], beta)
+    with pytest.raises(TypeError, match="scale"):
+        fn(q, k, v, beta, scale="1")
+    with pytest.raises(TypeError):
+        fn(q, k, v, beta, causal=False)  # no bidirectional form
+    if fn is delta_rule_attention:
+        with pytest.raises(ValueError, match="chunk_size"):
+            fn(q, k, v, beta, chunk_size=0)
+
+
+def test_out_of_range_gates_at_padded_positions_are_ignored():
+    x = make(N=10, seed=19, D=4, Dv=3)
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    mask[0, 4] = False
+    beta, g = x["beta"].clone(), x["log_decay"].clone()
+    beta[:, :, 4], g[:, :, 4] = 7.0, 3.0
+    out = delta_rule_attention(x["q"], x["k"], x["v"], beta, log_decay=g, key_padding_mask=mask)
+    ref = delta_rule_attention_reference(x["q"], x["k"], x["v"], beta, log_decay=g, key_padding_mask=mask)
+    close(out, ref)
