@@ -32,8 +32,8 @@ class TransformerConfig(Config):
             original post-norm ``x = norm(x + f(x))``.
         positional: ``"learned"`` (an embedding table added to the tokens), ``"sinusoidal"`` (the
             fixed table of arXiv 1706.03762, added) or ``"rotary"`` (q and k rotated inside every
-            attention layer, arXiv 2104.09864; rejected for efficient and linformer attention,
-            see ``linattn.nn.registry``).
+            attention layer, arXiv 2104.09864; rejected for efficient, linformer, hedgehog,
+            deltanet and gated_deltanet attention, see ``linattn.nn.registry``).
         dropout: on embeddings and on each sub-layer's output.
         attention: the mechanism config of every layer not in ``layer_attention``.
         layer_attention: per-layer overrides, ``{layer_index: config}`` (stored as sorted
@@ -42,7 +42,9 @@ class TransformerConfig(Config):
         short_conv: K > 0 gives every attention layer a causal depthwise convolution of kernel
             size K over its input, in front of the q/k/v projections (:class:`linattn.nn.ShortConv`,
             identity at initialisation; decoding keeps the last K - 1 inputs per layer). The local
-            view linear attention lacks; 0 (the default) = none.
+            view linear attention lacks, and the short convolution of the DeltaNet and Gated
+            DeltaNet recipes (their papers use K = 4; the gates read the convolved input too);
+            0 (the default) = none.
         tie_embeddings: language models share the token embedding with the output layer.
         init_std: standard deviation of the normal initialisation of linear and embedding weights.
     """
