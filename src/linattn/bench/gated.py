@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import linattn
 
-from .. import progress
+from .. import functional, progress
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
@@ -187,14 +187,14 @@ def _memory_child(name: str, n: int) -> dict:
                                                     for t in x.values() if t.grad is not None)
     o = o.detach()
     x64 = {k: t.detach().double() for k, t in x.items()}
+    q, k, v = x64["q"], x64["k"], x64["v"]
     reference = {
-        "linear": lambda: linattn.linear_attention_reference(x64["q"], x64["k"], x64["v"], causal=True),
-        "gla_head": lambda: linattn.gated_linear_attention_reference(x64["q"], x64["k"], x64["v"], x64["decay_head"]),
-        "gla_channel": lambda: linattn.gated_linear_attention_reference(x64["q"], x64["k"], x64["v"],
-                                                                        x64["decay_channel"]),
-        "delta": lambda: linattn.delta_rule_attention_reference(x64["q"], x64["k"], x64["v"], x64["beta"]),
-        "gated_delta": lambda: linattn.delta_rule_attention_reference(x64["q"], x64["k"], x64["v"], x64["beta"],
-                                                                      log_decay=x64["decay_head"]),
+        "linear": lambda: functional.linear_attention_reference(q, k, v, causal=True),
+        "gla_head": lambda: functional.gated_linear_attention_reference(q, k, v, x64["decay_head"]),
+        "gla_channel": lambda: functional.gated_linear_attention_reference(q, k, v, x64["decay_channel"]),
+        "delta": lambda: functional.delta_rule_attention_reference(q, k, v, x64["beta"]),
+        "gated_delta": lambda: functional.delta_rule_attention_reference(q, k, v, x64["beta"],
+                                                                         log_decay=x64["decay_head"]),
     }[name]
     with torch.no_grad():
         ref = reference()
