@@ -163,7 +163,8 @@ def gated_linear_attention_reference(
 #   s before, t' after:        exp(b_C) * S_0 * dS_end summed over Dv, alike for the whole chunk.
 # Every sum stays inside one chunk. The shorter identity dL/dB_t = q_t*dq_t - k_t*dk_t with one
 # reverse cumsum over the whole sequence is the same sum regrouped, but it cancels terms across
-# the sequence: where decays are near -1e4 (true gradient 0) its float32 error grows with N.
+# the whole sequence: where decays are near -1e4 (true gradient 0) its rounding error is that of
+# a sum of N terms instead of C.
 # ---------------------------------------------------------------------------------------------
 
 # Sub-chunk length of the per-channel intra-chunk product (the largest divisor of C up to this);
