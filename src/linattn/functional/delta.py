@@ -170,6 +170,34 @@ class _Locals(NamedTuple):
 _LOG_DECAY_FLOOR = -1000.0
 
 
+# Diagonal blocks up to this size are inverted by torch.linalg.solve_triangular, larger ones by
+# halves (see _unit_lower_inverse). It does not change the result beyond rounding.
+_SOLVE_BLOCK = 16
+
+
+def _unit_lower_inverse(A: Tensor) -> Tensor:
+    """``(I + A)^-1`` ``(m, C, C)`` for strictly lower-triangular ``A (m, C, C)`` (its diagonal and
+    upper part are not read).
+
+    By halves, ``[[L11, 0], [L21, L22]]^-1 = [[T11, 0], [-T22 L21 T11, T22]]``, down to diagonal
+    blocks of at most ``_SOLVE_BLOCK`` rows, which ``torch.linalg.solve_triangular`` inverts, all
+    chunks at once. The off-diagonal blocks are then batched matrix products, which run markedly
+    faster on CPUs than one triangular solve of the whole C x C matrix (LAPACK's small trsm).
+    """
+    m, C, _ = A.shape
+    if C <= _SOLVE_BLOCK:
+        eye = torch.eye(C, dtype=A.dtype, device=A.device).expand(m, C, C)
+        return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+    h = C // 2
+    T = A.new_zeros(m, C, C)
+    T11 = _unit_lower_inverse(A[:, :h, :h])
+    T22 = _unit_lower_inverse(A[:, h:, h:])
+    T[:, :h, :h] = T11
+    T[:, h:, h:] = T22
+    T[:, h:, :h] = torch.bmm(T22, torch.bmm(A[:, h:, :h], T11)).neg_()
+    return T
+
+
 def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Locals:
     """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b, g (m, C)`` -> :class:`_Locals`."""
     m, C, D = k.shape
@@ -188,8 +216,7 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Lo
     KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
     bcol = b[:, :, None]
     A = (KK.tril(-1) if E is None else (KK * E).tril_(-1)).mul_(bcol)  # the unit diagonal is implicit
-    eye = torch.eye(C, dtype=dt, device=k.device).expand(m, C, C)
-    Tinv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)  # (I + A)^-1
+    Tinv = _unit_lower_inverse(A)  # (I + A)^-1
     kb = k * bcol if gam is None else k * (b * gam)[:, :, None]
     X = torch.bmm(Tinv, torch.cat([v * bcol, kb], dim=-1))  # [Uv, W], (m, C, Dv + D)
     P = torch.bmm(q, k.transpose(1, 2))  # (m, C, C)
@@ -201,7 +228,12 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Lo
 
 class _Layout(NamedTuple):
     """``R`` rows of ``N`` positions cut into ``Nc`` chunks of ``C`` (the last filled with zero
-    positions, which are identity steps), handled in blocks of ``_CHUNKS_PER_BLOCK`` chunks."""
+    positions, which are identity steps), handled in blocks of ``_CHUNKS_PER_BLOCK`` chunks.
+
+    A block's inputs are copied chunk-major, ``(n*R, C, X)`` with the R rows of one chunk side by
+    side, so that the sequential loop over a block's chunks reads and writes contiguous
+    ``(R, ...)`` slices in place; the saved states are chunk-major too, ``(Nc + 1, R, D, Dv)``.
+    """
 
     R: int
     N: int
@@ -223,59 +255,66 @@ class _Layout(NamedTuple):
     def blocks(self) -> list[slice]:
         return [slice(c, min(c + _CHUNKS_PER_BLOCK, self.Nc)) for c in range(0, self.Nc, _CHUNKS_PER_BLOCK)]
 
+    @staticmethod
+    def take(x: Tensor | None, blk: slice) -> Tensor | None:
+        """Chunks ``blk`` of ``x (R, Nc, C, ...)``, chunk-major: ``(n*R, C, ...)`` (a copy)."""
+        return None if x is None else x[:, blk].transpose(0, 1).reshape(-1, *x.shape[2:])
 
-def _flat(x: Tensor) -> Tensor:
-    """``(R, n, ...)`` -> ``(R*n, ...)``."""
-    return x.reshape(-1, *x.shape[2:])
+    @staticmethod
+    def put(dst: Tensor, blk: slice, src: Tensor) -> None:
+        """Write chunk-major ``src (n*R, C, ...)`` into chunks ``blk`` of ``dst (R, Nc, C, ...)``."""
+        dst[:, blk].copy_(src.view(-1, dst.shape[0], *dst.shape[2:]).transpose(0, 1))
 
 
-def _block_forward(q, k, v, b, g, s):
-    """One block of ``n`` chunks of every row: ``q, k (R, n, C, D)``, ``v (R, n, C, Dv)``,
-    ``b, g (R, n, C)`` (g or None), ``s (R, D, Dv)`` the state before it.
-    Returns ``o (R, n, C, Dv)``, the states before each chunk ``(R, n, D, Dv)`` and the state after.
+def _block_forward(q, k, v, b, g, st):
+    """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``,
+    ``v (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``st (n + 1, R, D, Dv)`` holds the state
+    before the block in ``st[0]`` and receives the state after each chunk in ``st[1:]``.
+    Returns ``o (n*R, C, Dv)``.
 
     The loop over chunks carries the state: ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``; the
     outputs ``O = diag(gamma) Q S + P U`` follow for all chunks at once.
     """
-    R, n, C, D = q.shape
-    Dv = v.shape[-1]
-    x = _locals(_flat(q), _flat(k), _flat(v), _flat(b), None if g is None else _flat(g))
-    Uv, W = x.X[..., :Dv].view(R, n, C, Dv), x.X[..., Dv:].view(R, n, C, D)
-    KdT = x.Kd.view(R, n, C, D).transpose(2, 3)  # (R, n, D, C)
-    gC = None if x.gC is None else x.gC.view(R, n, 1, 1)
-    states = s.new_empty(R, n, D, Dv)
-    U = s.new_empty(R, n, C, Dv)
+    m, C, D = q.shape
+    n, R, _, Dv = st.shape
+    n -= 1
+    x = _locals(q, k, v, b, g)
+    Uv, W = x.X[..., :Dv].view(n, R, C, Dv), x.X[..., Dv:].view(n, R, C, D)
+    KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
+    gC = None if x.gC is None else x.gC.view(n, R, 1, 1)
+    U = st.new_empty(n, R, C, Dv)
     for c in range(n):  # the only sequential part, two (R, C|D, D) x (R, D, Dv) products a chunk
-        states[:, c] = s
-        u = torch.baddbmm(Uv[:, c], W[:, c], s, alpha=-1)  # (R, C, Dv)
-        U[:, c] = u
-        s = torch.baddbmm(s if gC is None else s * gC[:, c], KdT[:, c], u)
-    o = torch.bmm(x.P, _flat(U)).baddbmm_(x.GQ, _flat(states))  # (R*n, C, Dv)
-    return o.view(R, n, C, Dv), states, s
+        torch.baddbmm(Uv[c], W[c], st[c], alpha=-1, out=U[c])
+        if gC is None:
+            torch.baddbmm(st[c], KdT[c], U[c], out=st[c + 1])
+        else:
+            torch.mul(st[c], gC[c], out=st[c + 1]).baddbmm_(KdT[c], U[c])
+    return torch.bmm(x.P, U.view(m, C, Dv)).baddbmm_(x.GQ, st[:n].reshape(m, D, Dv))
 
 
 def _chunked_forward(q, k, v, b, g, s0, chunk_size):
     """``q, k (R, N, D)`` (q scaled), ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
-    ``o (R, N, Dv)``, states before every chunk ``(R, Nc, D, Dv)``, final state ``(R, D, Dv)``."""
+    ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``."""
     R, N, D = q.shape
     Dv = v.shape[-1]
     lay = _Layout.of(N, R, chunk_size)
     qc, kc, vc, bc = (lay.chunked(t) for t in (q, k, v, b))
     gc = None if g is None else lay.chunked(g)
     o = v.new_empty(R, lay.Nc, lay.C, Dv)
-    states = v.new_empty(R, lay.Nc, D, Dv)
-    s = s0
+    states = v.new_empty(lay.Nc + 1, R, D, Dv)
+    states[0] = s0
     for blk in lay.blocks():
-        o[:, blk], states[:, blk], s = _block_forward(
-            qc[:, blk], kc[:, blk], vc[:, blk], bc[:, blk], None if gc is None else gc[:, blk], s)
-    return o.view(R, -1, Dv)[:, :N], states, s
+        ob = _block_forward(*(lay.take(t, blk) for t in (qc, kc, vc, bc, gc)), states[blk.start:blk.stop + 1])
+        lay.put(o, blk, ob)
+    return o.view(R, -1, Dv)[:, :N], states
 
 
-def _block_backward(q, k, v, b, g, states, do, ds, need_g):
-    """Gradients of one block (shapes as in :func:`_block_forward`), given ``do (R, n, C, Dv)``
-    and ``ds (R, D, Dv)``, the gradient of the state after the block. Returns
-    ``dq, dk (R, n, C, D)``, ``dv (R, n, C, Dv)``, ``db (R, n, C)``, ``dg (R, n, C)`` (None
-    unless ``need_g``) and the gradient of the state before the block ``(R, D, Dv)``.
+def _block_backward(q, k, v, b, g, st, do, dst, need_g):
+    """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
+    ``do (n*R, C, Dv)``, the states ``st (n + 1, R, D, Dv)`` before each chunk and after the last,
+    and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of the state after the block;
+    ``dst[c]`` receives that of the state before chunk c. Returns ``dq, dk (n*R, C, D)``,
+    ``dv (n*R, C, Dv)``, ``db (n*R, C)`` and ``dg (n*R, C)`` (None unless ``need_g``).
 
     Per chunk, with S the state before it and dSn the gradient of the state after it, from
     ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
@@ -293,24 +332,25 @@ def _block_backward(q, k, v, b, g, states, do, ds, need_g):
         dG  through E (rowsum minus colsum of dE o E, from A and P), gamma, delta and gamma_C;
         dg  = the reverse cumulative sum of dG within the chunk (G = cumsum g).
     """
-    R, n, C, D = q.shape
-    Dv = v.shape[-1]
-    qf, kf, vf, bf, dof = _flat(q), _flat(k), _flat(v), _flat(b), _flat(do)
-    x = _locals(qf, kf, vf, bf, None if g is None else _flat(g))
+    m, C, D = q.shape
+    n, R, _, Dv = st.shape
+    n -= 1
+    x = _locals(q, k, v, b, g)
     W = x.X[..., Dv:]
-    PtdO = torch.bmm(x.P.transpose(1, 2), dof).view(R, n, C, Dv)  # P^T dO
-    QtdO = torch.bmm(x.GQ.transpose(1, 2), dof).view(R, n, D, Dv)  # (diag(gamma) Q)^T dO
-    Kd4, WT = x.Kd.view(R, n, C, D), W.view(R, n, C, D).transpose(2, 3)
-    gC = None if x.gC is None else x.gC.view(R, n, 1, 1)
-    dsn = ds.new_empty(R, n, D, Dv)  # gradient of the state after each chunk
-    dU = ds.new_empty(R, n, C, Dv)
+    PtdO = torch.bmm(x.P.transpose(1, 2), do).view(n, R, C, Dv)  # P^T dO
+    QtdO = torch.bmm(x.GQ.transpose(1, 2), do).view(n, R, D, Dv)  # (diag(gamma) Q)^T dO
+    Kd4, WT = x.Kd.view(n, R, C, D), W.view(n, R, C, D).transpose(2, 3)
+    gC = None if x.gC is None else x.gC.view(n, R, 1, 1)
+    dU = st.new_empty(n, R, C, Dv)
     for c in reversed(range(n)):
-        dsn[:, c] = ds
-        du = torch.baddbmm(PtdO[:, c], Kd4[:, c], ds)  # (R, C, Dv)
-        dU[:, c] = du
-        t = QtdO[:, c] + (ds if gC is None else ds * gC[:, c])
-        ds = torch.baddbmm(t, WT[:, c], du, alpha=-1)
-    S, dSn, dU = _flat(states), _flat(dsn), _flat(dU)
+        torch.baddbmm(PtdO[c], Kd4[c], dst[c + 1], out=dU[c])
+        if gC is None:
+            torch.add(QtdO[c], dst[c + 1], out=dst[c])
+        else:
+            torch.addcmul(QtdO[c], dst[c + 1], gC[c], out=dst[c])
+        dst[c].baddbmm_(WT[c], dU[c], alpha=-1)
+    qf, kf, vf, bf, dof = q, k, v, b, do
+    S, dSn, dU = st[:n].reshape(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
     U = torch.baddbmm(x.X[..., :Dv], W, S, alpha=-1)  # (m, C, Dv)
     dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
     YP = dP * x.P if need_g else None  # dE o E through P
@@ -350,9 +390,9 @@ def _block_backward(q, k, v, b, g, states, do, ds, need_g):
             dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
             dgC = torch.linalg.vecdot(S.flatten(1), dSn.flatten(1), dim=-1)  # (m,)
             dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC, x.gC)
-            dg = dG.flip(-1).cumsum_(-1).flip(-1).view(R, n, C)  # G = cumsum(g)
+            dg = dG.flip(-1).cumsum_(-1).flip(-1)  # G = cumsum(g)
         db.addcmul_(t_w, x.gam)
-    return (dq.view(R, n, C, D), dk.view(R, n, C, D), dv.view(R, n, C, Dv), db.view(R, n, C), dg, ds)
+    return dq, dk, dv, db, dg
 
 
 def _chunked_backward(q, k, v, b, g, states, do, ds_final, chunk_size, need_g):
@@ -369,13 +409,18 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, chunk_size, need_g):
     dg = b.new_empty(R, lay.Nc, lay.C) if need_g else None
     ds = ds_final
     for blk in reversed(lay.blocks()):
-        parts = _block_backward(qc[:, blk], kc[:, blk], vc[:, blk], bc[:, blk],
-                                None if gc is None else gc[:, blk], states[:, blk], doc[:, blk], ds, need_g)
-        dq[:, blk], dk[:, blk], dv[:, blk], db[:, blk] = parts[:4]
-        if need_g:
-            dg[:, blk] = parts[4]
-        ds = parts[5]
-    crop = (lambda t: None if t is None else t.view(R, -1, *t.shape[3:])[:, :N])
+        dst = ds.new_empty(blk.stop - blk.start + 1, R, D, Dv)
+        dst[-1] = ds
+        parts = _block_backward(*(lay.take(t, blk) for t in (qc, kc, vc, bc, gc)), states[blk.start:blk.stop + 1],
+                                lay.take(doc, blk), dst, need_g)
+        for dst_all, part in zip((dq, dk, dv, db, dg), parts):
+            if part is not None:
+                lay.put(dst_all, blk, part)
+        ds = dst[0]
+
+    def crop(t):
+        return None if t is None else t.view(R, -1, *t.shape[3:])[:, :N]
+
     return crop(dq), crop(dk), crop(dv), crop(db), crop(dg), ds
 
 
@@ -383,17 +428,17 @@ class _DeltaRule(torch.autograd.Function):
     """``(q, k, v, beta, g, s0) -> (o, s_final)`` of the chunked form, rows ``(R, N, ...)``.
 
     q is already scaled; g may be None (no decay); s0 is a tensor (zeros when there was no initial
-    state). Saves the inputs and the state before every chunk ``(R, Nc, D, Dv)``, as large as v
-    when C = Dv, and recomputes the chunk-local products in the backward.
+    state). Saves the inputs and the state before every chunk, ``(Nc + 1, R, D, Dv)`` (as large as
+    v when C = Dv), and recomputes the chunk-local products in the backward.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, b, g, s0, chunk_size):
         with no_autocast(q.device.type):
-            o, states, s = _chunked_forward(q, k, v, b, g, s0, chunk_size)
+            o, states = _chunked_forward(q, k, v, b, g, s0, chunk_size)
         ctx.device_type, ctx.chunk_size = q.device.type, chunk_size
         ctx.save_for_backward(q, k, v, b, g, states)
-        return o, s
+        return o, states[-1].clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -405,7 +450,7 @@ class _DeltaRule(torch.autograd.Function):
             ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
         need_g = g is not None and ctx.needs_input_grad[4]
         with no_autocast(ctx.device_type):
-            dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final,
+            dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do, ds_final,
                                                         ctx.chunk_size, need_g)
         return dq, dk, dv, db, dg, ds0, None
 
