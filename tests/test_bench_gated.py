@@ -2,7 +2,7 @@
 
 import json
 
-from linattn.bench.gated import BASE, OURS, _memory_child, claims, run_gated
+from linattn.bench.gated import BASE, ENGINE_PROBE, OURS, _memory_child, claims, run_gated
 from linattn.cli import main
 
 
@@ -10,7 +10,7 @@ def test_gated_bench_tiny(tmp_path):
     result = run_gated(out=tmp_path, ns=(64, 128), repeats=1, hf_repeats=1, memory_n=0, runs=2, quiet=True)
     saved = json.loads((tmp_path / "gated.json").read_text())
     assert saved["command"].startswith("linattn bench gated --ns 64,128")
-    assert set(saved["ratios"]["128"]) == set(OURS) and len(saved["ratios"]["128"]["delta"]["runs"]) == 2
+    assert set(saved["ratios"]["128"]) == {*OURS, ENGINE_PROBE} and len(saved["ratios"]["128"]["delta"]["runs"]) == 2
     assert set(saved["hf_ratios"]) == {"64", "128"}  # transformers is installed in the test environment
     assert "memory" not in saved  # memory_n = 0 skips it
     md = (tmp_path / "gated.md").read_text()

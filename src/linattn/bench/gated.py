@@ -55,6 +55,10 @@ from .harness import (
 H, D = 8, 64
 BASE = "linear"
 OURS = ("gla_head", "gla_channel", "delta", "gated_delta")
+# Plain linear attention computed by the gated engine (decay 0, the normaliser as an extra value
+# column): what keeping linear_attention's own engine is worth, measured beside it (issue 20's
+# "one engine" question). Timed, not a claim.
+ENGINE_PROBE = "linear_on_gated_engine"
 # the claims of issue 20: (contender, its time / linear's at most this)
 WITHIN = {"gla_head": 1.5, "gla_channel": 3.0, "delta": 3.0, "gated_delta": 3.0}
 HF_FASTER_BY = 10.0  # torch_chunk_gated_delta_rule's time / our gated delta rule's at least this
@@ -68,6 +72,7 @@ DESCRIPTIONS = {
     "delta": "delta_rule_attention, no decay (DeltaNet)",
     "gated_delta": "delta_rule_attention, log_decay (B, H, N) (Gated DeltaNet)",
     "hf_gated_delta": "transformers' torch_chunk_gated_delta_rule (chunk 64), same inputs",
+    ENGINE_PROBE: "linear attention (elu+1) on gated_linear_attention's engine: decay 0, normaliser as a value column",
 }
 
 
@@ -102,6 +107,7 @@ def forms(x: dict) -> dict:
         "gla_channel": lambda: linattn.gated_linear_attention(q, k, v, x["decay_channel"]),
         "delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"]),
         "gated_delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"], log_decay=x["decay_head"]),
+        ENGINE_PROBE: lambda: _linear_on_gated_engine(q, k, v),
     }
     hf = hf_gated_delta_rule()
     if hf is not None:
@@ -111,6 +117,15 @@ def forms(x: dict) -> dict:
             return o
         out["hf_gated_delta"] = hf_call
     return out
+
+
+def _linear_on_gated_engine(q, k, v):
+    """elu+1 linear attention through ``gated_linear_attention`` with a zero log decay: the numerator
+    and the normaliser in one pass (v with a column of ones), then their quotient."""
+    qf, kf = functional.feature_maps.elu_feature_map(q), functional.feature_maps.elu_feature_map(k)
+    zero = q.new_zeros(q.shape[:-1])
+    o = linattn.gated_linear_attention(qf, kf, torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1), zero, scale=1.0)
+    return o[..., :-1] / o[..., -1:]
 
 
 def _forward_backward(fn, x: dict):
@@ -159,7 +174,7 @@ def _child(ns: list[int], repeats: int, hf_repeats: int) -> dict:
     for n in ns:
         x = make_inputs(n)
         f = forms(x)
-        ours = {name: _forward_backward(f[name], x) for name in (BASE, *OURS)}
+        ours = {name: _forward_backward(f[name], x) for name in (BASE, *OURS, ENGINE_PROBE)}
         times = time_calls(ours, repeats=repeats, warmup=1)
         out["times"][str(n)] = {k: {"median_s": median(v), "all_s": v} for k, v in times.items()}
         if "hf_gated_delta" in f:
@@ -239,7 +254,7 @@ def run_gated(*, out: str | Path = "docs/benchmarks", ns: tuple[int, ...] = (409
     }
     children = [r["allocators"]["inherited"] for r in result["runs"]]
     result["ratios"] = {str(n): {name: spread([c["times"][str(n)][name]["median_s"] / c["times"][str(n)][BASE]["median_s"]
-                                               for c in children]) for name in OURS} for n in ns}
+                                               for c in children]) for name in (*OURS, ENGINE_PROBE)} for n in ns}
     if have_hf:
         result["hf_ratios"] = {str(n): spread([c["hf_times"][str(n)]["hf_gated_delta"]["median_s"]
                                                / c["hf_times"][str(n)]["gated_delta"]["median_s"] for c in children])
@@ -316,7 +331,7 @@ def format_gated(result: dict) -> str:
     lines += ["", "## Times (median over runs of each run's median)", "", "| N | contender | time | per run |",
               "| --- | --- | --- | --- |"]
     for n in result["ratios"]:
-        for name in (BASE, *OURS):
+        for name in (BASE, *OURS, ENGINE_PROBE):
             ts = [c["times"][n][name]["median_s"] for c in children]
             lines.append(f"| {n} | {DESCRIPTIONS[name]} | {format_seconds(median(ts))} | "
                          + ", ".join(format_seconds(t) for t in ts) + " |")
