@@ -450,7 +450,9 @@ class _DeltaRule(torch.autograd.Function):
             ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
         need_g = g is not None and ctx.needs_input_grad[4]
         with no_autocast(ctx.device_type):
-            dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do, ds_final,
+            # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
+            # the reshapes and make every batched product copy its matrices one by one
+            dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final,
                                                         ctx.chunk_size, need_g)
         return dq, dk, dv, db, dg, ds0, None
 
