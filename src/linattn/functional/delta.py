@@ -292,8 +292,8 @@ def _block_forward(q, k, v, b, g, st):
     return torch.bmm(x.P, U.view(m, C, Dv)).baddbmm_(x.GQ, st[:n].reshape(m, D, Dv))
 
 
-def _chunked_forward(q, k, v, b, g, s0, chunk_size):
-    """``q, k (R, N, D)`` (q scaled), ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
+def _chunked_forward(q, k, v, b, g, s0, scale, chunk_size):
+    """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
     ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``."""
     R, N, D = q.shape
     Dv = v.shape[-1]
@@ -304,7 +304,8 @@ def _chunked_forward(q, k, v, b, g, s0, chunk_size):
     states = v.new_empty(lay.Nc + 1, R, D, Dv)
     states[0] = s0
     for blk in lay.blocks():
-        ob = _block_forward(*(lay.take(t, blk) for t in (qc, kc, vc, bc, gc)), states[blk.start:blk.stop + 1])
+        ob = _block_forward(lay.take(qc, blk) * scale, *(lay.take(t, blk) for t in (kc, vc, bc, gc)),
+                            states[blk.start:blk.stop + 1])
         lay.put(o, blk, ob)
     return o.view(R, -1, Dv)[:, :N], states
 
@@ -395,7 +396,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g):
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, do, ds_final, chunk_size, need_g):
+def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chunk_size, need_g):
     """Gradients of :func:`_chunked_forward`: ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
     ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards."""
     R, N, D = q.shape
@@ -411,8 +412,9 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, chunk_size, need_g):
     for blk in reversed(lay.blocks()):
         dst = ds.new_empty(blk.stop - blk.start + 1, R, D, Dv)
         dst[-1] = ds
-        parts = _block_backward(*(lay.take(t, blk) for t in (qc, kc, vc, bc, gc)), states[blk.start:blk.stop + 1],
-                                lay.take(doc, blk), dst, need_g)
+        parts = list(_block_backward(lay.take(qc, blk) * scale, *(lay.take(t, blk) for t in (kc, vc, bc, gc)),
+                                     states[blk.start:blk.stop + 1], lay.take(doc, blk), dst, need_g))
+        parts[0].mul_(scale)  # the block saw scale * q
         for dst_all, part in zip((dq, dk, dv, db, dg), parts):
             if part is not None:
                 lay.put(dst_all, blk, part)
@@ -427,16 +429,16 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, chunk_size, need_g):
 class _DeltaRule(torch.autograd.Function):
     """``(q, k, v, beta, g, s0) -> (o, s_final)`` of the chunked form, rows ``(R, N, ...)``.
 
-    q is already scaled; g may be None (no decay); s0 is a tensor (zeros when there was no initial
+    q is scaled block by block (a scaled copy of the whole q would be one more saved tensor); g may be None (no decay); s0 is a tensor (zeros when there was no initial
     state). Saves the inputs and the state before every chunk, ``(Nc + 1, R, D, Dv)`` (as large as
     v when C = Dv), and recomputes the chunk-local products in the backward.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, b, g, s0, chunk_size):
+    def forward(ctx, q, k, v, b, g, s0, scale, chunk_size):
         with no_autocast(q.device.type):
-            o, states = _chunked_forward(q, k, v, b, g, s0, chunk_size)
-        ctx.device_type, ctx.chunk_size = q.device.type, chunk_size
+            o, states = _chunked_forward(q, k, v, b, g, s0, scale, chunk_size)
+        ctx.device_type, ctx.scale, ctx.chunk_size = q.device.type, scale, chunk_size
         ctx.save_for_backward(q, k, v, b, g, states)
         return o, states[-1].clone()
 
@@ -453,8 +455,8 @@ class _DeltaRule(torch.autograd.Function):
             # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
             # the reshapes and make every batched product copy its matrices one by one
             dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final,
-                                                        ctx.chunk_size, need_g)
-        return dq, dk, dv, db, dg, ds0, None
+                                                        ctx.scale, ctx.chunk_size, need_g)
+        return dq, dk, dv, db, dg, ds0, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,8 +548,8 @@ def delta_rule_attention(
                 return t.reshape(B * H, N, *t.shape[3:])
 
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
-            o, s = _DeltaRule.apply(rows(qx * scale), rows(kx), rows(vx), rows(beta),
-                                    None if log_decay is None else rows(log_decay), s0r, chunk_size)
+            o, s = _DeltaRule.apply(rows(qx), rows(kx), rows(vx), rows(beta),
+                                    None if log_decay is None else rows(log_decay), s0r, scale, chunk_size)
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
         out = _zero_padded_outputs(out, key_padding_mask).to(q.dtype)
     return (out, DecayedState(s)) if return_state else out
