@@ -25,25 +25,29 @@ Putting that into the recurrence gives the "pseudo-values" u (the WY / UT repres
     u_t = beta_t (v_t - gamma_t S^T k_t - sum_{i < t} (gamma_t / gamma_i) (k_t . k_i) u_i)
     (I + A) U = diag(beta) V - diag(beta gamma) K S,   A_ti = beta_t (gamma_t / gamma_i) k_t . k_i, i < t
 
-so with ``T = (I + A)^-1`` (unit lower triangular, one C x C inverse per chunk, all chunks at once):
+so with ``T = (I + A)^-1`` (unit lower triangular, one C x C inverse per chunk, all chunks at once,
+by halves down to 16 x 16 diagonal blocks that ``torch.linalg.solve_triangular`` inverts):
 ``U = Uv - W S`` with ``Uv = T diag(beta) V`` and ``W = T diag(beta gamma) K``, neither of which
 depends on the state. Then
 
     O     = diag(gamma) Q S + P U,            P_ti = (gamma_t / gamma_i) q_t . k_i for i <= t, else 0
     S_end = gamma_C S + Kd^T U,              Kd_i = (gamma_C / gamma_i) k_i
 
-which regroups into ``O = P Uv + Qe S`` with ``Qe = diag(gamma) Q - P W`` and ``S_end = M S + Hc``
-with ``M = gamma_C I - Kd^T W`` (D x D) and ``Hc = Kd^T Uv``. Everything but the state is computed
-for many chunks at once in batched matrix products; what is left sequential is one ``(D, D) x (D, Dv)``
-product per chunk. Every ratio ``gamma_t / gamma_i`` is ``exp(G_t - G_i)`` with the difference taken
-first (in float64, where large decays would otherwise cancel in float32) and masked to -inf above the
-diagonal before the exp: nothing exponentiated is ever above 1, so nothing overflows, even for
-decays near -inf.
+Everything but the state is computed for many chunks at once in batched matrix products (T, Uv,
+W, P, and afterwards O from the states); what is left sequential is a loop over chunks, never over
+positions, with two ``(R, C|D, D) x (R, D, Dv)`` products per chunk: ``U = Uv - W S`` and
+``S <- gamma_C S + Kd^T U``. Every ratio ``gamma_t / gamma_i`` is ``exp(G_t - G_i)`` with the
+difference taken first (in float64: in float32 a large decay early in a chunk would drown the
+digits of the small ones after it) and clamped to <= 0 before the exp, the entries above the
+diagonal then zeroed: nothing exponentiated is ever above 0, so nothing overflows, even for decays
+near -inf. For half inputs all of this runs in float32 (the state, the cumulative decays, the
+inverses), and the output is cast back.
 
-The backward (``_DeltaRule``) keeps only the inputs and the state before every chunk, recomputes
-the chunk-local products, runs the state gradient back through ``dS = M^T dS_end + Qe^T dO``, chunk
-by chunk, and derives every other gradient in batched products (the derivation is written out at
-``_block_backward``).
+The backward (``_DeltaRule``) keeps only the inputs and the state before every chunk (as large as
+v when C = Dv: memory stays O(N)), recomputes the chunk-local products block by block, runs the
+state gradient back through ``dU = P^T dO + Kd dS_end``, ``dS = gamma_C dS_end + (gamma Q)^T dO -
+W^T dU``, chunk by chunk, and derives every other gradient in batched products (the derivation is
+written out at ``_block_backward``; the triangular inverse's is ``dA = -T^T dT T^T``).
 """
 
 from __future__ import annotations
@@ -427,11 +431,13 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chunk_size, ne
 
 
 class _DeltaRule(torch.autograd.Function):
-    """``(q, k, v, beta, g, s0) -> (o, s_final)`` of the chunked form, rows ``(R, N, ...)``.
+    """``(q, k, v, beta, g, s0, scale, chunk_size) -> (o, s_final)`` of the chunked form, on rows
+    ``(R, N, ...)``.
 
-    q is scaled block by block (a scaled copy of the whole q would be one more saved tensor); g may be None (no decay); s0 is a tensor (zeros when there was no initial
-    state). Saves the inputs and the state before every chunk, ``(Nc + 1, R, D, Dv)`` (as large as
-    v when C = Dv), and recomputes the chunk-local products in the backward.
+    q is scaled block by block (a scaled copy of the whole q would be one more saved tensor); g may
+    be None (no decay); s0 is a tensor (zeros when there was no initial state). Saves the inputs and
+    the state before every chunk and after the last, ``(Nc + 1, R, D, Dv)`` (as large as v when
+    C = Dv), and recomputes the chunk-local products in the backward.
     """
 
     @staticmethod
