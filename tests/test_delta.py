@@ -260,6 +260,19 @@ def test_step_by_step_equals_chunked(decay):
     close(state.s, st.s)
 
 
+def test_non_contiguous_inputs():
+    """Inputs in (B, N, H, D) memory seen as (B, H, N, D), as a projection followed by a transpose
+    gives them."""
+    x = make(B=2, H=3, N=90, D=8, Dv=5, seed=20, state=True)
+    y = {n: (t.transpose(1, 2).contiguous().transpose(1, 2) if isinstance(t, torch.Tensor) else t)
+         for n, t in x.items()}
+    assert not y["q"].is_contiguous()
+    out, st = call(delta_rule_attention, y, chunk_size=16)
+    ref, st_ref = call(delta_rule_attention_reference, x)
+    close(out, ref)
+    close(st.s, st_ref.s)
+
+
 def test_step_gradients_match_reference():
     x = make(N=1, seed=14, state=True)
     for a, b in zip(_grads(delta_rule_attention, x, ALL), _grads(delta_rule_attention_reference, x, ALL)):
