@@ -80,6 +80,43 @@ def test_extreme_decays(lo, hi, channel):
 
 
 @pytest.mark.parametrize("channel", [False, True], ids=["head", "channel"])
+def test_minus_inf_decay_is_a_full_reset(channel):
+    """-inf is accepted (floored at -1000 inside the chunked form, where exp is 0 already): the
+    same result as -1e4 and as the reference, every gradient finite, 0 at the -inf entries."""
+    q, k, v, ld, s0 = _inputs(1, 2, 67, 6, 5, channel=channel, lo=0.3)
+    reset = torch.zeros(ld.shape, dtype=torch.bool)
+    reset[:, :, [0, 5, 20, 21, 66]] = True
+    if channel:
+        reset[:, :, 40, :3] = True  # some channels only
+    got = _run(gated_linear_attention, q, k, v, ld.masked_fill(reset, float("-inf")), s0, chunk_size=16)
+    _compare(got, _run(gated_linear_attention_reference, q, k, v, ld.masked_fill(reset, float("-inf")), s0))
+    _compare(got, _run(gated_linear_attention, q, k, v, ld.masked_fill(reset, -1e4), s0, chunk_size=16))
+    for t in (got[0], got[1], *got[2]):
+        assert torch.isfinite(t).all()
+    assert (got[2][3][reset] == 0).all()
+    # the recurrent step too
+    o1, s1 = gated_linear_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], ld[:, :, :1].clone().fill_(float("-inf")),
+                                    initial_state=DecayedState(s0), return_state=True)
+    assert_close(s1.s, k[:, :, 0, :, None] * v[:, :, 0, None, :], msg="state after a reset")
+
+
+@pytest.mark.parametrize("channel", [False, True], ids=["head", "channel"])
+def test_float32_huge_decay_early_in_chunk_keeps_small_ones(channel):
+    """float32 inputs: a decay of -1e4 (or -inf) early in a chunk, small ones after it. The
+    cumulative log decays are float64 and their differences taken before the cast: in float32 they
+    would be near -1000 (the floor) and keep few digits of the small decays (errors ~1e-5)."""
+    q, k, v, ld, s0 = _inputs(1, 2, 100, 8, 5, channel=channel, lo=0.01, dtype=torch.float32)
+    ld[:, :, [1, 35, 70]] = -1e4
+    ld[:, :, 3] = float("-inf")
+    got = _run(gated_linear_attention, q, k, v, ld, s0, chunk_size=32)
+    want = _run(gated_linear_attention_reference, *(x.double() for x in (q, k, v, ld, s0)))
+    names = ["out", "state", "dq", "dk", "dv", "dlog_decay", "dinitial_state"]
+    for name, a, b in zip(names, [got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+        assert torch.isfinite(a).all(), name
+        assert_close(a.double(), b, atol=2e-6 * b.abs().max().item(), rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("channel", [False, True], ids=["head", "channel"])
 def test_padding_is_identity_step(channel):
     B, N = 3, 50
     q, k, v, ld, s0 = _inputs(B, 2, N, 6, 5, channel=channel)
@@ -201,8 +238,10 @@ def test_bad_inputs_raise_naming_the_argument(fn):
     q, k, v, ld, s0 = _inputs(2, 2, 10, 4, 3, channel=False)
     with pytest.raises(ValueError, match="log_decay must be <= 0"):
         fn(q, k, v, ld.abs())
-    with pytest.raises(ValueError, match="log_decay must be finite"):
-        fn(q, k, v, ld.masked_fill(ld < -0.5, float("-inf")))
+    with pytest.raises(ValueError, match="log_decay must be <= 0.*got nan"):
+        fn(q, k, v, ld.masked_fill(ld < -0.5, float("nan")))
+    with pytest.raises(ValueError, match="log_decay must be <= 0.*got inf"):
+        fn(q, k, v, ld.masked_fill(ld < -0.5, float("inf")))
     with pytest.raises(ValueError, match=r"log_decay must have shape .*\(2, 2, 10\).*got \(2, 2, 9\)"):
         fn(q, k, v, ld[:, :, :9])
     with pytest.raises(ValueError, match=r"log_decay must have shape .*got \(2, 2, 10, 3\)"):

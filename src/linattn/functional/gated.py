@@ -43,9 +43,8 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
 
     Raises:
         TypeError: not a floating-point tensor.
-        ValueError: wrong shape or device, or an entry of a real position that is positive or not
-            finite (-inf would make the differences of cumulative log decays -inf - (-inf) = NaN;
-            a large finite value such as -1e4 already decays to exactly 0).
+        ValueError: wrong shape or device, or an entry of a real position that is positive or NaN
+            (-inf is allowed: a decay of exactly 0, a full reset).
     """
     if not isinstance(log_decay, Tensor) or not log_decay.is_floating_point():
         got = log_decay.dtype if isinstance(log_decay, Tensor) else type(log_decay).__name__
@@ -67,12 +66,10 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
     if key_padding_mask is not None:
         g = torch.where(key_padding_mask[:, None, :, None], g, g.new_zeros(()))
     with torch.no_grad():
-        if bool((g > 0).any()):
-            raise ValueError(f"{fn}: log_decay must be <= 0 (a decay exp(log_decay) <= 1), got a maximum "
-                             f"of {g.max().item():.6g}")
-        if not bool(torch.isfinite(g).all()):
-            raise ValueError(f"{fn}: log_decay must be finite (use a large negative value such as -1e4 "
-                             "for a full reset: its decay is exactly 0)")
+        bad = ~(g <= 0)  # positive or NaN
+        if bool(bad.any()):
+            raise ValueError(f"{fn}: log_decay must be <= 0 (a decay exp(log_decay) in [0, 1]; -inf is a decay "
+                             f"of 0) at every real position, got {g[bad][0].item():.6g}")
     return g
 
 
@@ -136,8 +133,10 @@ def gated_linear_attention_reference(
 #     o_t   = (q_t * exp(b_t))^T S_0 + sum_{s <= t} A_ts v_s,   A_ts = sum_d q_td k_sd exp(b_td - b_sd)
 #     S_end = exp(b_C) * S_0 + sum_s (k_s * exp(b_C - b_s)) v_s^T
 #
-# Every exponent above is <= 0 once the entries with s > t are masked (to -inf, before exp): no
-# exp(+large) anywhere, so decays near -1e4 give exact zeros rather than inf * 0 = NaN. Across
+# Every exponent above is <= 0 once the entries with s > t are clamped to 0 before the exp (and
+# zeroed after it): no exp(+large) anywhere, so huge decays give exact zeros rather than inf * 0 =
+# NaN. Log decays are floored at -1000 (-inf allowed), b is accumulated in float64 and every
+# difference of its entries is taken in float64 before the cast and the exp. Across
 # chunks, S_end = exp(b_C) * S_0 + U is a loop over chunks (never over positions) of one addcmul.
 #
 # A per-head gate (G = 1) makes exp(b_t - b_s) one number per (t, s): A is (q k^T) * exp(masked
@@ -167,6 +166,12 @@ def gated_linear_attention_reference(
 # a sum of N terms instead of C.
 # ---------------------------------------------------------------------------------------------
 
+# A log decay below this is taken as this inside the chunked form: exp(-1000) is 0 in every float
+# dtype (float64's smallest subnormal is about exp(-745)), and so is every product of decays that
+# contains it and every gradient with respect to it (each carries such a factor), so the result is
+# unchanged; but -inf would make the differences of cumulative log decays -inf - (-inf) = NaN.
+_LOG_DECAY_FLOOR = -1000.0
+
 # Sub-chunk length of the per-channel intra-chunk product (the largest divisor of C up to this);
 # any value gives the same result.
 _SUB_CHUNK = 8
@@ -184,24 +189,30 @@ def _strict_upper(n: int, device) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
 
 
+def _exp_masked(x: Tensor, dtype: torch.dtype, upper: Tensor) -> Tensor:
+    """``exp(x)`` in ``dtype`` with the entries where ``upper`` is True set to 0. Those (a key
+    after the query) are positive and are clamped to 0 before the exp, not masked to -inf: exp
+    of -inf (and of any result below the normal range) takes a slow path on CPUs, several times
+    the cost of an ordinary one."""
+    return x.to(dtype).clamp_(max=0).exp_().masked_fill_(upper, 0)
+
+
 def _intra_head(q: Tensor, k: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` -> ``A (M, C, C)`` and the masked
+    """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` float64 -> ``A (M, C, C)`` and the masked
     decays ``E = exp(b_t - b_s)`` ``(M, C, C)`` (0 above the diagonal)."""
-    E = b - b.transpose(1, 2)  # (M, C, C): b_t - b_s
-    E.masked_fill_(_strict_upper(b.shape[1], b.device), float("-inf")).exp_()
+    E = _exp_masked(b - b.transpose(1, 2), q.dtype, _strict_upper(b.shape[1], b.device))  # exp(b_t - b_s)
     return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
 
 
 def _intra_channel(q: Tensor, k: Tensor, b: Tensor, c: int):
-    """Per-channel gate: ``q, k, b (M, C, D)`` -> ``A (M, C, C)`` and what the backward needs
-    (sub-chunks of length ``c``, as described at the top of this section)."""
+    """Per-channel gate: ``q, k (M, C, D)``, ``b (M, C, D)`` float64 -> ``A (M, C, C)`` and what the
+    backward needs (sub-chunks of length ``c``, as described at the top of this section)."""
     M, C, D = q.shape
     n, P = C // c, C - c
     qs, ks, bs = (t.view(M, n, c, D) for t in (q, k, b))
     A = q.new_zeros(M, C, C)
     # Diagonal blocks: E (M, n, c_t, c_s, D) = exp(b_t - b_s), masked for s > t.
-    E = bs.unsqueeze(3) - bs.unsqueeze(2)
-    E.masked_fill_(_strict_upper(c, q.device)[:, :, None], float("-inf")).exp_()
+    E = _exp_masked(bs.unsqueeze(3) - bs.unsqueeze(2), q.dtype, _strict_upper(c, q.device)[:, :, None])
     Ad = (qs.unsqueeze(3) * E).mul_(ks.unsqueeze(2)).sum(-1)  # (M, n, c, c)
     off = None
     if n > 1:
@@ -210,10 +221,10 @@ def _intra_channel(q: Tensor, k: Tensor, b: Tensor, c: int):
         # exponent <= 0. Only the first and last factors are per position (one exp each); the
         # middle one is per pair of sub-chunks, 0 for j >= i.
         r = bs[:, :, -1:]  # (M, n, 1, D)
-        eq = torch.exp(bs[:, 1:] - r[:, :-1])  # (M, n-1, c, D): exp(b_t - r_{i-1})
-        ek = torch.exp(r[:, :-1] - bs[:, :-1])  # (M, n-1, c, D): exp(r_j - b_s)
-        mid = r[:, :-1] - r[:, :-1].transpose(1, 2)  # (M, n-1 (i), n-1 (j), D): r_{i-1} - r_j
-        mid.masked_fill_(_strict_upper(n - 1, q.device)[:, :, None], float("-inf")).exp_()
+        eq = (bs[:, 1:] - r[:, :-1]).to(q.dtype).exp_()  # (M, n-1, c, D): exp(b_t - r_{i-1})
+        ek = (r[:, :-1] - bs[:, :-1]).to(q.dtype).exp_()  # (M, n-1, c, D): exp(r_j - b_s)
+        # (M, n-1 (i), n-1 (j), D): exp(r_{i-1} - r_j), 0 for j >= i
+        mid = _exp_masked(r[:, :-1] - r[:, :-1].transpose(1, 2), q.dtype, _strict_upper(n - 1, q.device)[:, :, None])
         qt = qs[:, 1:] * eq  # (M, n-1, c, D)
         kj = ks[:, :-1] * ek  # (M, n-1, c, D)
         kt = (mid.unsqueeze(3) * kj.unsqueeze(1)).view(M, n - 1, P, D)  # (M, n-1 (i), P, D)
@@ -268,10 +279,14 @@ def _tiles(Nc: int, R: int, C: int) -> list[slice]:
 
 
 def _tile_decays(g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)``, ``exp(b) (m, R, C, G)`` and
-    ``exp(b_C - b) (m, R, C, G)``; every exponent <= 0."""
-    b = g.cumsum(2)
-    return b, torch.exp(b), torch.exp(b[:, :, -1:] - b)
+    """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)`` in float64, ``exp(b) (m, R, C, G)`` and
+    ``exp(b_C - b) (m, R, C, G)`` in g's dtype; every exponent <= 0.
+
+    b is float64, and every difference of its entries is taken in float64 before it is cast back
+    and exponentiated: in float32, b_t - b_s after a large decay earlier in the chunk (down to the
+    floor, -1000) would keep few of the digits of the small decays between s and t."""
+    b = g.to(torch.float64).cumsum(2)
+    return b, b.to(g.dtype, copy=True).exp_(), (b[:, :, -1:] - b).to(g.dtype).exp_()
 
 
 def _g_sum(x: Tensor, G: int) -> Tensor:
@@ -316,7 +331,7 @@ class _GatedChunked(torch.autograd.Function):
                 q_, k_, v_, g_ = q3[sl], k3[sl], v3[sl], g3[sl]
                 b, eb, ek = _tile_decays(g_)
                 u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
-                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
+                a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
                 for j in range(sl.stop - sl.start):
                     torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
                 A, _ = _tile_intra(q_, k_, b, c)
@@ -347,7 +362,7 @@ class _GatedChunked(torch.autograd.Function):
                 b, eb, ek = _tile_decays(g_)
                 qd = q_ * eb
                 gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
-                a = torch.exp(b[:, :, -1]).unsqueeze(-1)  # (m, R, G, 1)
+                a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
                 for j in reversed(range(sl.stop - sl.start)):
                     torch.addcmul(gs[j], a[j], T[sl.start + j + 1], out=T[sl.start + j])
                 s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
@@ -407,8 +422,12 @@ def gated_linear_attention(
         v: ``(B, H, N, Dv)`` values.
         log_decay: ``(B, H, N)``, one gate per head and position (RetNet, Mamba-2, simple GLA), or
             ``(B, H, N, D)``, one per key channel, scaling the rows of S (GLA). Entries must be
-            <= 0 and finite (ValueError otherwise): a full reset is a large negative value such as
-            -1e4 (its decay is exactly 0), not -inf. Any floating dtype; used in the compute dtype.
+            <= 0 (ValueError for a positive or NaN entry); -inf is a decay of 0, a full reset.
+            Inside the chunked form entries below -1000 are taken as -1000: exp(-1000) is 0 in
+            every float dtype, so the result (and the gradient, 0 there) is unchanged, while -inf
+            itself would make differences of cumulative log decays NaN. The cumulative log decays
+            of a chunk are float64 (their differences cast back before the exp), so a huge decay
+            early in a chunk does not drown the digits of small ones after it. Any floating dtype.
         scale: the factor of the readout; None is ``1/sqrt(D)``.
         key_padding_mask: bool ``(B, N)``, True = a real position, False = padding. A padded
             position is an identity step (no decay, no write; its content, even NaN, is never
@@ -436,6 +455,6 @@ def gated_linear_attention(
             s = q.new_zeros(B, H, D, v.shape[-1]) if s0 is None else s0 + 0
             out = v.new_zeros(B, H, 0, v.shape[-1])
         else:
-            out, s = _GatedChunked.apply(q, k, v, g, s0, chunk_size)
+            out, s = _GatedChunked.apply(q, k, v, g.clamp(min=_LOG_DECAY_FLOOR), s0, chunk_size)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
