@@ -19,9 +19,10 @@ def test_gated_bench_tiny(tmp_path):
 
 
 def test_memory_child_checks_finiteness_and_the_reference():
-    for name in (BASE, *OURS):  # in this process: the peak means little, the accuracy check is what is tested
+    for name in OURS:  # in this process: the peak means little, the accuracy check is what is tested
         mem = _memory_child(name, 96)
         assert mem["finite"] and mem["rel_err"] < 1e-4, (name, mem)
+    assert _memory_child(BASE, 96)["rel_err"] is None  # linear's reference is O(N^2): not run at a long N
 
 
 def test_claims_follow_the_median_not_the_best_run():
