@@ -210,8 +210,11 @@ def test_every_mechanism_runs_forward_and_backward_with_frozen_parameters(name):
             continue
         module = build_module(case)
         x = make_inputs(case)
-        q, k, v = x
-        out = module(q, q, v, causal=causal) if MECHANISMS[name].shared_qk else module(q, k, v, causal=causal)
+        q, k, v = x[:3]
+        layer_input = {"x": x[3]} if MECHANISMS[name].needs_input else {}  # the gates' input (B, N, H * D)
+        assert len(x) == 3 + len(layer_input)
+        out = (module(q, q, v, causal=causal) if MECHANISMS[name].shared_qk
+               else module(q, k, v, causal=causal, **layer_input))
         out.sum().backward()
         assert x[0].grad is not None and torch.isfinite(x[0].grad).all()
         assert all(p.grad is None and not p.requires_grad for p in module.parameters())
