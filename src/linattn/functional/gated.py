@@ -73,8 +73,8 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
     return g
 
 
-def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state):
-    """Checks, then ``q * scale, k, v (B, H, N, *)``, ``g (B, H, N, G)`` and ``s0 (B, H, D, Dv)``
+def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state, *, scaled=True):
+    """Checks, then ``q * scale`` (``q`` and the scale with ``scaled=False``), ``k, v (B, H, N, *)``, ``g (B, H, N, G)`` and ``s0 (B, H, D, Dv)``
     or None, all in the compute dtype, padded positions zeroed (q too: their output is zeros)."""
     check_qkv(fn, q, k, v, causal=True)
     check_key_padding_mask(fn, key_padding_mask, k)
@@ -86,14 +86,16 @@ def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state):
     if initial_state is not None:
         check_decayed_state(fn, initial_state, B, H, D, Dv, q.device)
     dt = compute_dtype(q.dtype)
-    q, k, v = q.to(dt) * scale, k.to(dt), v.to(dt)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if scaled:
+        q = q * scale
     if key_padding_mask is not None:
         real = key_padding_mask[:, None, :, None]  # (B, 1, N, 1)
         zero = q.new_zeros(())
         q, k, v = (torch.where(real, t, zero) for t in (q, k, v))
     if initial_state is not None:
         s0 = initial_state.s.to(dt)
-    return q, k, v, g, s0
+    return (q, k, v, g, s0) if scaled else (q, k, v, g, s0, scale)
 
 
 def gated_linear_attention_reference(
@@ -272,14 +274,21 @@ def _intra_channel_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
 def _chunked(x: Tensor, C: int) -> Tensor:
     """``(B, H, N, X)`` -> ``(Nc, B*H, C, X)``, zero positions appended to fill the last chunk
     (zero q, k, v and log decay: an identity step that writes nothing). Chunk-major, so that a
-    tile of consecutive chunks, and the state of one chunk for all rows, are contiguous: bmm
-    then runs on views, and the scan over chunks on whole (B*H, D, Dv) blocks."""
+    tile of consecutive chunks, and the state of one chunk for all rows, index alike. When C
+    divides N this is a view of x (no copy: the tiles make their own small contiguous copies);
+    else a padded copy, laid out (B*H, Nc, C, X) alike."""
     B, H, N, X = x.shape
     fill = -N % C
     x = x.reshape(B * H, N, X)
     if fill:
         x = torch.nn.functional.pad(x, (0, 0, 0, fill))
-    return x.view(B * H, -1, C, X).transpose(0, 1).contiguous()
+    return x.view(B * H, -1, C, X).transpose(0, 1)
+
+
+def _chunked_empty(like: Tensor, Nc: int, R: int, C: int, X: int) -> Tensor:
+    """An uninitialised ``(Nc, R, C, X)`` view of a ``(R, Nc, C, X)`` tensor, which
+    :func:`_unchunked` turns back into ``(B, H, N, X)`` without a copy when C divides N."""
+    return like.new_empty(R, Nc, C, X).transpose(0, 1)
 
 
 def _unchunked(x: Tensor, B: int, H: int, N: int) -> Tensor:
@@ -320,14 +329,15 @@ def _tile_intra(q: Tensor, k: Tensor, b: Tensor, c: int):
 
 
 class _GatedChunked(torch.autograd.Function):
-    """``(q, k, v, g, s0) -> (o, s_final)`` of the chunked form; ``q`` already scaled.
+    """``(q, k, v, g, s0, chunk_size, scale) -> (o, s_final)`` of the chunked form; ``q`` is scaled
+    tile by tile (a scaled copy of the whole q would be one more full-size tensor, and saved).
 
     Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, g ``(B, H, N, G)``, s0 ``(B, H, D, Dv)`` or
     None; o ``(B, H, N, Dv)``, s_final ``(B, H, D, Dv)``. All in one (compute) dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, s0, chunk_size):
+    def forward(ctx, q, k, v, g, s0, chunk_size, scale):
         with no_autocast(q.device.type):
             B, H, N, D = q.shape
             Dv = v.shape[-1]
@@ -339,10 +349,10 @@ class _GatedChunked(torch.autograd.Function):
                 states[0].zero_()
             else:
                 states[0] = s0.reshape(R, D, Dv)
-            o = q3.new_empty(Nc, R, C, Dv)
+            o = _chunked_empty(q3, Nc, R, C, Dv)
             c = _sub_length(C)
             for sl in _tiles(Nc, R, C):
-                q_, k_, v_, g_ = q3[sl], k3[sl], v3[sl], g3[sl]
+                q_, k_, v_, g_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous(), g3[sl].contiguous()
                 b, eb, ek = _tile_decays(g_)
                 u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
                 a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
@@ -351,7 +361,7 @@ class _GatedChunked(torch.autograd.Function):
                 A, _ = _tile_intra(q_, k_, b, c)
                 o[sl] = (q_ * eb) @ states[sl] + A @ v_
             ctx.save_for_backward(q3, k3, v3, g3, states)
-            ctx.shape, ctx.has_s0 = (B, H, N, C), s0 is not None
+            ctx.shape, ctx.has_s0, ctx.scale = (B, H, N, C), s0 is not None, scale
             return _unchunked(o, B, H, N), states[Nc].reshape(B, H, D, Dv).clone()
 
     @staticmethod
@@ -359,6 +369,7 @@ class _GatedChunked(torch.autograd.Function):
     def backward(ctx, do, ds_final):
         q3, k3, v3, g3, states = ctx.saved_tensors
         B, H, N, C = ctx.shape
+        scale = ctx.scale
         Nc, R, _, D = q3.shape
         Dv, G = v3.shape[-1], g3.shape[-1]
         with no_autocast(q3.device.type):
@@ -368,11 +379,12 @@ class _GatedChunked(torch.autograd.Function):
                 T[Nc].zero_()
             else:
                 T[Nc] = ds_final.reshape(R, D, Dv)
-            dq3, dk3, dv3 = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-            dg3 = q3.new_empty(Nc, R, C, G)
+            dq3, dk3 = _chunked_empty(q3, Nc, R, C, D), _chunked_empty(q3, Nc, R, C, D)
+            dv3, dg3 = _chunked_empty(q3, Nc, R, C, Dv), _chunked_empty(q3, Nc, R, C, G)
             c = _sub_length(C)
             for sl in reversed(_tiles(Nc, R, C)):
-                q_, k_, v_, g_, do_ = q3[sl], k3[sl], v3[sl], g3[sl], do3[sl]
+                q_, k_, v_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous()
+                g_, do_ = g3[sl].contiguous(), do3[sl].contiguous()
                 b, eb, ek = _tile_decays(g_)
                 qd = q_ * eb
                 gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
@@ -402,10 +414,10 @@ class _GatedChunked(torch.autograd.Function):
                 # 0 at the floor (and below it, -inf included): each term carries exp(-1000) = 0,
                 # but the cumulative sums above leave rounding noise there
                 dg3[sl] = dg.masked_fill_(g_ <= _LOG_DECAY_FLOOR, 0)
-                dq3[sl], dk3[sl] = dq + dqi, dk + dki
+                dq3[sl], dk3[sl] = dq.add_(dqi).mul_(scale), dk + dki  # dq: the tile saw scale * q
             ds0 = T[0].reshape(B, H, D, Dv) if ctx.has_s0 else None
             return (_unchunked(dq3, B, H, N), _unchunked(dk3, B, H, N), _unchunked(dv3, B, H, N),
-                    _unchunked(dg3, B, H, N), ds0, None)
+                    _unchunked(dg3, B, H, N), ds0, None, None)
 
 
 def _recurrent_step(q, k, v, g, s0):
@@ -466,16 +478,17 @@ def gated_linear_attention(
         check_positive_int(fn, "chunk_size", chunk_size)
     in_dtype = q.dtype
     with no_autocast(q.device.type):
-        q, k, v, g, s0 = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state)
+        q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
+                                         scaled=False)
         B, H, N, D = q.shape
         if N == 1 and s0 is not None:
-            out, s = _recurrent_step(q, k, v, g, s0)
+            out, s = _recurrent_step(q * scale, k, v, g, s0)
         elif N == 0:
             s = q.new_zeros(B, H, D, v.shape[-1]) if s0 is None else s0 + 0
             out = v.new_zeros(B, H, 0, v.shape[-1])
         else:
             if chunk_size is None:
                 chunk_size = _CHUNK_HEAD if g.shape[-1] == 1 else _CHUNK_CHANNEL
-            out, s = _GatedChunked.apply(q, k, v, g, s0, chunk_size)
+            out, s = _GatedChunked.apply(q, k, v, g, s0, chunk_size, scale)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
