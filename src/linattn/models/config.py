@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from ..config import Config
 from ..nn.mechanisms import SoftmaxConfig
-from ..nn.registry import AttentionConfig, attention_config_from_dict, attention_config_to_dict, spec_for
+from ..nn.registry import MECHANISMS, AttentionConfig, attention_config_from_dict, attention_config_to_dict, spec_for
 
 __all__ = ["NORMS", "POSITIONAL", "TransformerConfig"]
 
@@ -142,6 +142,17 @@ class TransformerConfig(Config):
     def attention_for(self, layer: int) -> AttentionConfig:
         """The mechanism config of layer ``layer``."""
         return dict(self.layer_attention).get(layer, self.attention)
+
+    def check_form(self, form: str, *, owner: str, user: str) -> None:
+        """Raise ValueError unless every layer's mechanism has ``form`` (``"causal"``,
+        ``"bidirectional"``); the message names ``owner``, the first layer without it and the
+        mechanisms ``user`` (e.g. "a language model") could use instead."""
+        for i in range(self.n_layers):
+            spec = spec_for(self.attention_for(i))
+            if form not in spec.forms:
+                having = sorted(n for n, s in MECHANISMS.items() if form in s.forms)
+                raise ValueError(f"{owner}: layer {i} uses {spec.name!r} attention, which has no {form} form; "
+                                 f"{user} needs one of {having}")
 
     def layer_mechanisms(self) -> list[str]:
         """The registered mechanism name of every layer, in order."""

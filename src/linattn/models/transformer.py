@@ -21,7 +21,6 @@ from torch import Tensor, nn
 
 from ..nn.attention import AttentionState, MultiHeadAttention
 from ..nn.positional import sinusoidal_table
-from ..nn.registry import MECHANISMS, spec_for
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TransformerConfig
 
@@ -173,14 +172,7 @@ class TransformerEncoder(_Transformer):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__(config)
-        for i in range(config.n_layers):
-            spec = spec_for(config.attention_for(i))
-            if not spec.bidirectional:
-                either = sorted(n for n, s in MECHANISMS.items() if s.bidirectional)
-                raise ValueError(
-                    f"TransformerEncoder: layer {i} uses {spec.name!r} attention, which has no bidirectional "
-                    f"form (it is causal only); an encoder needs one of {either}"
-                )
+        config.check_form("bidirectional", owner="TransformerEncoder", user="an encoder")
         self._init_weights()
 
     def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -209,14 +201,7 @@ class TransformerLM(_Transformer):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__(config)
-        for i in range(config.n_layers):
-            spec = spec_for(config.attention_for(i))
-            if not spec.causal:
-                causal = sorted(n for n, s in MECHANISMS.items() if s.causal)
-                raise ValueError(
-                    f"TransformerLM: layer {i} uses {spec.name!r} attention, which has no causal form; "
-                    f"a language model needs one of {causal}"
-                )
+        config.check_form("causal", owner="TransformerLM", user="a language model")
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
         if config.tie_embeddings:
@@ -252,13 +237,7 @@ class TransformerLM(_Transformer):
         return logits
 
     def _check_recurrent(self, what: str) -> None:
-        for i, name in enumerate(self.config.layer_mechanisms()):
-            if not MECHANISMS[name].recurrent:
-                raise ValueError(
-                    f"TransformerLM.{what}: layer {i} uses {name!r} attention, which has no recurrent "
-                    "form; decoding needs one of "
-                    + ", ".join(n for n, s in MECHANISMS.items() if s.recurrent) + " in every layer"
-                )
+        self.config.check_form("recurrent", owner=f"TransformerLM.{what}", user="decoding in every layer")
 
     def initial_state(self, batch_size: int) -> LMState:
         """The state before the first token (empty caches, zero sums), on the model's device and

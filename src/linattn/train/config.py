@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from ..config import Config, apply_overrides, read_config_file
 from ..models import TransformerConfig
-from ..nn import LinearConfig, MECHANISMS
+from ..nn import LinearConfig
 
 __all__ = [
     "DATA_SOURCES",
@@ -183,13 +183,7 @@ class TrainConfig(Config):
         if not isinstance(self.data, DataConfig):
             raise TypeError(f"{o}: data must be a DataConfig, got {type(self.data).__name__}")
         # A language model needs a causal form in every layer; say so before building anything.
-        for i, name in enumerate(self.model.layer_mechanisms()):
-            if not MECHANISMS[name].causal:
-                causal = sorted(n for n, s in MECHANISMS.items() if s.causal)
-                raise ValueError(
-                    f"{o}: model layer {i} uses {name!r} attention, which has no causal form; "
-                    f"a language model needs one of {causal}"
-                )
+        self.model.check_form("causal", owner=f"{o}: model", user="a language model")
         _int(o, "seed", self.seed, 0)
         for name in ("batch_size", "seq_len", "grad_accum", "max_steps", "eval_batches", "keep_last", "log_every"):
             _int(o, name, getattr(self, name), 1)
