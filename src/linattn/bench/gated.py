@@ -33,8 +33,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import linattn
-
 from .. import functional, progress
 from .harness import (
     INHERITED_ALLOCATOR,
@@ -98,22 +96,39 @@ def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, re
     return {name: t.requires_grad_(requires_grad) for name, t in x.items()}
 
 
+# Each timed linattn form: (fast form, its float64 reference, the make_inputs entries it takes
+# positionally, those it takes by keyword, fixed options). One table for the timing, the decoding
+# steps and the accuracy check.
+_FORMS = {
+    "linear": (functional.linear_attention, functional.linear_attention_reference, ("q", "k", "v"), {},
+               {"causal": True}),
+    "gla_head": (functional.gated_linear_attention, functional.gated_linear_attention_reference,
+                 ("q", "k", "v", "decay_head"), {}, {}),
+    "gla_channel": (functional.gated_linear_attention, functional.gated_linear_attention_reference,
+                    ("q", "k", "v", "decay_channel"), {}, {}),
+    "delta": (functional.delta_rule_attention, functional.delta_rule_attention_reference,
+              ("q", "k", "v", "beta"), {}, {}),
+    "gated_delta": (functional.delta_rule_attention, functional.delta_rule_attention_reference,
+                    ("q", "k", "v", "beta"), {"log_decay": "decay_head"}, {}),
+}
+
+
+def _call(name: str, x: dict, *, reference: bool = False, **options):
+    """The form ``name`` of :data:`_FORMS` (or its reference) on the inputs ``x``, ``options``
+    (``return_state``, ``initial_state``) added to its own."""
+    fast, ref, args, keywords, fixed = _FORMS[name]
+    return (ref if reference else fast)(*(x[a] for a in args), **{k: x[a] for k, a in keywords.items()},
+                                        **fixed, **options)
+
+
 def forms(x: dict) -> dict:
     """``name -> () -> output`` for every contender on the inputs ``x`` (forward only)."""
-    q, k, v = x["q"], x["k"], x["v"]
-    out = {
-        "linear": lambda: linattn.linear_attention(q, k, v, causal=True),
-        "gla_head": lambda: linattn.gated_linear_attention(q, k, v, x["decay_head"]),
-        "gla_channel": lambda: linattn.gated_linear_attention(q, k, v, x["decay_channel"]),
-        "delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"]),
-        "gated_delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"], log_decay=x["decay_head"]),
-        ENGINE_PROBE: lambda: _linear_on_gated_engine(q, k, v),
-    }
+    out = {name: functools.partial(_call, name, x) for name in _FORMS}
+    out[ENGINE_PROBE] = lambda: _linear_on_gated_engine(x["q"], x["k"], x["v"])
     hf = hf_gated_delta_rule()
     if hf is not None:
         def hf_call():  # (B, N, H, D) layout; the transposes are views, part of what a caller pays
-            o, _ = hf(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), x["decay_head"].transpose(1, 2),
-                      x["beta"].transpose(1, 2), chunk_size=64)
+            o, _ = hf(*(x[a].transpose(1, 2) for a in ("q", "k", "v", "decay_head", "beta")), chunk_size=64)
             return o
         out["hf_gated_delta"] = hf_call
     return out
@@ -124,7 +139,7 @@ def _linear_on_gated_engine(q, k, v):
     and the normaliser in one pass (v with a column of ones), then their quotient."""
     qf, kf = functional.feature_maps.elu_feature_map(q), functional.feature_maps.elu_feature_map(k)
     zero = q.new_zeros(q.shape[:-1])
-    o = linattn.gated_linear_attention(qf, kf, torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1), zero, scale=1.0)
+    o = functional.gated_linear_attention(qf, kf, torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1), zero, scale=1.0)
     return o[..., :-1] / o[..., -1:]
 
 
@@ -144,28 +159,11 @@ def step_times(*, position: int = 1000, steps: int = 300, warmup: int = 50) -> d
     with torch.no_grad():
         prefix = {k: t[:, :, :position] for k, t in x.items()}
         tok = {k: t[:, :, position:] for k, t in x.items()}
-        states = {name: fn()[1] for name, fn in _stateful(prefix, None).items()}
-        times = time_calls(_stateful(tok, states), repeats=steps, warmup=warmup)
+        states = {name: _call(name, prefix, return_state=True)[1] for name in _FORMS}
+        steps_of = {name: functools.partial(_call, name, tok, return_state=True, initial_state=states[name])
+                    for name in _FORMS}
+        times = time_calls(steps_of, repeats=steps, warmup=warmup)
     return {name: median(ts) for name, ts in times.items()}
-
-
-def _stateful(x: dict, states: dict | None) -> dict:
-    """The forms with ``return_state=True`` (and ``initial_state`` from ``states`` when given)."""
-    q, k, v = x["q"], x["k"], x["v"]
-
-    def s(name):
-        return {} if states is None else {"initial_state": states[name]}
-
-    return {
-        "linear": lambda: linattn.linear_attention(q, k, v, causal=True, return_state=True, **s("linear")),
-        "gla_head": lambda: linattn.gated_linear_attention(q, k, v, x["decay_head"], return_state=True,
-                                                           **s("gla_head")),
-        "gla_channel": lambda: linattn.gated_linear_attention(q, k, v, x["decay_channel"], return_state=True,
-                                                              **s("gla_channel")),
-        "delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"], return_state=True, **s("delta")),
-        "gated_delta": lambda: linattn.delta_rule_attention(q, k, v, x["beta"], log_decay=x["decay_head"],
-                                                            return_state=True, **s("gated_delta")),
-    }
 
 
 def _child(ns: list[int], repeats: int, hf_repeats: int) -> dict:
@@ -204,16 +202,8 @@ def _memory_child(name: str, n: int) -> dict:
     if name == BASE:  # its reference is the O(N^2) kernel-matrix form: no accuracy check at this N
         return {"peak_bytes": peak, "finite": finite, "rel_err": None}
     x64 = {k: t.detach().double() for k, t in x.items()}
-    q, k, v = x64["q"], x64["k"], x64["v"]
-    reference = {
-        "gla_head": lambda: functional.gated_linear_attention_reference(q, k, v, x64["decay_head"]),
-        "gla_channel": lambda: functional.gated_linear_attention_reference(q, k, v, x64["decay_channel"]),
-        "delta": lambda: functional.delta_rule_attention_reference(q, k, v, x64["beta"]),
-        "gated_delta": lambda: functional.delta_rule_attention_reference(q, k, v, x64["beta"],
-                                                                         log_decay=x64["decay_head"]),
-    }[name]
     with torch.no_grad():
-        ref = reference()
+        ref = _call(name, x64, reference=True)
     rel = float((o.double() - ref).abs().max() / ref.abs().max().clamp_min(torch.finfo(torch.float64).tiny))
     return {"peak_bytes": peak, "finite": finite, "rel_err": rel}
 
