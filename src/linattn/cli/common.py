@@ -246,11 +246,13 @@ def attention_from_args(args: argparse.Namespace, base=None):
     else:
         raise ValueError(f"--attention-{next(iter(options)).replace('_', '-')} needs --attention NAME")
     d = attention_config_to_dict(chosen)
+    known = [f.name for f in dataclasses.fields(type(chosen))]
+    as_text = type(chosen).str_fields()  # a text option keeps its text, as --set reads it
     for k, raw in options.items():
-        if k not in {f.name for f in dataclasses.fields(type(chosen))}:
+        if k not in known:
             raise ValueError(f"--attention-{k.replace('_', '-')}: {d['name']!r} attention has no option {k!r}; "
-                             f"its options: {sorted(f.name for f in dataclasses.fields(type(chosen)))}")
-        d[k] = raw if k == "feature_map" else parse_value(raw)
+                             f"its options: {sorted(known)}")
+        d[k] = raw if k in as_text else parse_value(raw)
     return attention_config_from_dict(d)
 
 
