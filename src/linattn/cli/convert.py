@@ -152,8 +152,7 @@ def distill_config(args: argparse.Namespace):
         attention = attention_config(DEFAULT_STUDENT)
     base = {f.name: f.default for f in dataclasses.fields(DistillConfig) if f.default is not dataclasses.MISSING}
     base["attention"] = attention_config_to_dict(attention)
-    str_fields = DistillConfig.str_fields() if hasattr(DistillConfig, "str_fields") else ()
-    d = apply_overrides(base, config_overrides(args), str_fields=str_fields)
+    d = apply_overrides(base, config_overrides(args), str_fields=DistillConfig.str_fields())
     chosen = d["attention"]
     chosen = parse_attention(chosen) if isinstance(chosen, str) else attention_config_from_dict(chosen)
     _convertible("--attention", chosen)

@@ -63,7 +63,7 @@ def build_parser(prog: str) -> CommandParser:
 def _model_defaults_in_help(parser: CommandParser) -> None:
     """The model flags' help states the defaults of the model ``linattn train`` builds without a
     file (:func:`linattn.train.config.default_model`), not TransformerConfig's own."""
-    from ..train.config import default_model
+    from ..train.config import config_from_dict, default_model
 
     model = default_model()
     for action in parser._actions:
@@ -93,14 +93,13 @@ def resolve_config(args: argparse.Namespace):
     from ..config import apply_overrides, read_config_file
     from ..nn.registry import attention_config_from_dict, attention_config_to_dict
     from ..train import TrainConfig
-    from ..train.config import default_model
+    from ..train.config import config_from_dict, default_model
     from ..train.trainer import CONFIG_FILE
 
     overrides = config_overrides(args)
-    str_fields = TrainConfig.str_fields()
     path = args.config
     if path is None and args.resume:
-        out = apply_overrides({}, overrides, str_fields=str_fields).get("out", TrainConfig().out)
+        out = apply_overrides({}, overrides, str_fields=TrainConfig.str_fields()).get("out", TrainConfig().out)
         saved = Path(str(out)) / CONFIG_FILE
         if saved.is_file():
             path = saved
@@ -112,9 +111,8 @@ def resolve_config(args: argparse.Namespace):
         chosen = attention_from_args(args, base=attention_config_from_dict(dict(base)) if isinstance(base, dict) else None)
         if chosen is not None:
             model["attention"] = attention_config_to_dict(chosen)
-    d = apply_overrides(d, overrides, str_fields=str_fields)
     try:
-        return TrainConfig.from_dict(d)
+        return config_from_dict(d, overrides)
     except (ValueError, TypeError) as e:
         flag = _flag_of(str(e))
         if flag is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ..config import Config, apply_overrides, read_config_file
 from ..models import TransformerConfig
@@ -233,12 +233,17 @@ class TrainConfig(Config):
         return self.max_steps if self.decay_steps is None else self.decay_steps
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
-    """A :class:`TrainConfig` from a ``.json`` or ``.toml`` file (None: the defaults), with
-    ``overrides`` (see :func:`linattn.config.apply_overrides`) applied on top. A file's ``model``
-    table is a whole model config; without one, the default model is kept and overrides edit it."""
-    d: dict[str, Any] = {} if path is None else read_config_file(path)
-    # Overrides edit the file's dict before validation, so they can repair or complete it; a file
-    # without a model table gets the default model's dict for them to edit.
+def config_from_dict(d: Mapping[str, Any], overrides: Iterable[str] = ()) -> TrainConfig:
+    """A :class:`TrainConfig` from a config file's dict with ``overrides`` (see
+    :func:`linattn.config.apply_overrides`) applied before validation, so that they can repair or
+    complete it; a dict without a ``model`` table gets the default model's for them to edit."""
+    d = dict(d)
     d.setdefault("model", default_model().to_dict())
     return TrainConfig.from_dict(apply_overrides(d, overrides, str_fields=TrainConfig.str_fields()))
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> TrainConfig:
+    """A :class:`TrainConfig` from a ``.json`` or ``.toml`` file (None: the defaults), with
+    ``overrides`` applied on top (:func:`config_from_dict`). A file's ``model`` table is a whole
+    model config; without one, the default model is kept and overrides edit it."""
+    return config_from_dict({} if path is None else read_config_file(path), overrides)
