@@ -2,20 +2,44 @@
 
 import json
 
-from linattn.bench.gated import BASE, ENGINE_PROBE, OURS, _memory_child, claims, run_gated
+import torch
+
+from linattn import functional
+from linattn.bench.gated import (
+    BASE,
+    ENGINE_PROBES,
+    OURS,
+    _memory_child,
+    claims,
+    favor_product_on_gated_engine,
+    linear_on_gated_engine,
+    make_inputs,
+    run_gated,
+)
 from linattn.cli import main
+from linattn.functional.log_scaled import causal_product_log_scaled
 
 
 def test_gated_bench_tiny(tmp_path):
     result = run_gated(out=tmp_path, ns=(64, 128), repeats=1, hf_repeats=1, memory_n=0, runs=2, quiet=True)
     saved = json.loads((tmp_path / "gated.json").read_text())
     assert saved["command"].startswith("linattn bench gated --ns 64,128")
-    assert set(saved["ratios"]["128"]) == {*OURS, ENGINE_PROBE} and len(saved["ratios"]["128"]["delta"]["runs"]) == 2
-    assert set(saved["hf_ratios"]) == {"64", "128"}  # transformers is installed in the test environment
+    assert set(saved["ratios"]["128"]) == set(OURS) and len(saved["ratios"]["128"]["delta"]["runs"]) == 2
+    assert set(saved["engine_ratios"]["64"]) == set(ENGINE_PROBES)
+    assert set(saved["hf_ratios"]) == set(saved["hf_linear_ratios"]) == {"64", "128"}  # transformers is installed here
     assert "memory" not in saved  # memory_n = 0 skips it
     md = (tmp_path / "gated.md").read_text()
     assert "## Claims" in md
     assert md.count("- holds: ") + md.count("- **does not hold**: ") == len(result["claims"]) == len(OURS) * 2 + 2
+
+
+def test_engine_probes_compute_what_the_engines_they_replace_compute():
+    # the "one engine" timings compare like with like only if the gated engine's results are the same
+    x = {k: t.double() for k, t in make_inputs(77, favor=True, requires_grad=False).items()}
+    torch.testing.assert_close(linear_on_gated_engine(x["q"], x["k"], x["v"]),
+                               functional.linear_attention(x["q"], x["k"], x["v"], causal=True))
+    favor = (x["fq"], x["fk"], x["fv"], x["favor_scale"])
+    torch.testing.assert_close(favor_product_on_gated_engine(*favor), causal_product_log_scaled(*favor)[0])
 
 
 def test_memory_child_checks_finiteness_and_the_reference():

@@ -484,6 +484,27 @@ def test_tiled_equals_one_piece(kernel, features, causal, tile):
         assert_close(x, y)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, 500])
+def test_chunk_size_changes_nothing_but_rounding(chunk_size):
+    """The causal product's chunk length is a tuning knob: outputs, gradients and the state agree
+    with the reference for chunks of one position, that do not divide N, and longer than N."""
+    B, H, n, D, m = 2, 2, 133, 8, 12
+    q, k, v = make_qkv(B, H, n, n, D, 4, seed=chunk_size)
+    W = projection(m, D)
+    mask = make_mask(B, n, seed=2)
+    kw = dict(causal=True, key_padding_mask=mask, return_state=True)
+    out, st = fast(q, k, v, W, "softmax", "positive", chunk_size=chunk_size, **kw)
+    _, default_st = fast(q, k, v, W, "softmax", "positive", **kw)
+    ref = favor_attention_reference(q, k, v, W, causal=True, key_padding_mask=mask)
+    assert_close(out, ref)
+    for name in ("S", "z", "log_scale"):
+        assert_close(getattr(st, name), getattr(default_st, name), msg=name)
+    for x, y in zip(grads(out, (q, k, v)), grads(ref, (q, k, v))):
+        assert_close(x, y)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fast(q, k, v, W, "softmax", "positive", causal=True, chunk_size=0)
+
+
 @pytest.mark.parametrize("kernel,features", KINDS)
 @pytest.mark.parametrize("nq,nk", [(0, 0), (3, 0), (0, 3)])
 @pytest.mark.parametrize("masked", [False, True])

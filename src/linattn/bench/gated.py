@@ -33,7 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from torch import Tensor
+
 from .. import functional, progress
+from ..functional.log_scaled import causal_product_log_scaled
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
@@ -53,10 +56,12 @@ from .harness import (
 H, D = 8, 64
 BASE = "linear"
 OURS = ("gla_head", "gla_channel", "delta", "gated_delta")
-# Plain linear attention computed by the gated engine (decay 0, the normaliser as an extra value
-# column): what keeping linear_attention's own engine is worth, measured beside it (issue 20's
-# "one engine" question). Timed, not a claim.
-ENGINE_PROBE = "linear_on_gated_engine"
+# The products of linear attention and of FAVOR+ computed by the gated engine, each timed beside
+# the engine that serves it today: what keeping those engines is worth (issue 20's "one engine"
+# question). probe -> the contender it is divided by. Timed, not claims.
+ENGINE_PROBES = {"linear_on_gated_engine": "linear", "favor_on_gated_engine": "favor_product"}
+FAVOR_FEATURES = 256  # FAVOR+'s registry default num_features; the product's values carry Dv + 1 columns
+TIMED = (BASE, *OURS, *ENGINE_PROBES, "favor_product")  # the forward+backward timings, interleaved
 # the claims of issue 20: (contender, its time / linear's at most this)
 WITHIN = {"gla_head": 1.5, "gla_channel": 3.0, "delta": 3.0, "gated_delta": 3.0}
 HF_FASTER_BY = 10.0  # torch_chunk_gated_delta_rule's time / our gated delta rule's at least this
@@ -70,7 +75,12 @@ DESCRIPTIONS = {
     "delta": "delta_rule_attention, no decay (DeltaNet)",
     "gated_delta": "delta_rule_attention, log_decay (B, H, N) (Gated DeltaNet)",
     "hf_gated_delta": "transformers' torch_chunk_gated_delta_rule (chunk 64), same inputs",
-    ENGINE_PROBE: "linear attention (elu+1) on gated_linear_attention's engine: decay 0, normaliser as a value column",
+    "linear_on_gated_engine": "linear attention (elu+1) on gated_linear_attention's engine: decay 0, normaliser "
+                              "as a value column",
+    "favor_product": f"FAVOR+'s causal product on its own engine (causal_product_log_scaled), {FAVOR_FEATURES} "
+                     "features, Dv + 1 value columns",
+    "favor_on_gated_engine": "the same FAVOR+ product on gated_linear_attention's engine: the running rescale "
+                             "as a per-head log decay",
 }
 
 
@@ -83,9 +93,13 @@ def hf_gated_delta_rule():
     return torch_chunk_gated_delta_rule
 
 
-def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, requires_grad: bool = True) -> dict:
+def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, requires_grad: bool = True,
+                favor: bool = False) -> dict:
     """Leaf tensors of every contender's inputs: q, k (unit rows), v ``(1, H, n, D)``, decays
-    ``(1, H, n)`` and ``(1, H, n, D)``, beta ``(1, H, n)``."""
+    ``(1, H, n)`` and ``(1, H, n, D)``, beta ``(1, H, n)``; with ``favor``, FAVOR+'s product inputs
+    too: query and key features ``fq, fk (1, H, n, FAVOR_FEATURES)`` in [0, 1) (keys as if divided
+    by their running scale), values ``fv (1, H, n, D + 1)`` with the normaliser's column of ones,
+    and the running log-scale ``favor_scale (1, H, n)``, non-decreasing, without gradient."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, H, n, D, generator=g, dtype=dtype) for _ in range(3))
     k = F.normalize(k, dim=-1)
@@ -93,7 +107,14 @@ def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, re
          "decay_head": F.logsigmoid(torch.randn(1, H, n, generator=g, dtype=dtype) + 4),
          "decay_channel": F.logsigmoid(torch.randn(1, H, n, D, generator=g, dtype=dtype) + 4),
          "beta": torch.sigmoid(torch.randn(1, H, n, generator=g, dtype=dtype))}
-    return {name: t.requires_grad_(requires_grad) for name, t in x.items()}
+    if favor:
+        x.update(fq=torch.rand(1, H, n, FAVOR_FEATURES, generator=g, dtype=dtype),
+                 fk=torch.rand(1, H, n, FAVOR_FEATURES, generator=g, dtype=dtype),
+                 fv=torch.cat([torch.randn(1, H, n, D, generator=g, dtype=dtype), torch.ones(1, H, n, 1, dtype=dtype)], -1))
+    x = {name: t.requires_grad_(requires_grad) for name, t in x.items()}
+    if favor:
+        x["favor_scale"] = torch.randn(1, H, n, generator=g, dtype=dtype).cummax(-1).values
+    return x
 
 
 # Each timed linattn form: (fast form, its float64 reference, the make_inputs entries it takes
@@ -124,7 +145,11 @@ def _call(name: str, x: dict, *, reference: bool = False, **options):
 def forms(x: dict) -> dict:
     """``name -> () -> output`` for every contender on the inputs ``x`` (forward only)."""
     out = {name: functools.partial(_call, name, x) for name in _FORMS}
-    out[ENGINE_PROBE] = lambda: _linear_on_gated_engine(x["q"], x["k"], x["v"])
+    out["linear_on_gated_engine"] = lambda: linear_on_gated_engine(x["q"], x["k"], x["v"])
+    if "fq" in x:
+        favor = (x["fq"], x["fk"], x["fv"], x["favor_scale"])
+        out["favor_product"] = lambda: causal_product_log_scaled(*favor)[0]
+        out["favor_on_gated_engine"] = lambda: favor_product_on_gated_engine(*favor)
     hf = hf_gated_delta_rule()
     if hf is not None:
         def hf_call():  # (B, N, H, D) layout; the transposes are views, part of what a caller pays
@@ -134,13 +159,22 @@ def forms(x: dict) -> dict:
     return out
 
 
-def _linear_on_gated_engine(q, k, v):
-    """elu+1 linear attention through ``gated_linear_attention`` with a zero log decay: the numerator
-    and the normaliser in one pass (v with a column of ones), then their quotient."""
+def linear_on_gated_engine(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """elu+1 causal linear attention through ``gated_linear_attention`` with a zero log decay: the
+    numerator and the normaliser in one pass (v with a column of ones), then their quotient."""
     qf, kf = functional.feature_maps.elu_feature_map(q), functional.feature_maps.elu_feature_map(k)
     zero = q.new_zeros(q.shape[:-1])
     o = functional.gated_linear_attention(qf, kf, torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1), zero, scale=1.0)
     return o[..., :-1] / o[..., -1:]
+
+
+def favor_product_on_gated_engine(a: Tensor, kf: Tensor, w: Tensor, m: Tensor) -> Tensor:
+    """``causal_product_log_scaled(a, kf, w, m)``'s output through ``gated_linear_attention``: its
+    state ``S_i = e^(m_(i-1) - m_i) S_(i-1) + kf_i w_i^T`` is a per-head decayed state with
+    ``log_decay_i = m_(i-1) - m_i <= 0`` (0 at i = 0), read with scale 1. ``m`` gets no gradient."""
+    m = m.detach()
+    log_decay = torch.cat([m.new_zeros(*m.shape[:-1], 1), m[..., :-1] - m[..., 1:]], dim=-1)
+    return functional.gated_linear_attention(a, kf, w, log_decay, scale=1.0)
 
 
 def _forward_backward(fn, x: dict):
@@ -170,14 +204,18 @@ def _child(ns: list[int], repeats: int, hf_repeats: int) -> dict:
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     out: dict = {"times": {}, "hf_times": {}}
     for n in ns:
-        x = make_inputs(n)
+        x = make_inputs(n, favor=True)
         f = forms(x)
-        ours = {name: _forward_backward(f[name], x) for name in (BASE, *OURS, ENGINE_PROBE)}
+        ours = {name: _forward_backward(f[name], x) for name in TIMED}
         times = time_calls(ours, repeats=repeats, warmup=1)
         out["times"][str(n)] = {k: {"median_s": median(v), "all_s": v} for k, v in times.items()}
         if "hf_gated_delta" in f:
-            pair = {"gated_delta": ours["gated_delta"], "hf_gated_delta": _forward_backward(f["hf_gated_delta"], x)}
-            times = time_calls(pair, repeats=hf_repeats, warmup=1)
+            # linear_attention beside them too: what the simplest chunked product of this library
+            # gains over transformers' delta rule bounds what a delta rule (a superset of its
+            # products) can gain
+            trio = {"gated_delta": ours["gated_delta"], BASE: ours[BASE],
+                    "hf_gated_delta": _forward_backward(f["hf_gated_delta"], x)}
+            times = time_calls(trio, repeats=hf_repeats, warmup=1)
             out["hf_times"][str(n)] = {k: {"median_s": median(v), "all_s": v} for k, v in times.items()}
         del x, f, ours
     out["step_s"] = step_times()
@@ -244,12 +282,15 @@ def run_gated(*, out: str | Path = "docs/benchmarks", ns: tuple[int, ...] = (409
                              runs=runs, allocators=INHERITED_ALLOCATOR, say=say),
     }
     children = [r["allocators"]["inherited"] for r in result["runs"]]
-    result["ratios"] = {str(n): {name: spread([c["times"][str(n)][name]["median_s"] / c["times"][str(n)][BASE]["median_s"]
-                                               for c in children]) for name in (*OURS, ENGINE_PROBE)} for n in ns}
-    if have_hf:
-        result["hf_ratios"] = {str(n): spread([c["hf_times"][str(n)]["hf_gated_delta"]["median_s"]
-                                               / c["hf_times"][str(n)]["gated_delta"]["median_s"] for c in children])
+    def ratios(times: str, n: int, num: str, den: str) -> dict:
+        return spread([c[times][str(n)][num]["median_s"] / c[times][str(n)][den]["median_s"] for c in children])
+
+    result["ratios"] = {str(n): {name: ratios("times", n, name, BASE) for name in OURS} for n in ns}
+    result["engine_ratios"] = {str(n): {probe: ratios("times", n, probe, own) for probe, own in ENGINE_PROBES.items()}
                                for n in ns}
+    if have_hf:
+        result["hf_ratios"] = {str(n): ratios("hf_times", n, "hf_gated_delta", "gated_delta") for n in ns}
+        result["hf_linear_ratios"] = {str(n): ratios("hf_times", n, "hf_gated_delta", BASE) for n in ns}
     result["step_ratios"] = {name: spread([c["step_s"][name] / c["step_s"][BASE] for c in children]) for name in OURS}
     if memory_n:
         say(f"  memory and accuracy at N = {memory_n} (fresh processes) ...")
@@ -315,14 +356,21 @@ def format_gated(result: dict) -> str:
     for n, names in result["ratios"].items():
         for name, s in names.items():
             lines.append(f"| {n} | {DESCRIPTIONS[name]} | {format_spread_cells(s)} |")
+    lines += ["", "## One engine? Each product on gated_linear_attention's engine / on the engine that serves it "
+              "today, forward+backward", "", "| N | contender | median | min | max | per run |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for n, probes in result["engine_ratios"].items():
+        for name, s in probes.items():
+            lines.append(f"| {n} | {DESCRIPTIONS[name]} / {DESCRIPTIONS[ENGINE_PROBES[name]]} | {format_spread_cells(s)} |")
     if "hf_ratios" in result:
-        lines += ["", "## transformers' torch_chunk_gated_delta_rule time / our gated delta rule's", "",
-                  "| N | median | min | max | per run |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {n} | {format_spread_cells(s)} |" for n, s in result["hf_ratios"].items()]
+        lines += ["", "## transformers' torch_chunk_gated_delta_rule time / ours, interleaved in one process", "",
+                  "| N | / our gated delta rule | / linear_attention (elu+1), causal |", "| --- | --- | --- |"]
+        lines += [f"| {n} | {format_spread(s)} | {format_spread(result['hf_linear_ratios'][n])} |"
+                  for n, s in result["hf_ratios"].items()]
     lines += ["", "## Times (median over runs of each run's median)", "", "| N | contender | time | per run |",
               "| --- | --- | --- | --- |"]
     for n in result["ratios"]:
-        for name in (BASE, *OURS, ENGINE_PROBE):
+        for name in TIMED:
             ts = [c["times"][n][name]["median_s"] for c in children]
             lines.append(f"| {n} | {DESCRIPTIONS[name]} | {format_seconds(median(ts))} | "
                          + ", ".join(format_seconds(t) for t in ts) + " |")

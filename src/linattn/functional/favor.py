@@ -228,6 +228,7 @@ def favor_attention(
     scale: float | None = None,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
+    chunk_size: int = 64,
     tile_entries: int = 1 << 20,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """FAVOR+ attention: kernel attention with the random features of ``projection``.
@@ -252,6 +253,9 @@ def favor_attention(
         return_state: causal only: also return the state after the last key. Its ``S`` and
             ``z`` are ``sum_j phi(k_j) v_j^T`` and ``sum_j phi(k_j)`` divided by
             ``exp(log_scale)``.
+        chunk_size: causal only, a tuning knob: the chunk length C of the chunked causal product
+            (:func:`~linattn.functional.log_scaled.causal_product_log_scaled`, as
+            ``linear_attention``'s). Any C >= 1 gives the same result up to rounding.
         tile_entries: a tuning knob: about how many (position, feature) entries of the feature
             tensors one tile holds (>= 1). Larger calls run tile by tile, a few sequences or heads
             at a time and, causal, blocks of positions that resume from the previous block's
@@ -269,10 +273,11 @@ def favor_attention(
     _check_kind(fn, kernel, features)
     _check_projection(fn, projection, q)
     scale = check_scale(fn, scale, q.shape[-1])
+    check_positive_int(fn, "chunk_size", chunk_size)
     check_positive_int(fn, "tile_entries", tile_entries)
     with no_autocast(q.device.type):
         return _tiled(fn, q, k, v, projection, kernel, features, causal, key_padding_mask, scale,
-                      initial_state, return_state, tile_entries)
+                      initial_state, return_state, chunk_size, tile_entries)
 
 
 # Why tiles (the tile_entries knob): FAVOR's feature tensors are (B, H, N, F) with F in the
@@ -286,7 +291,7 @@ def favor_attention(
 
 
 def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
-           tile_entries):
+           chunk_size, tile_entries):
     """Run :func:`_favor` tile by tile (about ``tile_entries`` entries each) and join the results.
 
     Tiles are groups of whole batch rows when a batch row fits, else groups of heads of one batch
@@ -304,7 +309,8 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     per_head = max(nq, nk, 1) * Fd
     per_batch = per_head * H
     if per_batch * B <= tile_entries or max(nq, nk) == 0:
-        return _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state)
+        return _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
+                      chunk_size)
     fields = None
     if initial_state is not None:
         log_scale = initial_state.log_scale
@@ -333,7 +339,8 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     for (qt, kt, vt), mt, st in zip(tiles, masks, states):
         st = None if st is None else LinearAttentionState(*st)
         if not causal:
-            outs.append(_favor(fn, qt, kt, vt, projection, kernel, features, False, mt, scale, None, False))
+            outs.append(_favor(fn, qt, kt, vt, projection, kernel, features, False, mt, scale, None, False,
+                               chunk_size))
             continue
         if nq <= block:  # one block: no cut (a one-piece split still copies its gradient)
             parts = [(qt, kt, vt, mt)]
@@ -342,7 +349,7 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
                         [None] * -(-nq // block) if mt is None else mt.split(block, dim=1))
         pieces = []
         for qp, kp, vp, mp in parts:
-            o, st = _favor(fn, qp, kp, vp, projection, kernel, features, True, mp, scale, st, True)
+            o, st = _favor(fn, qp, kp, vp, projection, kernel, features, True, mp, scale, st, True, chunk_size)
             pieces.append(o)
         outs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
         finals.append(st)
@@ -359,7 +366,8 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     return out, LinearAttentionState(*(join([st[f] for st in finals]) for f in range(3)))
 
 
-def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state):
+def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
+           chunk_size):
     dt, out_dtype = compute_dtype(q.dtype), q.dtype
     B, H, nq, _ = q.shape
     dv = v.shape[-1]
@@ -451,7 +459,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             s_final = s_final + s0
         o = qf @ s_final  # (B, H, 1, E)
     else:
-        o, s_final = causal_product_log_scaled(qf, kf, w, run, s0)
+        o, s_final = causal_product_log_scaled(qf, kf, w, run, s0, chunk_size=chunk_size)
     out = _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
     if not return_state:
         return out

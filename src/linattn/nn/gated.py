@@ -15,6 +15,22 @@ one raises, naming the mechanism). Their decoding state is :class:`DecayedState`
 
 Dimension legend: B batch, N positions, H heads, D head width (of q, k and v: the layer splits
 its width evenly), C = H * D the layer width, R the rank of GLA's gate.
+
+Where these layers differ from the papers' recipes, and why:
+
+- Value width. The papers widen the values (RetNet, GLA and Gated DeltaNet use ``Dv = 2 D``);
+  here q, k and v share the head width D, because :class:`~linattn.nn.MultiHeadAttention` owns
+  the projections and splits one width into heads for every mechanism. The functional forms take
+  any ``Dv``.
+- Short convolution. DeltaNet and Gated DeltaNet convolve q, k and v after their projections;
+  here it is the model's ``TransformerConfig.short_conv``, one causal convolution of the layer
+  input before the projections (so the gates read the convolved input too), whose decoding state
+  the layer already keeps.
+- Output norm. The papers normalise each head's output with a gain per channel and head (RetNet
+  a GroupNorm, GLA and the delta nets an RMSNorm); here one RMSNorm gain of D is shared by the
+  heads (see :class:`GatedMechanism`).
+- Positions. RetNet's xPos rotation is the model's ``positional="rotary"`` (no length
+  extrapolation factor).
 """
 
 from __future__ import annotations
