@@ -9,7 +9,8 @@ counts as a position), so queries and keys must be the same sequence: Nq == Nk.
 Dimension legend: B batch, H heads, N positions, D query/key width, Dv value width, W window,
 C block length, Nb number of query blocks, M blocks of keys looked back (and ahead) from a block,
 K = (M + 1) C (causal) or (2M + 1) C (bidirectional) keys seen by one query block, L key positions
-(with a state: the W carried keys then the N new ones).
+(with a state: the W carried keys then the N new ones), Nd documents packed into one sequence of
+N positions (``cu_seqlens``), R head queries of a document padded to its bucket's length.
 
 The fast form is blocked: queries in blocks of C attend the K keys of their own block and the M
 blocks before (and after) it. Each block's (C, K) band mask is built from the block's key validity,
@@ -20,6 +21,17 @@ Recurrent form (causal): the state is a ring buffer of the last W keys and value
 holding position p, with their validity and the number of positions seen. A call with a state
 continues the sequence: query i of the call is position ``state.pos + i``. One token then costs
 O(W D) whatever its position, and a sequence split anywhere and resumed equals the whole.
+
+Packed documents (``cu_seqlens``, flash-attention's varlen convention): Nd documents lie back to
+back in one sequence of batch size 1, document d at positions ``[cu_seqlens[d], cu_seqlens[d+1])``,
+and no query sees a key of another document. The blocked form takes a document id per position and
+adds ``doc(key) == doc(query)`` to each block's mask, so the cost stays O(N K D) however many
+documents there are. A state then holds one ring per document (batch dimension Nd). Only the
+first min(W, length) queries of a document (its head) reach back into its state, so they are
+computed apart: each head against its own W state keys and its first keys, documents grouped by
+head length rounded up to a power of two (one SDPA call per group, at most log2(W) + 1 groups;
+the rounding at most doubles a head, so the heads cost O(N W D) in all), and their outputs replace
+those of the blocked pass, which saw no state.
 """
 
 from __future__ import annotations
@@ -39,9 +51,10 @@ from .checks import (
     compute_dtype,
     no_autocast,
     sanitize_padded,
+    shape_str,
 )
 
-__all__ = ["LocalAttentionState", "local_attention", "local_attention_reference"]
+__all__ = ["LocalAttentionState", "check_cu_seqlens", "local_attention", "local_attention_reference"]
 
 # Block length bounds: the block length is the window, clamped to [MIN_BLOCK, MAX_BLOCK]. A causal
 # query block of C rows sees K = (M+1) C keys of which W+1 are in a row's band: smaller blocks
@@ -65,6 +78,11 @@ class LocalAttentionState(NamedTuple):
 
     ``k`` and ``v`` keep the input dtype and stay attached to the graph of the inputs they came
     from, so gradients flow from a later call back into an earlier one.
+
+    With packed documents (``cu_seqlens``) the batch dimension is the document (B = Nd) and ``pos``
+    is shared: each document's ring is laid out as if its last position were ``pos - 1``. Only the
+    distances between positions matter, so a ring rolled to another ``pos`` is the same state; its
+    oldest-first contents are what a call on the document alone returns.
     """
 
     k: Tensor
@@ -81,7 +99,51 @@ def _check_window(fn: str, window) -> int:
     return window
 
 
-def _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state) -> int:
+def check_cu_seqlens(fn: str, cu_seqlens, total: int, *, device: torch.device | None = None) -> int:
+    """Validate packed-document offsets (flash-attention's varlen convention) and return the number
+    of documents Nd.
+
+    Args:
+        fn: name of the calling function, for the messages.
+        cu_seqlens: int64 ``(Nd + 1,)`` offsets ``[0, c_1, ..., c_Nd = total]``, non-decreasing:
+            document d is positions ``[cu_seqlens[d], cu_seqlens[d+1])``. Equal neighbours (empty
+            documents) are allowed; at least one document (two entries) is required.
+        total: length of the packed sequence the offsets must cover.
+        device: when given, the device cu_seqlens must be on (that of the inputs).
+
+    Raises:
+        TypeError: not a tensor, or not int64.
+        ValueError: not 1-D, fewer than 2 entries, on another device, not starting at 0, not
+            ending at ``total``, or decreasing somewhere.
+    """
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"{fn}: cu_seqlens must be an int64 tensor of document offsets, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int64:
+        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"{fn}: cu_seqlens must be 1-D with at least 2 entries [0, ..., {total}] (one more than the "
+            f"number of documents), got shape {shape_str(cu_seqlens)}"
+        )
+    if device is not None and cu_seqlens.device != device:
+        raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != total:
+        raise ValueError(
+            f"{fn}: cu_seqlens must start at 0 and end at the packed length {total}, got "
+            f"[{first}, ..., {last}]"
+        )
+    drops = (cu_seqlens.diff() < 0).nonzero()
+    if drops.numel():
+        d = int(drops[0, 0])
+        raise ValueError(
+            f"{fn}: cu_seqlens must be non-decreasing, got cu_seqlens[{d}] = {int(cu_seqlens[d])} > "
+            f"cu_seqlens[{d + 1}] = {int(cu_seqlens[d + 1])}"
+        )
+    return cu_seqlens.numel() - 1
+
+
+def _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state, cu_seqlens) -> int:
     check_qkv(fn, q, k, v, causal=causal)
     if q.shape[2] != k.shape[2]:
         raise ValueError(
@@ -91,18 +153,27 @@ def _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, re
     check_key_padding_mask(fn, key_padding_mask, k)
     window = _check_window(fn, window)
     check_recurrent_args(fn, causal, initial_state, return_state)
+    batch = q.shape[0]
+    if cu_seqlens is not None:
+        batch = check_cu_seqlens(fn, cu_seqlens, q.shape[2], device=q.device)
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"{fn}: with cu_seqlens the documents are packed along the positions and the batch size "
+                f"must be 1, got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
+            )
     if initial_state is not None:
-        _check_state(fn, initial_state, q, v, window)
+        _check_state(fn, initial_state, q, v, window, batch)
     return window
 
 
-def _check_state(fn: str, state, q: Tensor, v: Tensor, window: int) -> None:
+def _check_state(fn: str, state, q: Tensor, v: Tensor, window: int, B: int) -> None:
+    """``B``: the state's batch size, q's or, with packed documents, their number."""
     if not isinstance(state, LocalAttentionState):
         raise TypeError(
             f"{fn}: initial_state must be a LocalAttentionState (as returned with return_state=True), "
             f"got {type(state).__name__}"
         )
-    B, H, _, D = q.shape
+    _, H, _, D = q.shape
     Dv = v.shape[-1]
     for name, t, shape in (("k", state.k, (B, H, window, D)), ("v", state.v, (B, H, window, Dv))):
         if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -202,13 +273,20 @@ class _Windows(torch.autograd.Function):
 
 
 def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int, *,
-             window: int, causal: bool, scale: float) -> Tensor:
+             window: int, causal: bool, scale: float, doc: Tensor | None = None,
+             longest: int | None = None) -> Tensor:
     """Query i (position ``offset + i`` of the key sequence) attends the valid keys within
     ``window`` positions. ``q (B,H,N,D)``, ``keys (B,H,L,D)``, ``values (B,H,L,Dv)``,
-    ``valid (B,L)`` -> ``(B,H,N,Dv)``; zeros for a query with no valid key in its band."""
+    ``valid (B,L)`` -> ``(B,H,N,Dv)``; zeros for a query with no valid key in its band.
+
+    ``doc``: int64 ``(B, L)`` document id of each key position; query i then sees only the keys
+    with ``doc == doc[:, offset + i]``. ``longest``: the longest document's length (with ``doc``).
+    """
     B, H, N, D = q.shape
     L, Dv = keys.shape[2], values.shape[-1]
-    w_eff = min(window, L - 1)  # no distance exceeds L - 1: a huge window must not mean huge blocks
+    # No distance seen exceeds L - 1, nor a document's length - 1: a window larger than that must
+    # not mean larger blocks.
+    w_eff = min(window, L - 1 if longest is None else longest - 1)
     C = min(max(w_eff, MIN_BLOCK), MAX_BLOCK, N)
     M = -(-w_eff // C)
     nb = -(-N // C)
@@ -227,8 +305,13 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int
     t = torch.arange(K, device=q.device)[None, :]
     dist = ii - t  # (C, K): query position minus key position
     band = (dist >= 0) & (dist <= window) if causal else dist.abs() <= window
-    valid = F.pad(valid, (front, (nb - 1) * C + K - front - L), value=False)
+    back = (nb - 1) * C + K - front - L
+    valid = F.pad(valid, (front, back), value=False)
     allowed = band & valid.unfold(1, K, C)[:, :, None, :]  # (B, Nb, C, K)
+    if doc is not None:
+        doc_k = F.pad(doc, (front, back), value=-1).unfold(1, K, C)  # (B, Nb, K)
+        doc_q = doc_k[:, :, M * C:M * C + C]  # (B, Nb, C): query ii of a block is its key M C + ii
+        allowed = allowed & (doc_q[:, :, :, None] == doc_k[:, :, None, :])
     has_key = allowed.any(-1, keepdim=True)  # (B, Nb, C, 1)
     every_query_has_key = bool(has_key.all())
     if not every_query_has_key:
@@ -240,6 +323,91 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int
         out = torch.where(has_key.view(B * nb, 1, C, 1), out, out.new_zeros(()))
     out = out.view(B, nb, H, C, Dv).transpose(1, 2).reshape(B, H, nb * C, Dv)  # (B, H, Nb C, Dv)
     return out if nb * C == N else out[:, :, :N]
+
+
+def _document_ids(cu_seqlens: Tensor, n: int) -> Tensor:
+    """int64 ``(N,)``: the document of each packed position (empty documents own none)."""
+    docs = torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device)
+    return torch.repeat_interleave(docs, cu_seqlens.diff(), output_size=n)
+
+
+def _state_heads(out: Tensor, q: Tensor, keys: Tensor, values: Tensor, valid: Tensor,
+                 state: LocalAttentionState, cu: list[int], *, window: int, scale: float) -> Tensor:
+    """``out (1, H, N, Dv)`` with each document's head queries (its first min(W, length)) replaced by
+    their attention over the document's state and its own first keys; the other queries never
+    reach back to a state, so the blocked pass got them right.
+
+    ``q (1,H,N,D)``, ``keys (1,H,N,D)``, ``values (1,H,N,Dv)``, ``valid (1,N)`` (packed, padding
+    zeroed), ``state`` one ring per document, ``cu`` the offsets as a list. Returns ``(1,H,N,Dv)``.
+    """
+    W = window
+    dev = q.device
+    k0, v0, valid0 = _ordered(state)  # (Nd, H, W, D), (Nd, H, W, Dv), (Nd, W); index i: position i - W
+    heads = [min(W, b - a) for a, b in zip(cu[:-1], cu[1:])]
+    # Group documents by head length rounded up to a power of two (at most W): one SDPA call per
+    # group, and no head padded to more than twice its length, however the lengths are mixed.
+    groups: dict[int, list[int]] = {}
+    for d, h in enumerate(heads):
+        if h:
+            groups.setdefault(min(1 << (h - 1).bit_length(), W), []).append(d)
+    starts_all = torch.tensor(cu[:-1], device=dev)
+    heads_all = torch.tensor(heads, device=dev)
+    for R, members in sorted(groups.items()):
+        docs = torch.tensor(members, device=dev)  # (Nd',)
+        r = torch.arange(R, device=dev)
+        qpos = starts_all[docs, None] + r  # (Nd', R): packed position of head query r
+        real = r < heads_all[docs, None]  # (Nd', R): False for the padding of a shorter head
+        idx = torch.where(real, qpos, 0)  # gather positions (padding rows read position 0, unused)
+        qh = q[0][:, idx].transpose(0, 1)  # (Nd', H, R, D)
+        kh = torch.cat([k0[docs].to(q.dtype), keys[0][:, idx].transpose(0, 1)], 2)  # (Nd', H, W + R, D)
+        vh = torch.cat([v0[docs].to(q.dtype), values[0][:, idx].transpose(0, 1)], 2)  # (Nd', H, W + R, Dv)
+        ok = torch.cat([valid0[docs], valid[0][idx] & real], 1)  # (Nd', W + R)
+        dist = (W + r)[:, None] - torch.arange(W + R, device=dev)[None, :]  # (R, W + R): head query r is key W + r
+        allowed = (dist >= 0) & (dist <= W) & ok[:, None, :]  # (Nd', R, W + R)
+        has_key = allowed.any(-1, keepdim=True)  # (Nd', R, 1)
+        # as in _blocked: a query with no valid key sees every (zeroed) key, its output zeroed below
+        allowed = allowed | ~has_key
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed[:, None], scale=scale)
+        o = torch.where(has_key[:, None], o, o.new_zeros(()))  # (Nd', H, R, Dv)
+        out = out.index_copy(2, qpos[real], o.transpose(0, 1)[:, real][None])  # rows (1, H, heads, Dv)
+    return out
+
+
+def _packed_next_state(keys: Tensor, values: Tensor, valid: Tensor, state: LocalAttentionState | None,
+                       cu_seqlens: Tensor, window: int, pos: int) -> LocalAttentionState:
+    """One ring per document after packed keys ``(1,H,N,D)``, values ``(1,H,N,Dv)``, validity
+    ``(1,N)`` (padding zeroed): the last W positions of [its state, its keys], taken from the state
+    where the document is shorter than W (empty slots without a state), rolled for a shared
+    ``pos``. Returns a state of batch Nd: k ``(Nd,H,W,D)``, v ``(Nd,H,W,Dv)``, valid ``(Nd,W)``."""
+    W = window
+    _, H, N, D = keys.shape
+    Dv = values.shape[-1]
+    starts, ends = cu_seqlens[:-1, None], cu_seqlens[1:, None]  # (Nd, 1)
+    p = ends - W + torch.arange(W, device=keys.device)  # (Nd, W): packed position of ordered slot i
+    inside = p >= starts  # (Nd, W): slot i holds one of the document's own keys
+    if N:
+        at = p.clamp(min=0)
+        new_k = keys[0][:, at].transpose(0, 1)  # (Nd, H, W, D)
+        new_v = values[0][:, at].transpose(0, 1)  # (Nd, H, W, Dv)
+        new_valid = valid[0][at] & inside  # (Nd, W)
+    else:
+        new_k = keys.new_zeros(p.shape[0], H, W, D)
+        new_v = values.new_zeros(p.shape[0], H, W, Dv)
+        new_valid = inside
+    if state is None:
+        old_k, old_v, old_valid = new_k.new_zeros(()), new_v.new_zeros(()), torch.zeros_like(inside)
+    else:
+        k0, v0, valid0 = _ordered(state)
+        s = (p - starts + W).clamp(0, W - 1)  # (Nd, W): the state's ordered index of position p
+        old_k = k0.to(keys.dtype).gather(2, s[:, None, :, None].expand(-1, H, -1, D))
+        old_v = v0.to(values.dtype).gather(2, s[:, None, :, None].expand(-1, H, -1, Dv))
+        old_valid = valid0.gather(1, s)
+    ring_k = torch.where(inside[:, None, :, None], new_k, old_k)
+    ring_v = torch.where(inside[:, None, :, None], new_v, old_v)
+    ring_valid = torch.where(inside, new_valid, old_valid)
+    shift = pos % W  # ordered index i is position pos - W + i, which lives in slot (pos + i) % W
+    return LocalAttentionState(ring_k.roll(shift, dims=2), ring_v.roll(shift, dims=2),
+                               ring_valid.roll(shift, dims=1), pos)
 
 
 def _decoding_step(q: Tensor, k: Tensor, v: Tensor, state: LocalAttentionState, scale: float,
@@ -279,6 +447,7 @@ def local_attention(
     scale: float | None = None,
     initial_state: LocalAttentionState | None = None,
     return_state: bool = False,
+    cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, LocalAttentionState]]:
     """Sliding-window softmax attention: query i attends the keys j with ``|i - j| <= window``
     (causal: ``i - window <= j <= i``), in O(N * window) time and memory.
@@ -295,8 +464,16 @@ def local_attention(
             output or a real input's gradient.
         scale: logit scale, ``1/sqrt(D)`` when None.
         initial_state: causal only: the state after an earlier part of the sequence; the call
-            continues it (query i is position ``initial_state.pos + i``).
-        return_state: causal only: also return the state after the last position.
+            continues it (query i is position ``initial_state.pos + i``). With ``cu_seqlens``, one
+            ring per document (batch Nd), each continued by its document.
+        return_state: causal only: also return the state after the last position (with
+            ``cu_seqlens``, one ring per document, ``pos`` = the state's ``pos`` (0 without one) +
+            the longest document's length; see :class:`LocalAttentionState`).
+        cu_seqlens: int64 ``(Nd + 1,)`` offsets ``[0, ..., N]`` of Nd documents packed back to back
+            (flash-attention's varlen convention; empty documents allowed), with B = 1: document d
+            is positions ``[cu_seqlens[d], cu_seqlens[d+1])`` and no query sees another document.
+            Equals one call per document, at the cost of one call on N positions. Causal or
+            bidirectional (within each document); checked by :func:`check_cu_seqlens`.
 
     Returns:
         ``(B, H, N, Dv)`` in the input dtype (computed in float32 for half inputs), and with
@@ -304,9 +481,12 @@ def local_attention(
         gets zeros.
     """
     fn = "local_attention"
-    window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state)
+    window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state, cu_seqlens)
     scale = check_scale(fn, scale, q.shape[-1])
     with no_autocast(q.device.type):
+        if cu_seqlens is not None:
+            return _packed_local(q, k, v, key_padding_mask, initial_state, cu_seqlens, window=window,
+                                 causal=causal, scale=scale, return_state=return_state)
         if initial_state is not None and q.shape[2] == 1 and key_padding_mask is None:
             return _decoding_step(q, k, v, initial_state, scale, return_state)
         keys, values, valid, offset = _key_sequence(k, v, key_padding_mask, initial_state)
@@ -323,6 +503,30 @@ def local_attention(
         return out
 
 
+def _packed_local(q, k, v, key_padding_mask, initial_state, cu_seqlens, *, window: int, causal: bool,
+                  scale: float, return_state: bool):
+    """:func:`local_attention` on packed documents (arguments checked): the blocked pass with a
+    document mask, then the heads of the documents against their states (see the module docstring)."""
+    N = q.shape[2]
+    cu = cu_seqlens.tolist()
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    keys, values, valid, _ = _key_sequence(k, v, key_padding_mask, None)
+    if N == 0:
+        out = (q @ k.transpose(-1, -2)) @ v  # (1, H, 0, Dv), attached to the graph
+    else:
+        dt = compute_dtype(q.dtype)
+        qc, kc, vc = q.to(dt), keys.to(dt), values.to(dt)
+        doc = _document_ids(cu_seqlens, N)[None]  # (1, N)
+        out = _blocked(qc, kc, vc, valid, 0, window=window, causal=causal, scale=scale, doc=doc, longest=longest)
+        if initial_state is not None:
+            out = _state_heads(out, qc, kc, vc, valid, initial_state, cu, window=window, scale=scale)
+        out = out.to(q.dtype)
+    if return_state:
+        pos = (initial_state.pos if initial_state is not None else 0) + longest
+        return out, _packed_next_state(keys, values, valid, initial_state, cu_seqlens, window, pos)
+    return out
+
+
 def local_attention_reference(
     q: Tensor,
     k: Tensor,
@@ -334,20 +538,46 @@ def local_attention_reference(
     scale: float | None = None,
     initial_state: LocalAttentionState | None = None,
     return_state: bool = False,
+    cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, LocalAttentionState]]:
     """Plain O(N * L) local attention from the definition: the full (N, L) score matrix over the
     state's keys and the new ones, an explicit band mask, each row normalised. Same contract as
-    :func:`local_attention`; tests trust this one, in float64."""
+    :func:`local_attention`; tests trust this one, in float64.
+
+    With ``cu_seqlens`` the keys are every document's state (Nd W keys, if any) then the N packed
+    ones, each with its document and its position in that document (a state's at -W .. -1), and
+    the mask adds ``same document``."""
     fn = "local_attention_reference"
-    window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state)
+    window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state, cu_seqlens)
     scale = check_scale(fn, scale, q.shape[-1])
-    keys, values, valid, offset = _key_sequence(k, v, key_padding_mask, initial_state)
     dt = compute_dtype(q.dtype)
-    N, L = q.shape[2], keys.shape[2]
-    i = torch.arange(N, device=q.device)[:, None] + offset
-    j = torch.arange(L, device=q.device)[None, :]
+    N = q.shape[2]
+    if cu_seqlens is None:
+        keys, values, valid, offset = _key_sequence(k, v, key_padding_mask, initial_state)
+        i = torch.arange(N, device=q.device)[:, None] + offset  # (N, 1) query positions
+        j = torch.arange(keys.shape[2], device=q.device)[None, :]  # (1, L) key positions
+        same = True
+    else:
+        keys, values, valid, _ = _key_sequence(k, v, key_padding_mask, None)
+        n = cu_seqlens.numel() - 1
+        doc = _document_ids(cu_seqlens, N)  # (N,)
+        rel = torch.arange(N, device=q.device) - cu_seqlens[doc]  # (N,) position in its document
+        key_doc, key_rel = doc, rel
+        if initial_state is not None:
+            k0, v0, valid0 = _ordered(initial_state)  # (Nd, H, W, D), (Nd, H, W, Dv), (Nd, W)
+            W = k0.shape[2]
+            H = k0.shape[1]
+            keys = torch.cat([k0.to(keys.dtype).transpose(0, 1).reshape(1, H, n * W, -1), keys], 2)  # (1, H, Nd W + N, D)
+            values = torch.cat([v0.to(values.dtype).transpose(0, 1).reshape(1, H, n * W, -1), values], 2)
+            valid = torch.cat([valid0.reshape(1, n * W), valid], 1)  # (1, Nd W + N)
+            slots = torch.arange(W, device=q.device)
+            key_doc = torch.cat([torch.arange(n, device=q.device).repeat_interleave(W), doc])
+            key_rel = torch.cat([(slots - W).repeat(n), rel])
+        i, j = rel[:, None], key_rel[None, :]  # (N, 1), (1, L)
+        same = doc[:, None] == key_doc[None, :]  # (N, L)
+    L = keys.shape[2]
     band = ((j <= i) & (j >= i - window)) if causal else ((i - j).abs() <= window)  # (N, L)
-    allowed = band & valid[:, None, None, :]  # (B, 1, N, L)
+    allowed = band & same & valid[:, None, None, :]  # (B, 1, N, L)
     scores = (q.to(dt) @ keys.to(dt).transpose(-1, -2)) * scale  # (B, H, N, L)
     scores = scores.masked_fill(~allowed, float("-inf"))
     row_max = scores.amax(-1, keepdim=True).detach() if L else scores.sum(-1, keepdim=True)
@@ -356,6 +586,11 @@ def local_attention_reference(
     denom = weights.sum(-1, keepdim=True)
     out = ((weights / torch.where(denom > 0, denom, torch.ones_like(denom))) @ values.to(dt)).to(q.dtype)
     if return_state:
-        pos = (initial_state.pos if initial_state is not None else 0) + N
-        return out, _next_state(keys, values, valid, window, pos)
+        start = initial_state.pos if initial_state is not None else 0
+        if cu_seqlens is None:
+            return out, _next_state(keys, values, valid, window, start + N)
+        longest = int(cu_seqlens.diff().max())
+        packed_keys, packed_values, packed_valid, _ = _key_sequence(k, v, key_padding_mask, None)
+        return out, _packed_next_state(packed_keys, packed_values, packed_valid, initial_state, cu_seqlens,
+                                       window, start + longest)
     return out
