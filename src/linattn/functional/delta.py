@@ -69,6 +69,7 @@ from .checks import (
     shape_str,
 )
 from .decayed_state import DecayedState, check_decayed_state
+from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 
@@ -97,18 +98,22 @@ def _check_gate(fn: str, name: str, x, q: Tensor) -> None:
         raise ValueError(f"{fn}: {name} is on {x.device}, q on {q.device}")
 
 
-def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_state):
+def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_state, cu_seqlens=None):
     """Validate every argument; return the compute dtype, the scale and ``beta``, ``log_decay``
     (or None), k and v in it, with padded positions made identity steps (beta = g = 0, k = v = 0;
-    ``torch.where``, so NaN in padding cannot leak)."""
+    ``torch.where``, so NaN in padding cannot leak). With ``cu_seqlens`` (checked here), B = 1
+    and ``initial_state`` holds one state per document, ``(n, H, D, Dv)``."""
     check_qkv(fn, q, k, v, causal=True)
+    n_states = q.shape[0]
+    if cu_seqlens is not None:
+        n_states = check_cu_seqlens(fn, cu_seqlens, q).shape[0] - 1
     check_key_padding_mask(fn, key_padding_mask, k)
     _check_gate(fn, "beta", beta, q)
     if log_decay is not None:
         _check_gate(fn, "log_decay", log_decay, q)
     B, H, N, D = q.shape
     if initial_state is not None:
-        check_decayed_state(fn, initial_state, B, H, D, v.shape[-1], q.device)
+        check_decayed_state(fn, initial_state, n_states, H, D, v.shape[-1], q.device)
     scale = check_scale(fn, scale, D)
     dt = compute_dtype(q.dtype)
     real = None if key_padding_mask is None else key_padding_mask[:, None, :]  # (B, 1, N)
@@ -482,6 +487,34 @@ def _step(q, k, v, beta, log_decay, scale, s0):
     return scale * (q @ s), s
 
 
+def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size):
+    """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
+    ``beta, log_decay (1, H, T)`` (log_decay or None), ``s0 (n, H, D, Dv)`` or None, prepared ->
+    ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
+    ``return_state``). One run of the chunked form on the expanded sequence: -inf log decays at the
+    documents' starts (so DeltaNet runs the decayed path, with zero decays elsewhere), D positions
+    with beta = 1 replacing the rows of each initial state, D with beta = 0 reading each final one."""
+    H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    lay = varlen_layout(cu_seqlens, D, write_states=s0 is not None, read_states=return_state)
+    if lay.total == 0:  # no position at all
+        return v.new_zeros(1, H, 0, Dv), None
+    g = beta.new_zeros(beta.shape) if log_decay is None else log_decay
+    b, g = beta.unsqueeze(-1), g.unsqueeze(-1)  # (1, H, T, 1)
+    if lay.gather is not None:
+        # inserted positions read with scale 1: scale the real queries here instead
+        q, scale = lay.expand(q * scale, lay.zeros(q), lay.basis(q)), 1.0
+        k = lay.expand(k, lay.basis(k), lay.zeros(k))
+        v = lay.expand(v, None if s0 is None else lay.state_rows(s0), lay.zeros(v))
+        b = lay.expand(b, lay.ones(b), lay.zeros(b))
+        g = lay.expand(g, lay.zeros(g), lay.zeros(g))
+    g = lay.with_resets(g)
+    Tx = lay.total
+    o, _ = _DeltaRule.apply(q[0], k[0], v[0], b.view(H, Tx), g.view(H, Tx), q.new_zeros(H, D, Dv), scale,
+                            chunk_size)  # rows (H, Tx, *): B = 1
+    o = o.unsqueeze(0)  # (1, H, Tx, Dv)
+    return lay.packed(o), (lay.states(o) if return_state else None)
+
+
 def delta_rule_attention(
     q: Tensor,
     k: Tensor,
@@ -494,6 +527,7 @@ def delta_rule_attention(
     initial_state: DecayedState | None = None,
     return_state: bool = False,
     chunk_size: int = 32,
+    cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Causal delta-rule attention (DeltaNet, Gated DeltaNet), chunked, O(N) memory:
     ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``.
@@ -531,6 +565,14 @@ def delta_rule_attention(
             time of C = 64 at N = 4096 and 0.81-0.82x at N = 16384, with and without log_decay):
             the C x C products and the triangular inverses cost C per position, the sequential
             loop over chunks and the saved states N / C; at C = 32 the first still dominates.
+        cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
+            along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
+            Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
+            boundary, and ``initial_state`` and the returned state hold one state per document,
+            ``s (n, H, D, Dv)``: the result equals one call per document (outputs, gradients,
+            states), in one chunked run over T positions (plus n*D per kind of state asked for;
+            see ``linattn.functional.varlen``). ``key_padding_mask`` ``(1, T)`` works alike.
+            Without ``log_decay`` this runs the decayed path (zero decays, -inf at boundaries).
 
     Returns:
         ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the
@@ -543,12 +585,16 @@ def delta_rule_attention(
     check_positive_int(fn, "chunk_size", chunk_size)
     with no_autocast(q.device.type):
         dt, scale, beta, log_decay, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
-                                                      initial_state)
+                                                      initial_state, cu_seqlens)
         B, H, N, D = q.shape
         Dv = v.shape[-1]
         s0 = None if initial_state is None else initial_state.s.to(dt)
         qx = sanitize_padded(q, key_padding_mask).to(dt)
-        if N == 1 and s0 is not None:  # the recurrent step
+        if cu_seqlens is not None:
+            out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size)
+            if return_state and s is None:  # no position at all: no document, or D = 0
+                s = vx.new_zeros(cu_seqlens.shape[0] - 1, H, D, Dv) if s0 is None else s0 + 0
+        elif N == 1 and s0 is not None:  # the recurrent step
             out, s = _step(qx, kx, vx, beta, log_decay, scale, s0)
         elif N == 0:
             out = vx.new_zeros(B, H, 0, Dv)

@@ -33,6 +33,7 @@ from .checks import (
     shape_str,
 )
 from .decayed_state import DecayedState, check_decayed_state
+from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_reference"]
 
@@ -73,10 +74,14 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
     return g
 
 
-def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state, *, scaled=True):
+def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state, *, scaled=True, cu_seqlens=None):
     """Checks, then ``q * scale`` (``q`` and the scale with ``scaled=False``), ``k, v (B, H, N, *)``, ``g (B, H, N, G)`` and ``s0 (B, H, D, Dv)``
-    or None, all in the compute dtype, padded positions zeroed (q too: their output is zeros)."""
+    or None, all in the compute dtype, padded positions zeroed (q too: their output is zeros).
+    With ``cu_seqlens`` (checked here), B = 1 and ``s0`` has one state per document, ``(n, H, D, Dv)``."""
     check_qkv(fn, q, k, v, causal=True)
+    n_states = q.shape[0]
+    if cu_seqlens is not None:
+        n_states = check_cu_seqlens(fn, cu_seqlens, q).shape[0] - 1
     check_key_padding_mask(fn, key_padding_mask, k)
     scale = check_scale(fn, scale, q.shape[-1])
     g = _check_log_decay(fn, log_decay, q, key_padding_mask)
@@ -84,7 +89,7 @@ def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state, *, 
     Dv = v.shape[-1]
     s0 = None
     if initial_state is not None:
-        check_decayed_state(fn, initial_state, B, H, D, Dv, q.device)
+        check_decayed_state(fn, initial_state, n_states, H, D, Dv, q.device)
     dt = compute_dtype(q.dtype)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if scaled:
@@ -425,6 +430,27 @@ def _recurrent_step(q, k, v, g, s0):
     s = torch.addcmul(k.transpose(-1, -2) * v, torch.exp(g).transpose(-1, -2), s0)  # (B, H, D, Dv)
     return q @ s, s
 
+def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size):
+    """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
+    ``g (1, H, T, G)``, ``s0 (n, H, D, Dv)`` or None, prepared (compute dtype, padding zeroed) ->
+    ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
+    ``return_state``). One run of the chunked form on the expanded sequence: -inf log decays at the
+    documents' starts, D positions writing each initial state and D reading each final one."""
+    H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    lay = varlen_layout(cu_seqlens, D, write_states=s0 is not None, read_states=return_state)
+    if lay.total == 0:  # no position at all: every document is empty and no state is read
+        return v.new_zeros(1, H, 0, Dv), None
+    if lay.gather is not None:
+        # inserted positions read and write with scale 1: scale the real queries here instead
+        q = lay.expand(q * scale, lay.zeros(q), lay.basis(q))
+        k = lay.expand(k, lay.basis(k), lay.zeros(k))
+        v = lay.expand(v, None if s0 is None else lay.state_rows(s0), lay.zeros(v))
+        g = lay.expand(g, lay.zeros(g), lay.zeros(g))
+        scale = 1.0
+    out, _ = _GatedChunked.apply(q, k, v, lay.with_resets(g), None, chunk_size, scale)
+    return lay.packed(out), (lay.states(out) if return_state else None)
+
+
 def gated_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -436,6 +462,7 @@ def gated_linear_attention(
     initial_state: DecayedState | None = None,
     return_state: bool = False,
     chunk_size: int | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Gated linear attention ``S_t = exp(log_decay_t) * S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``.
 
@@ -467,6 +494,15 @@ def gated_linear_attention(
         chunk_size: a tuning knob, the chunk length C of the algorithm; any C >= 1 gives the
             same result. None: 64 for a per-head gate, 32 for a per-channel one (the faster of
             16, 32 and 64 for each, measured at D = 64 on a CPU).
+        cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
+            along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
+            Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
+            boundary, and ``initial_state`` and the returned state hold one state per document,
+            ``s (n, H, D, Dv)``: the result equals one call per document (outputs, gradients,
+            states), in one chunked run over T positions (plus n*D per kind of state asked for;
+            see ``linattn.functional.varlen``). ``key_padding_mask`` ``(1, T)`` works alike.
+            Also the engine for other mechanisms' packed inputs: pass their features as q, k,
+            their values as v, their log decays (zeros for none) and ``scale=1.0``.
 
     Returns:
         ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` a :class:`DecayedState`.
@@ -479,16 +515,20 @@ def gated_linear_attention(
     in_dtype = q.dtype
     with no_autocast(q.device.type):
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
-                                         scaled=False)
+                                         scaled=False, cu_seqlens=cu_seqlens)
         B, H, N, D = q.shape
-        if N == 1 and s0 is not None:
+        if chunk_size is None:
+            chunk_size = _CHUNK_HEAD if g.shape[-1] == 1 else _CHUNK_CHANNEL
+        if cu_seqlens is not None:
+            out, s = _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size)
+            if return_state and s is None:  # no position at all: no document, or D = 0
+                s = q.new_zeros(cu_seqlens.shape[0] - 1, H, D, v.shape[-1]) if s0 is None else s0 + 0
+        elif N == 1 and s0 is not None:
             out, s = _recurrent_step(q * scale, k, v, g, s0)
         elif N == 0:
             s = q.new_zeros(B, H, D, v.shape[-1]) if s0 is None else s0 + 0
             out = v.new_zeros(B, H, 0, v.shape[-1])
         else:
-            if chunk_size is None:
-                chunk_size = _CHUNK_HEAD if g.shape[-1] == 1 else _CHUNK_CHANNEL
             out, s = _GatedChunked.apply(q, k, v, g, s0, chunk_size, scale)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out

@@ -39,8 +39,17 @@ from .checks import (
     no_autocast,
     sanitize_padded,
 )
+from .decayed_state import DecayedState
 from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
-from .normaliser import divide_by_normaliser_, guarded_normaliser, normalise, normaliser_floor
+from .gated import gated_linear_attention
+from .normaliser import (
+    divide_by_normaliser,
+    divide_by_normaliser_,
+    guarded_normaliser,
+    normalise,
+    normaliser_floor,
+)
+from .varlen import check_cu_seqlens, segment_cumsum, segment_sum, varlen_layout
 
 __all__ = [
     "LinearAttentionState",
@@ -630,6 +639,7 @@ def linear_attention(
     return_state: bool = False,
     chunk_size: int = 64,
     tile_positions: int = 4096,
+    cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Kernel attention ``out_i = phi(q_i) S / phi(q_i) z`` (Katharopoulos et al., arXiv 2006.16236).
 
@@ -652,6 +662,16 @@ def linear_attention(
         tile_positions: causal only, a tuning knob: about how many positions the chunked
             algorithm works on at a time (as in :func:`causal_linear_product`); any value >= 1
             gives the same result.
+        cu_seqlens: causal only (ValueError with ``causal=False``). None, or int64 ``(n + 1,)``
+            offsets ``[0, c_1, ..., T]`` of n documents packed along N (non-decreasing; empty
+            documents allowed), flash-attention's varlen convention. Then B must be 1 (inputs
+            ``(1, H, T, *)``), no key is seen across a document boundary, and ``initial_state``
+            and the returned state hold one state per document, ``S (n, H, F, Dv)``,
+            ``z (n, H, F)``: the result equals one call per document (outputs, gradients,
+            states). The numerator runs on :func:`~linattn.functional.gated.gated_linear_attention`'s
+            engine (zero decays, a reset at each document's start; ``chunk_size`` is its chunk
+            length, ``tile_positions`` is not used), the normaliser is a per-document running sum
+            of the key features (``linattn.functional.varlen``), guarded as in every other form.
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
@@ -664,6 +684,13 @@ def linear_attention(
     check_recurrent_args(fn, causal, initial_state, return_state)
     check_positive_int(fn, "chunk_size", chunk_size)
     check_positive_int(fn, "tile_positions", tile_positions)
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError(f"{fn}: cu_seqlens (packed documents) needs causal=True: the bidirectional form has "
+                             "no packed variant")
+        with no_autocast(q.device.type):
+            return _linear_varlen(fn, q, k, v, feature_map, key_padding_mask, initial_state, return_state,
+                                  chunk_size, cu_seqlens)
     with no_autocast(q.device.type):
         return _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state,
                                  chunk_size, tile_positions)
@@ -709,6 +736,41 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         out = normalise(o, dv, q.dtype, normaliser_floor(qf, z_seen))
     if return_state:
         return out, _state_from(s_final, dv)
+    return out
+
+
+def _linear_varlen(fn, q, k, v, feature_map, key_padding_mask, initial_state, return_state, chunk_size,
+                   cu_seqlens):
+    """Causal kernel attention of packed documents (``cu_seqlens``): ``q, k (1, H, T, D)``,
+    ``v (1, H, T, Dv)`` -> ``(1, H, T, Dv)`` and, with ``return_state``, per-document states.
+
+    The numerator ``phi(q_i) . S_i`` is gated_linear_attention's packed product with zero decays
+    (value width Dv as given: a ones column for the normaliser would make the width Dv + 1, which
+    slows the products); the normaliser ``phi(q_i) . z_i`` and the guard's ``z_i`` come from one
+    per-document running sum of phi(k) (:func:`~linattn.functional.varlen.segment_cumsum`), a few
+    elementwise passes; the division is :func:`~linattn.functional.normaliser.divide_by_normaliser`,
+    the guard of every other form.
+    """
+    cu = check_cu_seqlens(fn, cu_seqlens, q)
+    dt = compute_dtype(q.dtype)
+    dv = v.shape[-1]
+    qf, kf = _features(fn, feature_map, q, k, key_padding_mask, dt)  # (1, H, T, F)
+    v = sanitize_padded(v, key_padding_mask).to(dt)
+    n, H, Fd = cu.shape[0] - 1, qf.shape[1], qf.shape[-1]
+    S0 = z0 = None
+    if initial_state is not None:
+        check_linear_state(fn, initial_state, n, H, Fd, dv, q.device)
+        S0, z0 = initial_state.S.to(dt), initial_state.z.to(dt)
+    res = gated_linear_attention(qf, kf, v, qf.new_zeros(qf.shape[:3]), scale=1.0, cu_seqlens=cu,
+                                 initial_state=None if S0 is None else DecayedState(S0),
+                                 return_state=return_state, chunk_size=chunk_size)
+    num, S = res if return_state else (res, None)
+    lay = varlen_layout(cu, Fd, write_states=False, read_states=False)
+    z_seen = segment_cumsum(kf, lay, initial=z0)  # (1, H, T, F): the normaliser state each query sees
+    den = torch.linalg.vecdot(qf, z_seen).unsqueeze(-1)  # (1, H, T, 1)
+    out = divide_by_normaliser(num, den, normaliser_floor(qf, z_seen)).to(q.dtype)
+    if return_state:
+        return out, LinearAttentionState(S=S.s, z=segment_sum(kf, lay, initial=z0))
     return out
 
 

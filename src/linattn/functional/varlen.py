@@ -1,0 +1,235 @@
+"""Variable-length packed inputs (``cu_seqlens``) for the decayed recurrences.
+
+Many documents packed back to back into one sequence, with flash-attention's varlen convention:
+``cu_seqlens`` is an int64 1-D tensor of document offsets ``[0, c_1, ..., c_n = T]``
+(non-decreasing; an empty document, ``c_i == c_{i+1}``, is allowed and gets its state passed
+through). Inputs are ``(1, H, T, ...)``; document i holds positions ``c_i <= t < c_{i+1}``, and no
+information crosses a boundary. Per-document recurrent states have the number of documents n as
+their batch dimension: ``(n, H, D, Dv)``.
+
+How the engines run it, without a loop over documents (the cost grows with T, not with n times the
+longest document). Every engine here (``gated_linear_attention``, ``delta_rule_attention``, and
+``linear_attention`` through the first) already handles a reset: a log decay of -inf at a position
+zeroes the state before that position's write, and the chunked forms take differences of
+cumulative log decays inside a chunk in float64 with -inf floored at -1000 (exp(-1000) is 0 in
+every float dtype), so a chunk that spans documents stays exact. So:
+
+- a document boundary is a log decay of -inf at the document's first position (the engine then
+  sees one sequence, and its chunk loop, tiling and backward are unchanged);
+- a document's initial state S0 (D x Dv) is WRITTEN by D positions inserted before it, right after
+  the reset: keys e_1..e_D (unit basis vectors), values the rows of S0, no decay, and for the delta
+  rule beta = 1 (``(I - e_i e_i^T) S + e_i v^T`` replaces row i); their outputs are discarded;
+- a document's final state is READ by D positions inserted after it: queries e_i with readout
+  scale 1 (the real queries are scaled beforehand), no write (zero key and value, beta = 0, no
+  decay). Their outputs ARE the rows of the state, so gradients reach the state through the
+  engine's own backward, with no engine change.
+
+The inserted positions cost n*D extra positions, and only when states are asked for; without them
+the inputs are used as they are (no copy), only the log decays get their -inf. The expanded layout
+is built with index tensors and one gather (``index_select``) per input, never a loop over
+documents. :func:`varlen_layout` describes it; ``VarlenLayout.total`` is the length the engine
+runs on (T, plus n*D per kind of state asked for).
+
+Why not reset and read states inside the engines' chunk loops instead: the state at a boundary in
+the middle of a chunk is not one of the states the chunk loop carries, and reading it (and its
+gradient) would need a second product per chunk in every engine's forward and backward. Inserted
+positions reuse the tested engines as they are.
+
+Kernel attention's normaliser (``linear_attention``) is a per-document running sum of key features
+and needs no state insertion: :func:`segment_cumsum` and :func:`segment_sum` give it from one
+prefix sum over the packed sequence, accumulated in float64 (a document's sum is the difference
+of two prefix sums: float64 keeps that difference far more exact than float32 would, and the cost is
+a few elementwise passes over ``(H, T, F)``).
+
+Dimension legend: H heads, T packed positions, n documents, Tx expanded positions (T plus the
+inserted ones), D width of a state's rows (key or feature width), Dv value width, X any trailing
+width.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .checks import shape_str
+
+__all__ = [
+    "VarlenLayout",
+    "check_cu_seqlens",
+    "segment_cumsum",
+    "segment_sum",
+    "varlen_layout",
+]
+
+
+def check_cu_seqlens(fn: str, cu_seqlens, q: Tensor) -> Tensor:
+    """Validate ``cu_seqlens`` for packed inputs ``q (1, H, T, D)`` and return it.
+
+    Raises:
+        TypeError: not a tensor, or not int64.
+        ValueError: q's batch size is not 1; ``cu_seqlens`` is not 1-D with at least 2 entries, is
+            on another device, does not start at 0, does not end at T, or decreases somewhere.
+    """
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"{fn}: cu_seqlens must be an int64 tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int64:
+        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int64 (document offsets [0, c_1, ..., T]), "
+                        f"got {cu_seqlens.dtype}")
+    if q.shape[0] != 1:
+        raise ValueError(f"{fn}: with cu_seqlens the documents are packed along N and the batch size must be 1, "
+                         f"got q {shape_str(q)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{fn}: cu_seqlens must be 1-D with n + 1 >= 2 entries [0, c_1, ..., T], "
+                         f"got shape {shape_str(cu_seqlens)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+    T = q.shape[2]
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0:
+        raise ValueError(f"{fn}: cu_seqlens must start at 0, got {first}")
+    if last != T:
+        raise ValueError(f"{fn}: cu_seqlens must end at T = {T} (the packed length of q {shape_str(q)}), got {last}")
+    steps = cu_seqlens[1:] - cu_seqlens[:-1]
+    if bool((steps < 0).any()):
+        i = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(f"{fn}: cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {int(cu_seqlens[i])} > "
+                         f"cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}")
+    return cu_seqlens
+
+
+class VarlenLayout(NamedTuple):
+    """Where the packed positions and the inserted state positions lie in the expanded sequence.
+
+    Attributes:
+        n: number of documents.
+        T: packed length.
+        width: D, rows written (``write``) and read (``read``) per document.
+        total: Tx, the expanded length the engine runs on: T + n*D per kind of inserted position.
+        starts: ``(n,)`` int64, the packed offset c_j of every document.
+        doc: ``(T,)`` int64, the document of every packed position.
+        real: ``(T,)`` int64, the expanded position of every packed position.
+        write: ``(n*D,)`` int64, the positions writing the initial states (document-major, row i of
+            document j at ``j*D + i``), or None.
+        read: ``(n*D,)`` int64, the positions reading the final states (same order), or None.
+        resets: ``(r,)`` int64, the first expanded position of every document that has one (where
+            the log decay is -inf).
+        gather: ``(Tx,)`` int64 index into ``cat([packed, written, read], positions)``, or None when
+            nothing is inserted (the expanded sequence is the packed one).
+    """
+
+    n: int
+    T: int
+    width: int
+    total: int
+    starts: Tensor
+    doc: Tensor
+    real: Tensor
+    write: Tensor | None
+    read: Tensor | None
+    resets: Tensor
+    gather: Tensor | None
+
+    def expand(self, x: Tensor, write: Tensor | None = None, read: Tensor | None = None) -> Tensor:
+        """``x (1, H, T, X)`` with ``write (1, H, n*D, X)`` and ``read (1, H, n*D, X)`` (where the
+        layout has them) -> ``(1, H, Tx, X)``: one gather, differentiable in every part."""
+        if self.gather is None:
+            return x
+        parts = [x] + [p for p, at in ((write, self.write), (read, self.read)) if at is not None]
+        return torch.cat(parts, dim=2).index_select(2, self.gather)
+
+    def packed(self, y: Tensor) -> Tensor:
+        """The packed positions of an expanded ``y (1, H, Tx, X)``: ``(1, H, T, X)``."""
+        return y if self.gather is None else y.index_select(2, self.real)
+
+    def states(self, y: Tensor) -> Tensor:
+        """The outputs of the reading positions of ``y (1, H, Tx, Dv)`` as per-document states
+        ``(n, H, D, Dv)`` (row i of document j's state is the output of its i-th reading query)."""
+        H, Dv = y.shape[1], y.shape[-1]
+        rows = y.index_select(2, self.read)  # (1, H, n*D, Dv)
+        return rows.view(H, self.n, self.width, Dv).transpose(0, 1)
+
+    def state_rows(self, s: Tensor) -> Tensor:
+        """Per-document states ``(n, H, D, Dv)`` as the values of the writing positions, ``(1, H, n*D, Dv)``."""
+        return s.transpose(0, 1).reshape(1, s.shape[1], self.n * self.width, s.shape[-1])
+
+    def basis(self, like: Tensor) -> Tensor:
+        """The unit vectors e_1..e_D once per document, ``(1, H, n*D, D)`` (H, dtype and device
+        of ``like (1, H, *, *)``): the keys of the writing and the queries of the reading positions."""
+        eye = torch.eye(self.width, dtype=like.dtype, device=like.device)
+        return eye.repeat(self.n, 1).expand(1, like.shape[1], self.n * self.width, self.width)
+
+    def zeros(self, like: Tensor, X: int | None = None) -> Tensor:
+        """``(1, H, n*D, X)`` zeros (X: like's last width when None), for inserted positions."""
+        X = like.shape[-1] if X is None else X
+        return like.new_zeros(()).expand(1, like.shape[1], self.n * self.width, X)
+
+    def ones(self, like: Tensor) -> Tensor:
+        """``(1, H, n*D, 1)`` ones (beta = 1 of the writing positions)."""
+        return like.new_ones(()).expand(1, like.shape[1], self.n * self.width, 1)
+
+    def with_resets(self, g: Tensor) -> Tensor:
+        """Expanded log decays ``g (1, H, Tx, G)`` with -inf at every document's first position
+        (out of place; the gradient there is 0: the state it would decay is the previous
+        document's, or the zeros a document without initial state starts from)."""
+        return g.index_fill(2, self.resets, float("-inf"))
+
+
+def varlen_layout(cu_seqlens: Tensor, width: int, *, write_states: bool, read_states: bool) -> VarlenLayout:
+    """The :class:`VarlenLayout` of checked ``cu_seqlens`` (:func:`check_cu_seqlens`) with ``width``
+    (D) writing positions before each document when ``write_states``, and D reading positions
+    after it when ``read_states``. Index arithmetic only, no loop over documents."""
+    cu = cu_seqlens
+    dev = cu.device
+    n, T = cu.shape[0] - 1, int(cu[-1])
+    L = cu[1:] - cu[:-1]  # (n,) document lengths
+    a = width if write_states else 0
+    b = width if read_states else 0
+    ecu = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(L + (a + b), 0, out=ecu[1:])  # expanded offsets of the documents
+    doc = torch.repeat_interleave(torch.arange(n, device=dev), L, output_size=T)  # (T,)
+    real = torch.arange(T, device=dev) - cu[doc] + ecu[doc] + a  # (T,)
+    total = T + n * (a + b)
+    write = read = gather = None
+    if a:
+        write = (ecu[:-1, None] + torch.arange(a, device=dev)).reshape(-1)  # (n*D,)
+    if b:
+        read = (ecu[:-1, None] + (L + a)[:, None] + torch.arange(b, device=dev)).reshape(-1)  # (n*D,)
+    if a or b:
+        gather = torch.empty(total, dtype=torch.int64, device=dev)
+        at = torch.cat([p for p in (real, write, read) if p is not None])
+        gather[at] = torch.arange(total, device=dev)
+    resets = ecu[:-1][(L + (a + b)) > 0]
+    return VarlenLayout(n, T, width, total, cu[:-1], doc, real, write, read, resets, gather)
+
+
+def _doc_rows(initial: Tensor, layout: VarlenLayout) -> Tensor:
+    """Per-document ``initial (n, H, X)`` at every packed position: ``(1, H, T, X)``."""
+    return initial.transpose(0, 1).index_select(1, layout.doc).unsqueeze(0)
+
+
+def segment_cumsum(x: Tensor, layout: VarlenLayout, *, initial: Tensor | None = None) -> Tensor:
+    """Running sum within each document: ``y_t = initial_j + sum_{c_j <= s <= t} x_s`` for t in
+    document j. ``x (1, H, T, X)``, ``initial (n, H, X)`` or None (zeros) -> ``(1, H, T, X)`` in
+    x's dtype, differentiable in both.
+
+    One prefix sum over the packed sequence in float64, minus its value before each document: the
+    rounding is that of a sum of up to T terms (not of the document's own), relative ~T * 1e-16
+    of the packed prefix, far below float32's resolution.
+    """
+    H, X = x.shape[1], x.shape[-1]
+    cs = x.to(torch.float64).cumsum(2)  # (1, H, T, X)
+    before = torch.cat([cs.new_zeros(1, H, 1, X), cs], dim=2).index_select(2, layout.starts)  # (1, H, n, X)
+    y = cs - before.index_select(2, layout.doc)  # (1, H, T, X)
+    if initial is not None:
+        y = y + _doc_rows(initial.to(torch.float64), layout)
+    return y.to(x.dtype)
+
+
+def segment_sum(x: Tensor, layout: VarlenLayout, *, initial: Tensor | None = None) -> Tensor:
+    """Sum over each document: ``x (1, H, T, X)``, ``initial (n, H, X)`` or None -> ``(n, H, X)``,
+    ``initial_j + sum_{t in document j} x_t`` (an empty document gives its ``initial``, or zeros)."""
+    H, X = x.shape[1], x.shape[-1]
+    s = x.new_zeros(H, layout.n, X).index_add(1, layout.doc, x[0]).transpose(0, 1)  # (n, H, X)
+    return s if initial is None else s + initial.to(x.dtype)
