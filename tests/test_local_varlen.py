@@ -225,6 +225,19 @@ def test_cost_grows_with_total_length(monkeypatch):
     assert sum(pairs) <= 4 * T * (W + 1), (pairs, T)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs(dtype):
+    cu = _offsets([30, 0, 1, 69])
+    q, k, v = make_qkv(1, H, 100, 100, D, DV, dtype=torch.float32, requires_grad=False)
+    state = linattn.LocalAttentionState(*(t.detach().float() for t in _state(4, 10, seed=1)[:2]), *_state(4, 10, seed=1)[2:])
+    args = dict(window=10, causal=True, initial_state=state, return_state=True, cu_seqlens=cu)
+    out, st = linattn.local_attention(q.to(dtype), k.to(dtype), v.to(dtype), **args)
+    expected, st32 = linattn.local_attention(q, k, v, **args)
+    assert out.dtype == dtype and st.k.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(st.valid, st32.valid)
+
+
 def test_check_cu_seqlens_returns_the_number_of_documents():
     assert check_cu_seqlens("f", torch.tensor([0, 0, 3, 3, 10]), 10) == 4
     assert check_cu_seqlens("f", torch.tensor([0, 0]), 0) == 1
@@ -253,7 +266,8 @@ def test_errors():
     q2, k2, v2 = make_qkv(2, H, 10, 10, D, DV, requires_grad=False)
     with pytest.raises(ValueError, match=r"batch size must be 1, got q \(2, 2, 10, 12\), k \(2, 2, 10, 12\), v \(2, 2, 10, 7\)"):
         linattn.local_attention(q2, k2, v2, window=3, cu_seqlens=cu)
-    with pytest.raises(ValueError, match=r"initial_state.k must have shape \(2, 2, 3, 12\).*got \(1, 2, 3, 12\)"):
+    with pytest.raises(ValueError, match=r"initial_state.k must have shape \(2, 2, 3, 12\).*one ring per document: 2 "
+                                         r"documents in cu_seqlens.*got \(1, 2, 3, 12\)"):
         run(cu, initial_state=_state(1, 3, seed=0))  # one ring for two documents
     st = _state(2, 3, seed=0)
     with pytest.raises(ValueError, match=r"initial_state.valid must be a bool tensor of shape \(2, 3\)"):

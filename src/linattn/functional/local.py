@@ -10,7 +10,8 @@ Dimension legend: B batch, H heads, N positions, D query/key width, Dv value wid
 C block length, Nb number of query blocks, M blocks of keys looked back (and ahead) from a block,
 K = (M + 1) C (causal) or (2M + 1) C (bidirectional) keys seen by one query block, L key positions
 (with a state: the W carried keys then the N new ones), Nd documents packed into one sequence of
-N positions (``cu_seqlens``), R head queries of a document padded to its bucket's length.
+N positions (``cu_seqlens``), Nd' the documents of one head group, R their head queries padded
+to the group's length.
 
 The fast form is blocked: queries in blocks of C attend the K keys of their own block and the M
 blocks before (and after) it. Each block's (C, K) band mask is built from the block's key validity,
@@ -162,12 +163,13 @@ def _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, re
                 f"must be 1, got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
             )
     if initial_state is not None:
-        _check_state(fn, initial_state, q, v, window, batch)
+        _check_state(fn, initial_state, q, v, window, batch, cu_seqlens is not None)
     return window
 
 
-def _check_state(fn: str, state, q: Tensor, v: Tensor, window: int, B: int) -> None:
-    """``B``: the state's batch size, q's or, with packed documents, their number."""
+def _check_state(fn: str, state, q: Tensor, v: Tensor, window: int, B: int, packed: bool) -> None:
+    """``B``: the state's batch size, q's or, with packed documents (``packed``), their number."""
+    note = f" (one ring per document: {B} documents in cu_seqlens)" if packed else ""
     if not isinstance(state, LocalAttentionState):
         raise TypeError(
             f"{fn}: initial_state must be a LocalAttentionState (as returned with return_state=True), "
@@ -181,14 +183,14 @@ def _check_state(fn: str, state, q: Tensor, v: Tensor, window: int, B: int) -> N
         if tuple(t.shape) != shape:
             raise ValueError(
                 f"{fn}: initial_state.{name} must have shape {shape} for these inputs and "
-                f"window={window}, got {tuple(t.shape)}"
+                f"window={window}{note}, got {tuple(t.shape)}"
             )
         if t.device != q.device:
             raise ValueError(f"{fn}: initial_state.{name} is on {t.device}, inputs on {q.device}")
     if not isinstance(state.valid, Tensor) or state.valid.dtype != torch.bool or tuple(state.valid.shape) != (B, window):
         got = (f"{state.valid.dtype} {tuple(state.valid.shape)}" if isinstance(state.valid, Tensor)
                else type(state.valid).__name__)
-        raise ValueError(f"{fn}: initial_state.valid must be a bool tensor of shape {(B, window)}, got {got}")
+        raise ValueError(f"{fn}: initial_state.valid must be a bool tensor of shape {(B, window)}{note}, got {got}")
     if isinstance(state.pos, bool) or not isinstance(state.pos, int) or state.pos < 0:
         raise ValueError(f"{fn}: initial_state.pos must be an int >= 0, got {state.pos!r}")
 
@@ -341,7 +343,7 @@ def _state_heads(out: Tensor, q: Tensor, keys: Tensor, values: Tensor, valid: Te
     zeroed), ``state`` one ring per document, ``cu`` the offsets as a list. Returns ``(1,H,N,Dv)``.
     """
     W = window
-    dev = q.device
+    H, dev = q.shape[1], q.device
     k0, v0, valid0 = _ordered(state)  # (Nd, H, W, D), (Nd, H, W, Dv), (Nd, W); index i: position i - W
     heads = [min(W, b - a) for a, b in zip(cu[:-1], cu[1:])]
     # Group documents by head length rounded up to a power of two (at most W): one SDPA call per
@@ -358,9 +360,11 @@ def _state_heads(out: Tensor, q: Tensor, keys: Tensor, values: Tensor, valid: Te
         qpos = starts_all[docs, None] + r  # (Nd', R): packed position of head query r
         real = r < heads_all[docs, None]  # (Nd', R): False for the padding of a shorter head
         idx = torch.where(real, qpos, 0)  # gather positions (padding rows read position 0, unused)
-        qh = q[0][:, idx].transpose(0, 1)  # (Nd', H, R, D)
-        kh = torch.cat([k0[docs].to(q.dtype), keys[0][:, idx].transpose(0, 1)], 2)  # (Nd', H, W + R, D)
-        vh = torch.cat([v0[docs].to(q.dtype), values[0][:, idx].transpose(0, 1)], 2)  # (Nd', H, W + R, Dv)
+        # index_select, not advanced indexing: its backward (index_add) is the cheaper scatter
+        take = lambda x: x.index_select(2, idx.flatten()).view(H, -1, R, x.shape[-1]).transpose(0, 1)  # noqa: E731
+        qh = take(q)  # (Nd', H, R, D)
+        kh = torch.cat([k0.index_select(0, docs).to(q.dtype), take(keys)], 2)  # (Nd', H, W + R, D)
+        vh = torch.cat([v0.index_select(0, docs).to(q.dtype), take(values)], 2)  # (Nd', H, W + R, Dv)
         ok = torch.cat([valid0[docs], valid[0][idx] & real], 1)  # (Nd', W + R)
         dist = (W + r)[:, None] - torch.arange(W + R, device=dev)[None, :]  # (R, W + R): head query r is key W + r
         allowed = (dist >= 0) & (dist <= W) & ok[:, None, :]  # (Nd', R, W + R)
@@ -369,7 +373,9 @@ def _state_heads(out: Tensor, q: Tensor, keys: Tensor, values: Tensor, valid: Te
         allowed = allowed | ~has_key
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed[:, None], scale=scale)
         o = torch.where(has_key[:, None], o, o.new_zeros(()))  # (Nd', H, R, Dv)
-        out = out.index_copy(2, qpos[real], o.transpose(0, 1)[:, real][None])  # rows (1, H, heads, Dv)
+        rows = real.flatten().nonzero().squeeze(1)  # the real head queries among the Nd' R
+        o = o.transpose(0, 1).reshape(1, H, -1, o.shape[-1]).index_select(2, rows)  # (1, H, heads, Dv)
+        out = out.index_copy(2, qpos.flatten()[rows], o)
     return out
 
 
