@@ -12,7 +12,9 @@ longest document). Every engine here (``gated_linear_attention``, ``delta_rule_a
 ``linear_attention`` through the first) already handles a reset: a log decay of -inf at a position
 zeroes the state before that position's write, and the chunked forms take differences of
 cumulative log decays inside a chunk in float64 with -inf floored at -1000 (exp(-1000) is 0 in
-every float dtype), so a chunk that spans documents stays exact. So:
+every float dtype), so a chunk that spans documents stays exact: every product across a boundary
+is exactly 0, and within a document the decays keep float64's digits (each reset earlier in the
+chunk adds -1000 to the cumulative sum, which costs a few of its 16 digits, not float32's). So:
 
 - a document boundary is a log decay of -inf at the document's first position (the engine then
   sees one sequence, and its chunk loop, tiling and backward are unchanged);
@@ -42,8 +44,8 @@ of two prefix sums: float64 keeps that difference far more exact than float32 wo
 a few elementwise passes over ``(H, T, F)``).
 
 Dimension legend: H heads, T packed positions, n documents, Tx expanded positions (T plus the
-inserted ones), D width of a state's rows (key or feature width), Dv value width, X any trailing
-width.
+inserted ones), D width of a state's rows (key or feature width), Dv value width, G gate width (1
+per head, D per key channel), X any trailing width.
 """
 
 from __future__ import annotations
@@ -160,10 +162,10 @@ class VarlenLayout(NamedTuple):
         eye = torch.eye(self.width, dtype=like.dtype, device=like.device)
         return eye.repeat(self.n, 1).expand(1, like.shape[1], self.n * self.width, self.width)
 
-    def zeros(self, like: Tensor, X: int | None = None) -> Tensor:
-        """``(1, H, n*D, X)`` zeros (X: like's last width when None), for inserted positions."""
-        X = like.shape[-1] if X is None else X
-        return like.new_zeros(()).expand(1, like.shape[1], self.n * self.width, X)
+    def zeros(self, like: Tensor) -> Tensor:
+        """``(1, H, n*D, X)`` zeros (H, X, dtype and device of ``like (1, H, *, X)``), for inserted
+        positions."""
+        return like.new_zeros(()).expand(1, like.shape[1], self.n * self.width, like.shape[-1])
 
     def ones(self, like: Tensor) -> Tensor:
         """``(1, H, n*D, 1)`` ones (beta = 1 of the writing positions)."""
@@ -215,8 +217,9 @@ def segment_cumsum(x: Tensor, layout: VarlenLayout, *, initial: Tensor | None = 
     x's dtype, differentiable in both.
 
     One prefix sum over the packed sequence in float64, minus its value before each document: the
-    rounding is that of a sum of up to T terms (not of the document's own), relative ~T * 1e-16
-    of the packed prefix, far below float32's resolution.
+    rounding is that of a sum of up to T terms (not of the document's own), ~T * 1e-16 relative
+    to the packed prefix: far below float32's resolution, but for float64 inputs somewhat coarser
+    than a per-document sum would be.
     """
     H, X = x.shape[1], x.shape[-1]
     cs = x.to(torch.float64).cumsum(2)  # (1, H, T, X)
