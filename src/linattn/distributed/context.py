@@ -132,7 +132,9 @@ def _depend_on(x: Tensor, anchor: Tensor) -> Tensor:
     """``x`` unchanged, but with ``anchor`` in its graph (zero gradient): backward through ``x``
     then reaches the gather behind ``anchor``, whose backward is a collective every rank must join,
     also on a rank whose result reads no gathered value (rank 0's output)."""
-    return x + anchor.reshape(-1)[:0].sum().to(x.dtype)
+    if not (anchor.requires_grad and torch.is_grad_enabled()):
+        return x
+    return x + anchor.reshape(-1)[:0].sum().to(x.dtype)  # + 0, from an empty slice of anchor
 
 
 def _where(fn: str, group) -> tuple[object, int, int] | None:
