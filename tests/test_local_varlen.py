@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import linattn
 from linattn.functional import local_attention_reference
-from linattn.functional.local import MAX_BLOCK, MIN_BLOCK, check_cu_seqlens
+from linattn.functional.local import MAX_BLOCK, MIN_BLOCK
 
 from conftest import assert_close, make_mask, make_qkv
 
@@ -238,33 +238,28 @@ def test_half_inputs(dtype):
     assert torch.equal(st.valid, st32.valid)
 
 
-def test_check_cu_seqlens_returns_the_number_of_documents():
-    assert check_cu_seqlens("f", torch.tensor([0, 0, 3, 3, 10]), 10) == 4
-    assert check_cu_seqlens("f", torch.tensor([0, 0]), 0) == 1
-
-
 def test_errors():
     q, k, v = make_qkv(1, H, 10, 10, D, DV, dtype=torch.float32, requires_grad=False)
     cu = torch.tensor([0, 4, 10])
     run = lambda c, **kw: linattn.local_attention(q, k, v, window=3, causal=True, cu_seqlens=c, **kw)  # noqa: E731
     with pytest.raises(TypeError, match="local_attention: cu_seqlens must be an int64 tensor.*list"):
         run([0, 4, 10])
-    with pytest.raises(TypeError, match="cu_seqlens must have dtype torch.int64, got torch.int32"):
+    with pytest.raises(TypeError, match="cu_seqlens must have dtype torch.int64.*got torch.int32"):
         run(cu.int())
-    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D with at least 2 entries.*got shape \(1, 3\)"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D with n \+ 1 >= 2 entries.*got shape \(1, 3\)"):
         run(cu[None])
-    with pytest.raises(ValueError, match=r"at least 2 entries.*got shape \(1\)"):
+    with pytest.raises(ValueError, match=r">= 2 entries.*got shape \(1,?\)"):
         run(torch.tensor([0]))
-    with pytest.raises(ValueError, match=r"start at 0 and end at the packed length 10, got \[1, \.\.\., 10\]"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0, got 1"):
         run(torch.tensor([1, 4, 10]))
-    with pytest.raises(ValueError, match=r"end at the packed length 10, got \[0, \.\.\., 9\]"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must end at T = 10 .*got 9"):
         run(torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match=r"non-decreasing, got cu_seqlens\[1\] = 6 > cu_seqlens\[2\] = 2"):
         run(torch.tensor([0, 6, 2, 10]))
-    with pytest.raises(ValueError, match="cu_seqlens is on meta but the inputs are on cpu"):
+    with pytest.raises(ValueError, match="cu_seqlens is on meta, q on cpu"):
         run(cu.to("meta"))
     q2, k2, v2 = make_qkv(2, H, 10, 10, D, DV, requires_grad=False)
-    with pytest.raises(ValueError, match=r"batch size must be 1, got q \(2, 2, 10, 12\), k \(2, 2, 10, 12\), v \(2, 2, 10, 7\)"):
+    with pytest.raises(ValueError, match=r"batch size must be 1, got q \(2, 2, 10, 12\)"):
         linattn.local_attention(q2, k2, v2, window=3, cu_seqlens=cu)
     with pytest.raises(ValueError, match=r"initial_state.k must have shape \(2, 2, 3, 12\).*one ring per document: 2 "
                                          r"documents in cu_seqlens.*got \(1, 2, 3, 12\)"):

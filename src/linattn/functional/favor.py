@@ -67,6 +67,7 @@ from .decayed_state import DecayedState
 from .gated import gated_linear_attention
 from .linear import LinearAttentionState, causal_linear_product, check_linear_state
 from .normaliser import divide_by_normaliser_, normalise, normaliser_floor
+from .varlen import VarlenLayout, check_cu_seqlens, segment_cumsum, varlen_layout
 
 __all__ = [
     "FAVOR_FEATURES",
@@ -232,6 +233,7 @@ def favor_attention(
     return_state: bool = False,
     chunk_size: int = 64,
     tile_entries: int = 1 << 20,
+    cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """FAVOR+ attention: kernel attention with the random features of ``projection``.
 
@@ -262,6 +264,12 @@ def favor_attention(
             tensors one tile holds (>= 1). Larger calls run tile by tile, a few sequences or heads
             at a time and, causal, blocks of positions that resume from the previous block's
             state; any value gives the same result up to rounding.
+        cu_seqlens: causal only (ValueError otherwise). None, or int64 ``(n + 1,)`` offsets
+            ``[0, c_1, ..., N]`` of n documents packed along N (batch size 1; see
+            :mod:`linattn.functional.varlen`): every document is computed as if alone (its own
+            running scale, no key of another document), in one chunked run whose cost grows with
+            N. ``initial_state`` / ``return_state`` then hold one state per document (batch n).
+            The call is not cut into tiles.
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
@@ -277,6 +285,13 @@ def favor_attention(
     scale = check_scale(fn, scale, q.shape[-1])
     check_positive_int(fn, "chunk_size", chunk_size)
     check_positive_int(fn, "tile_entries", tile_entries)
+    if cu_seqlens is not None:
+        if not causal:
+            raise ValueError(f"{fn}: cu_seqlens (packed documents) needs causal=True")
+        check_cu_seqlens(fn, cu_seqlens, q)
+        with no_autocast(q.device.type):
+            return _favor(fn, q, k, v, projection, kernel, features, True, key_padding_mask, scale, initial_state,
+                          return_state, chunk_size, cu_seqlens)
     with no_autocast(q.device.type):
         return _tiled(fn, q, k, v, projection, kernel, features, causal, key_padding_mask, scale,
                       initial_state, return_state, chunk_size, tile_entries)
@@ -369,7 +384,7 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
 
 
 def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
-           chunk_size):
+           chunk_size, cu_seqlens=None):
     dt, out_dtype = compute_dtype(q.dtype), q.dtype
     B, H, nq, _ = q.shape
     dv = v.shape[-1]
@@ -383,11 +398,13 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
     real = None if mask is None else mask[:, None, :]  # (B, 1, Nk)
 
+    lay = None if cu_seqlens is None else varlen_layout(cu_seqlens, 0, write_states=False, read_states=False)
+    n_states = B if lay is None else lay.n  # one state per document when packed
     s0 = log_scale0 = None
     if initial_state is not None:
-        check_linear_state(fn, initial_state, B, H, Fd, dv, q.device, scaled=True)
+        check_linear_state(fn, initial_state, n_states, H, Fd, dv, q.device, scaled=True)
         if (causal and nq == 1 and mask is None and kernel == "softmax" and features == "positive"
-                and initial_state.log_scale is not None):
+                and initial_state.log_scale is not None and lay is None):
             return _decoding_step(q, k, v, W, scale, initial_state, return_state, out_dtype)
         s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
         if initial_state.log_scale is not None:
@@ -402,13 +419,20 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             return _finish(qf @ s, dv, features, out_dtype, normaliser_floor(qf, s[..., dv].unsqueeze(-2)))
         if s0 is not None and log_scale0 is not None:
             s0 = s0 * torch.exp(log_scale0)[..., None, None]
-        o, s_final = causal_linear_product(qf, kf, w, s0, chunk_size=chunk_size)
-        z_seen = kf.detach().cumsum(2)  # (B, H, N, m): the normaliser state at each position
-        if s0 is not None:
-            z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)
+        if lay is None:
+            o, s_final = causal_linear_product(qf, kf, w, s0, chunk_size=chunk_size)
+            z_seen = kf.detach().cumsum(2)  # (B, H, N, m): the normaliser state at each position
+            if s0 is not None:
+                z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)
+        else:  # packed: the gated engine, no decay, reset at every document (varlen.py)
+            o, st = gated_linear_attention(qf, kf, w, qf.new_zeros(qf.shape[:3]), scale=1.0, cu_seqlens=cu_seqlens,
+                                           initial_state=None if s0 is None else DecayedState(s0),
+                                           return_state=True, chunk_size=chunk_size)
+            s_final = st.s
+            z_seen = segment_cumsum(kf.detach(), lay, initial=None if s0 is None else s0[..., dv].detach())
         out = _finish(o, dv, features, out_dtype, normaliser_floor(qf, z_seen))
         if return_state:
-            return out, _state(s_final, dv, torch.zeros(B, H, dtype=dt, device=q.device))
+            return out, _state(s_final, dv, torch.zeros(n_states, H, dtype=dt, device=q.device))
         return out
 
     uq, uk, half_sq = _projections(q, k, W, scale)
@@ -445,6 +469,10 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
         o = qf @ (kf.transpose(-1, -2) @ w)  # (B, H, Nq, E)
         return _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
 
+    if lay is not None:
+        return _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay, cu_seqlens, dv, features,
+                                      out_dtype, _positive_floor(m, dt), chunk_size, return_state)
+
     # Causal: the running maximum, from the carried state's scale onwards.
     run = torch.cummax(c, dim=-1).values if c.shape[-1] else c  # (B, H, N)
     if log_scale0 is not None:
@@ -470,6 +498,51 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     else:
         final_scale = log_scale0 if log_scale0 is not None else torch.zeros(B, H, dtype=dt, device=q.device)
     return out, _state(s_final, dv, final_scale)
+
+
+def _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay: VarlenLayout, cu_seqlens, dv, features,
+                           out_dtype, floor, chunk_size, return_state):
+    """The causal softmax-kernel path of packed documents: ``qf (1, H, T, F)``, key log-magnitudes
+    ``c (1, H, T)`` (-inf at padding), ``w (1, H, T, E)``, ``key_features(run) -> kf``, per-document
+    ``s0 (n, H, F, E)`` and ``log_scale0 (n, H)`` (or None) -> the output and, with
+    ``return_state``, the per-document states.
+
+    Every document gets its own running maximum, exactly as alone: a cumulative maximum of
+    ``doc * spread + c`` over the packed sequence (``spread`` wider than the range of c, in float64,
+    so that a later document's keys outrank every earlier one's) whose arg-max positions are then
+    read back in c itself, so the scale is a key's own log-magnitude, never a rounded sum; an
+    arg-max in an earlier document means the document has no real key yet. The rescale between
+    consecutive positions of a document is its log decay (0 at a document's start, where the state
+    is reset, its initial state first brought to the scale of its first position).
+    """
+    doc = lay.doc  # (T,)
+    finite = torch.isfinite(c)
+    span = (c[finite].max() - c[finite].min()).item() if bool(finite.any()) else 0.0
+    spread = 2.0 * span + 1.0
+    key = doc.to(torch.float64) * spread + c.to(torch.float64)  # (1, H, T); -inf stays -inf
+    arg = torch.cummax(key, dim=-1).indices  # (1, H, T)
+    run = torch.where(doc[arg] == doc, c.gather(-1, arg), c.new_full((), float("-inf")))
+    if log_scale0 is not None:
+        run = torch.maximum(run, log_scale0.t()[None].index_select(2, doc))  # (1, H, T)
+    run = torch.where(torch.isfinite(run), run, torch.finfo(run.dtype).min)
+    kf = key_features(run)
+    starts = lay.starts  # (n,)
+    nonempty = cu_seqlens[1:] > starts  # (n,)
+    if s0 is not None and log_scale0 is not None:
+        first = run[0].index_select(1, starts.clamp(max=max(lay.T - 1, 0))).t() if lay.T else log_scale0  # (n, H)
+        first = torch.where(nonempty[:, None], first, log_scale0)
+        s0 = s0 * torch.exp(log_scale0 - first)[..., None, None]  # each document's at its first position's scale
+    log_decay = torch.cat([run[..., :1].new_zeros(run[..., :1].shape), run[..., :-1] - run[..., 1:]], dim=-1)
+    log_decay = log_decay.index_fill(2, starts[nonempty], 0.0)  # the reset replaces it there
+    o, st = gated_linear_attention(qf, kf, w, log_decay, scale=1.0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                   initial_state=None if s0 is None else DecayedState(s0), return_state=True)
+    out = _finish(o, dv, features, out_dtype, floor)
+    if not return_state:
+        return out
+    last = run[0].index_select(1, (cu_seqlens[1:] - 1).clamp(min=0)).t() if lay.T else None  # (n, H)
+    empty_scale = log_scale0 if log_scale0 is not None else st.s.new_zeros(lay.n, qf.shape[1])
+    final_scale = empty_scale if last is None else torch.where(nonempty[:, None], last, empty_scale)
+    return out, _state(st.s, dv, final_scale)
 
 
 def _rescaled_product(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None,

@@ -54,8 +54,9 @@ from .checks import (
     sanitize_padded,
     shape_str,
 )
+from .varlen import check_cu_seqlens
 
-__all__ = ["LocalAttentionState", "check_cu_seqlens", "local_attention", "local_attention_reference"]
+__all__ = ["LocalAttentionState", "local_attention", "local_attention_reference"]
 
 # Block length bounds: the block length is the window, clamped to [MIN_BLOCK, MAX_BLOCK]. A causal
 # query block of C rows sees K = (M+1) C keys of which W+1 are in a row's band: smaller blocks
@@ -100,50 +101,6 @@ def _check_window(fn: str, window) -> int:
     return window
 
 
-def check_cu_seqlens(fn: str, cu_seqlens, total: int, *, device: torch.device | None = None) -> int:
-    """Validate packed-document offsets (flash-attention's varlen convention) and return the number
-    of documents Nd.
-
-    Args:
-        fn: name of the calling function, for the messages.
-        cu_seqlens: int64 ``(Nd + 1,)`` offsets ``[0, c_1, ..., c_Nd = total]``, non-decreasing:
-            document d is positions ``[cu_seqlens[d], cu_seqlens[d+1])``. Equal neighbours (empty
-            documents) are allowed; at least one document (two entries) is required.
-        total: length of the packed sequence the offsets must cover.
-        device: when given, the device cu_seqlens must be on (that of the inputs).
-
-    Raises:
-        TypeError: not a tensor, or not int64.
-        ValueError: not 1-D, fewer than 2 entries, on another device, not starting at 0, not
-            ending at ``total``, or decreasing somewhere.
-    """
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"{fn}: cu_seqlens must be an int64 tensor of document offsets, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int64:
-        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(
-            f"{fn}: cu_seqlens must be 1-D with at least 2 entries [0, ..., {total}] (one more than the "
-            f"number of documents), got shape {shape_str(cu_seqlens)}"
-        )
-    if device is not None and cu_seqlens.device != device:
-        raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
-    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-    if first != 0 or last != total:
-        raise ValueError(
-            f"{fn}: cu_seqlens must start at 0 and end at the packed length {total}, got "
-            f"[{first}, ..., {last}]"
-        )
-    drops = (cu_seqlens.diff() < 0).nonzero()
-    if drops.numel():
-        d = int(drops[0, 0])
-        raise ValueError(
-            f"{fn}: cu_seqlens must be non-decreasing, got cu_seqlens[{d}] = {int(cu_seqlens[d])} > "
-            f"cu_seqlens[{d + 1}] = {int(cu_seqlens[d + 1])}"
-        )
-    return cu_seqlens.numel() - 1
-
-
 def _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state, cu_seqlens) -> int:
     check_qkv(fn, q, k, v, causal=causal)
     if q.shape[2] != k.shape[2]:
@@ -156,12 +113,7 @@ def _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, re
     check_recurrent_args(fn, causal, initial_state, return_state)
     batch = q.shape[0]
     if cu_seqlens is not None:
-        batch = check_cu_seqlens(fn, cu_seqlens, q.shape[2], device=q.device)
-        if q.shape[0] != 1:
-            raise ValueError(
-                f"{fn}: with cu_seqlens the documents are packed along the positions and the batch size "
-                f"must be 1, got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
-            )
+        batch = check_cu_seqlens(fn, cu_seqlens, q).shape[0] - 1
     if initial_state is not None:
         _check_state(fn, initial_state, q, v, window, batch, cu_seqlens is not None)
     return window
@@ -479,7 +431,7 @@ def local_attention(
             (flash-attention's varlen convention; empty documents allowed), with B = 1: document d
             is positions ``[cu_seqlens[d], cu_seqlens[d+1])`` and no query sees another document.
             Equals one call per document, at the cost of one call on N positions. Causal or
-            bidirectional (within each document); checked by :func:`check_cu_seqlens`.
+            bidirectional (within each document); checked by :func:`linattn.functional.varlen.check_cu_seqlens`.
 
     Returns:
         ``(B, H, N, Dv)`` in the input dtype (computed in float32 for half inputs), and with

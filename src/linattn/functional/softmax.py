@@ -14,14 +14,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_key_padding_mask, check_qkv, check_scale, compute_dtype, sanitize_padded
+from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["softmax_attention", "softmax_attention_reference"]
 
 
 def _allowed(
-    q: Tensor, k: Tensor, *, causal: bool, key_padding_mask: Tensor | None
+    q: Tensor, k: Tensor, *, causal: bool, key_padding_mask: Tensor | None, doc: Tensor | None = None
 ) -> Tensor | None:
-    """Bool mask broadcastable to (B, H, Nq, Nk), True where query i may attend key j, or None."""
+    """Bool mask broadcastable to (B, H, Nq, Nk), True where query i may attend key j, or None.
+    ``doc (N,)``: the document of every packed position (queries and keys are the same positions)."""
     nq, nk = q.shape[2], k.shape[2]
     allowed = None
     if key_padding_mask is not None:
@@ -29,11 +31,15 @@ def _allowed(
     if causal:
         tril = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril_()
         allowed = tril if allowed is None else allowed & tril  # (B, 1, Nq, Nk)
+    if doc is not None:
+        same = doc[:, None] == doc[None, :]  # (N, N)
+        allowed = same if allowed is None else allowed & same
     return allowed
 
 
 def _has_key(q: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Tensor | None:
-    """Bool (B, 1, Nq, 1): whether query i has at least one key it may attend, or None if all do."""
+    """Bool (B, 1, Nq, 1): whether query i has at least one key it may attend, or None if all do
+    (of one document, when the input is packed)."""
     if key_padding_mask is None:
         return None  # causal alone: query i always sees key i
     if causal:
@@ -41,6 +47,14 @@ def _has_key(q: Tensor, *, causal: bool, key_padding_mask: Tensor | None) -> Ten
     else:
         has = key_padding_mask.any(-1, keepdim=True).expand(-1, q.shape[2])  # (B, Nq)
     return has[:, None, :, None]
+
+
+def _check_packed(fn: str, q: Tensor, k: Tensor, cu_seqlens: Tensor) -> None:
+    """Packed documents need the queries and keys to be the same positions."""
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{fn}: with cu_seqlens the queries and keys are the same packed positions, got Nq = "
+                         f"{q.shape[2]} and Nk = {k.shape[2]}")
+    check_cu_seqlens(fn, cu_seqlens, q)
 
 
 def softmax_attention(
@@ -51,6 +65,7 @@ def softmax_attention(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """Exact softmax attention ``softmax(q k^T * scale) v``.
 
@@ -62,6 +77,12 @@ def softmax_attention(
         key_padding_mask: bool ``(B, Nk)``, True = a real key that may be attended, False = padding.
             Padded keys' content (even NaN) never reaches an output or a real input's gradient.
         scale: logit scale, ``1/sqrt(D)`` when None.
+        cu_seqlens: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed along N
+            (batch size 1, queries and keys the same positions, see
+            :mod:`linattn.functional.varlen`): a query attends only keys of its own document.
+            Computed one document at a time (SDPA per document: the cost is the sum of the
+            documents' squared lengths, never N^2); a Python loop over documents, which softmax's
+            own cost dwarfs.
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype. A query with no key to attend gets zeros.
@@ -70,6 +91,13 @@ def softmax_attention(
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
     scale = check_scale(fn, scale, q.shape[-1])
+    if cu_seqlens is not None:
+        _check_packed(fn, q, k, cu_seqlens)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        masks = [None] * len(lengths) if key_padding_mask is None else key_padding_mask.split(lengths, dim=1)
+        return torch.cat([softmax_attention(qd, kd, vd, causal=causal, key_padding_mask=md, scale=scale)
+                          for qd, kd, vd, md in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2),
+                                                    masks)], dim=2)
     B, H, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[-1]
     if nq == 0 or nk == 0:
@@ -100,18 +128,24 @@ def softmax_attention_reference(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """Plain O(Nq*Nk) softmax attention written from the formula; same contract as
-    :func:`softmax_attention`. Tests trust this one: run it in float64."""
+    :func:`softmax_attention` (packed documents: keys of another document masked out). Tests trust
+    this one: run it in float64."""
     fn = "softmax_attention_reference"
     check_qkv(fn, q, k, v, causal=causal)
     check_key_padding_mask(fn, key_padding_mask, k)
     scale = check_scale(fn, scale, q.shape[-1])
+    doc = None
+    if cu_seqlens is not None:
+        _check_packed(fn, q, k, cu_seqlens)
+        doc = varlen_layout(cu_seqlens, 0, write_states=False, read_states=False).doc  # (N,)
     k = sanitize_padded(k, key_padding_mask)
     v = sanitize_padded(v, key_padding_mask)
     dt = compute_dtype(q.dtype)
     scores = (q.to(dt) @ k.to(dt).transpose(-1, -2)) * scale  # (B, H, Nq, Nk)
-    allowed = _allowed(q, k, causal=causal, key_padding_mask=key_padding_mask)
+    allowed = _allowed(q, k, causal=causal, key_padding_mask=key_padding_mask, doc=doc)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     row_max = scores.amax(-1, keepdim=True).detach() if scores.shape[-1] else scores.sum(-1, keepdim=True)

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..functional.varlen import check_cu_seqlens
 from ..nn.attention import AttentionState, MultiHeadAttention
-from ..nn.positional import sinusoidal_table
+from ..nn.positional import document_positions, sinusoidal_table
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TransformerConfig
 
@@ -78,11 +79,13 @@ class Block(nn.Module):
         return self.norm1(x + self._drop(a)), state
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                return_state: bool = False):
-        """``x (B, N, C) -> (B, N, C)``, with ``return_state`` also the layer's AttentionState."""
+                return_state: bool = False, cu_seqlens: Tensor | None = None):
+        """``x (B, N, C) -> (B, N, C)``, with ``return_state`` also the layer's AttentionState;
+        ``cu_seqlens``: documents packed along N (see MultiHeadAttention.forward)."""
 
         def run(h):
-            r = self.attn(h, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
+            r = self.attn(h, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
+                          cu_seqlens=cu_seqlens)
             return r if return_state else (r, None)
 
         x, state = self._attend(x, run)
@@ -139,14 +142,17 @@ class _Transformer(nn.Module):
                 f"{self.config.max_len} (ids {tuple(ids.shape)})"
             )
 
-    def _embed(self, ids: Tensor, start: int) -> Tensor:
-        """Token (+ absolute position) embeddings of ``ids (B, N)`` at positions start.. -> (B, N, C)."""
+    def _embed(self, ids: Tensor, start: int, positions: Tensor | None = None) -> Tensor:
+        """Token (+ absolute position) embeddings of ``ids (B, N)`` at positions start.. (or at
+        ``positions (N,)``) -> (B, N, C)."""
         x = self.tok_emb(ids)
         n = ids.shape[1]
+        if positions is None and self.config.positional in ("learned", "sinusoidal"):
+            positions = torch.arange(start, start + n, device=ids.device)
         if self.config.positional == "learned":
-            x = x + self.pos_emb(torch.arange(start, start + n, device=ids.device))
+            x = x + self.pos_emb(positions)
         elif self.config.positional == "sinusoidal":
-            x = x + self.pos_table[start : start + n].to(x.dtype)
+            x = x + self.pos_table[positions].to(x.dtype)
         return self.drop(x)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -208,7 +214,7 @@ class TransformerLM(_Transformer):
             self.head.weight = self.tok_emb.weight
 
     def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None, return_state: bool = False,
-                last_only: bool = False):
+                last_only: bool = False, cu_seqlens: Tensor | None = None):
         """``ids (B, N)`` -> logits ``(B, N, V)``; with ``return_state`` also the :class:`LMState`
         after position N - 1, to continue with :meth:`step` (prefill).
 
@@ -217,18 +223,36 @@ class TransformerLM(_Transformer):
 
         ``key_padding_mask``: bool ``(B, N)``, True = a real token, False = padding (not with
         ``return_state`` when a layer is softmax: the KV cache has no padding slots).
+
+        ``cu_seqlens``: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed into
+        ``ids (1, N)`` (no padding): every layer keeps the documents apart and positions restart at
+        0 in each, so each document's logits are those it would get alone (up to rounding). Each
+        document, not N, must fit in ``max_len``. Not with ``return_state``.
         """
-        self._check_ids(ids, 0, "forward")
+        positions = None
+        if cu_seqlens is None:
+            self._check_ids(ids, 0, "forward")
+        else:
+            self._check_ids(ids[:, :0], 0, "forward")  # the type and rank; lengths are the documents'
+            check_cu_seqlens("TransformerLM.forward", cu_seqlens, ids[:, None, :, None])  # ids as (1, 1, N, 1)
+            positions = document_positions(cu_seqlens)  # (N,)
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if longest > self.config.max_len:
+                raise ValueError(f"TransformerLM.forward: a document of {longest} tokens exceeds max_len = "
+                                 f"{self.config.max_len} (cu_seqlens {cu_seqlens.tolist()[:8]}...)")
+            if return_state:
+                raise ValueError("TransformerLM.forward: return_state with cu_seqlens is not supported (a decoding "
+                                 "state is one sequence's)")
         if return_state:
             self._check_recurrent("forward(return_state=True)")
-        x = self._embed(ids, 0)
+        x = self._embed(ids, 0, positions)
         states = []
         for block in self.blocks:
             if return_state:
                 x, s = block(x, causal=True, key_padding_mask=key_padding_mask, return_state=True)
                 states.append(s)
             else:
-                x = block(x, causal=True, key_padding_mask=key_padding_mask)
+                x = block(x, causal=True, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
         if last_only:
             x = x[:, -1:]
         logits = self.head(self.norm_f(x))

@@ -11,9 +11,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..functional.varlen import check_cu_seqlens
 from .conv import ShortConv
 from .mechanisms import SoftmaxConfig
-from .positional import apply_rotary, rotary_angles
+from .positional import apply_rotary, document_positions, rotary_angles
 from .registry import MECHANISMS, build_mechanism, spec_for
 
 __all__ = ["AttentionState", "MultiHeadAttention", "merge_legacy_projections"]
@@ -137,9 +138,9 @@ class MultiHeadAttention(nn.Module):
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _qkv(self, x: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v ``(B, H, N, D)`` for positions ``start .. start + N - 1`` (rotary applied):
-        views into one ``(B, N, 3 | 2, H, D)`` projection."""
+    def _qkv(self, x: Tensor, start: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``(B, H, N, D)`` for positions ``start .. start + N - 1``, or ``positions (N,)``
+        when given (rotary applied): views into one ``(B, N, 3 | 2, H, D)`` projection."""
         B, N, _ = x.shape
         p = self.in_proj(x).view(B, N, -1, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.spec.shared_qk:
@@ -148,7 +149,7 @@ class MultiHeadAttention(nn.Module):
         else:
             q, k, v = p.unbind(0)
         if self.rotary:
-            pos = torch.arange(start, start + x.shape[1], device=x.device)
+            pos = torch.arange(start, start + x.shape[1], device=x.device) if positions is None else positions
             cos, sin = rotary_angles(pos, self.head_dim, base=self.rotary_base)
             q = apply_rotary(q, cos, sin)
             k = q if self.spec.shared_qk else apply_rotary(k, cos, sin)
@@ -170,7 +171,7 @@ class MultiHeadAttention(nn.Module):
     # -- public --------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                return_state: bool = False):
+                return_state: bool = False, cu_seqlens: Tensor | None = None):
         """Attention over ``x (B, N, C)`` -> ``(B, N, C)``.
 
         Args:
@@ -180,8 +181,24 @@ class MultiHeadAttention(nn.Module):
                 padding.
             return_state: also return the :class:`AttentionState` after the last position, to
                 continue with :meth:`step` (needs ``causal`` and a recurrent mechanism).
+            cu_seqlens: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed
+                along N (batch size 1; see :mod:`linattn.functional.varlen`). Causal only: no
+                position attends another document, the short convolution does not reach across a
+                boundary, and rotary positions restart at 0 in every document, so each document's
+                output is what it would be alone. Not with ``return_state``.
         """
         self._check_x(x, "forward")
+        positions = None
+        if cu_seqlens is not None:
+            if not causal:
+                raise ValueError("MultiHeadAttention: cu_seqlens (packed documents) needs causal=True")
+            if return_state:
+                raise ValueError("MultiHeadAttention: return_state with cu_seqlens is not supported (a layer's "
+                                 "decoding state is one sequence's); the functional forms return one state per "
+                                 "document")
+            check_cu_seqlens("MultiHeadAttention", cu_seqlens, x[:, None])  # x as (1, 1, N, C)
+            if self.rotary or self.conv is not None:
+                positions = document_positions(cu_seqlens)  # (N,)
         if causal and not self.spec.causal:
             raise ValueError(
                 f"MultiHeadAttention: {self.spec.name!r} attention has no causal form; causal "
@@ -204,10 +221,12 @@ class MultiHeadAttention(nn.Module):
                 x = x.masked_fill(~key_padding_mask[..., None], 0.0)
             if return_state:
                 conv_state = self.conv.tail(x)
-            x = self.conv(x)
-        q, k, v = self._qkv(x, 0)
+            x = self.conv(x, positions=positions)
+        q, k, v = self._qkv(x, 0, positions)
         # mechanisms whose gates are functions of the layer input read the x the projections read
         extra = {"x": x} if self.mechanism.needs_input else {}
+        if cu_seqlens is not None:
+            extra["cu_seqlens"] = cu_seqlens
         res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
                              **extra)
         if return_state:

@@ -56,15 +56,33 @@ class ShortConv(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"ShortConv.{what}: x must be (B, N, {self.d_model}), got {tuple(x.shape)}")
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, *,
+                positions: Tensor | None = None) -> Tensor:
         """``x (B, N, C) -> (B, N, C)``. ``key_padding_mask`` (bool ``(B, N)``, True = real token):
-        padded positions are zeroed first, so no padding reaches a real token's output."""
+        padded positions are zeroed first, so no padding reaches a real token's output.
+
+        ``positions (N,)``: for documents packed along N, every token's position within its own
+        document (:func:`linattn.nn.positional.document_positions`); a tap that would reach back
+        past the document's first token reads zero instead, as at the start of a sequence.
+        """
         self._check(x, "forward")
         if key_padding_mask is not None:
             x = x.masked_fill(~key_padding_mask[..., None], 0.0)
+        if positions is not None and tuple(positions.shape) != (x.shape[1],):
+            raise ValueError(f"ShortConv.forward: positions must be (N,) = ({x.shape[1]},) for x "
+                             f"{tuple(x.shape)}, got {tuple(positions.shape)}")
         K = self.kernel_size
         if K == 1:
             return x * self.weight[:, 0].to(x.dtype)
+        if positions is not None:
+            # tap j (input t - j) only where t - j is in t's document: j <= its position there;
+            # K small shifted products rather than a convolution whose window a mask must cut
+            w = self.weight.to(x.dtype)  # (C, K)
+            y = x * w[:, K - 1]
+            for j in range(1, K):
+                shifted = F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]  # (B, N, C): input t - j at t
+                y = y + shifted * (positions >= j)[:, None].to(x.dtype) * w[:, K - 1 - j]
+            return y
         # conv1d is a cross-correlation: with K - 1 zeros on the left, output t reads inputs t-K+1..t
         h = F.pad(x.transpose(1, 2), (K - 1, 0))  # (B, C, N + K - 1)
         return F.conv1d(h, self.weight.to(x.dtype)[:, None, :], groups=self.d_model).transpose(1, 2)

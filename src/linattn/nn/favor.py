@@ -115,6 +115,7 @@ class FavorAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         initial_state: LinearAttentionState | None = None,
         return_state: bool = False,
+        cu_seqlens: Tensor | None = None,
     ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
         """``q (B,H,Nq,D)``, ``k (B,H,Nk,D)``, ``v (B,H,Nk,Dv)`` -> ``(B,H,Nq,Dv)``; see
         :func:`linattn.favor_attention` for the options (``key_padding_mask`` True = real key)."""
@@ -127,7 +128,7 @@ class FavorAttention(nn.Module):
         return favor_attention(
             q, k, v, self.projection, kernel=c.kernel, features=c.features, causal=causal,
             key_padding_mask=key_padding_mask, scale=c.scale, initial_state=initial_state,
-            return_state=return_state,
+            return_state=return_state, cu_seqlens=cu_seqlens,
         )
 
     def get_extra_state(self) -> dict[str, Any]:

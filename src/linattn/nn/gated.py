@@ -239,8 +239,9 @@ class GatedMechanism(Mechanism):
         self.gate_proj = nn.Linear(self.d_model, self.d_model, bias=gate_bias) if output_gate else None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, key_padding_mask: Tensor | None,
-               initial_state: DecayedState | None, return_state: bool):
-        """The recurrence: ``(B, H, N, D)`` (and the state after position N - 1 with return_state)."""
+               initial_state: DecayedState | None, return_state: bool, cu_seqlens: Tensor | None = None):
+        """The recurrence: ``(B, H, N, D)`` (and the state after position N - 1 with return_state);
+        ``cu_seqlens``: documents packed along N (batch size 1), the state reset at each."""
         raise NotImplementedError
 
     def _check_input(self, what: str, q: Tensor, x) -> None:
@@ -261,15 +262,18 @@ class GatedMechanism(Mechanism):
         return o
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor, causal: bool = False,
-                key_padding_mask: Tensor | None = None, return_state: bool = False):
+                key_padding_mask: Tensor | None = None, return_state: bool = False,
+                cu_seqlens: Tensor | None = None):
         """``q, k, v (B, H, N, D)``, ``x (B, N, C)`` -> ``(B, H, N, D)``; with ``return_state`` also
-        the :class:`DecayedState` after position N - 1. Causal only. ``key_padding_mask`` bool
-        ``(B, N)``, True = a real position; a padded one leaves the state as it is and outputs zeros."""
+        the :class:`DecayedState` after position N - 1 (one per document with ``cu_seqlens``).
+        Causal only. ``key_padding_mask`` bool ``(B, N)``, True = a real position; a padded one
+        leaves the state as it is and outputs zeros. ``cu_seqlens``: int64 offsets of documents
+        packed along N (batch size 1), the state reset at each (linattn.functional.varlen)."""
         if not causal:
             raise ValueError(f"{type(self).__name__}: {self.name!r} attention has no bidirectional form (it is a "
                              "recurrence in time); call it with causal=True")
         self._check_input("forward", q, x)
-        res = self.attend(q, k, v, x, key_padding_mask=key_padding_mask, initial_state=None,
+        res = self.attend(q, k, v, x, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=None,
                           return_state=return_state)
         if return_state:
             o, state = res
@@ -314,10 +318,10 @@ class RetNetMechanism(GatedMechanism):
         # rather than float32's rounding of them.
         self.register_buffer("log_decay", torch.log1p(-torch.exp2(-5.0 - h)), persistent=False)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state):
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
         B, H, N, _ = q.shape
         log_decay = self.log_decay.to(q.dtype).view(1, H, 1).expand(B, H, N)  # (B, H, N)
-        return gated_linear_attention(q, k, v, log_decay, key_padding_mask=key_padding_mask,
+        return gated_linear_attention(q, k, v, log_decay, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                                       initial_state=initial_state, return_state=return_state)
 
 
@@ -338,8 +342,8 @@ class GLAMechanism(GatedMechanism):
         g = F.logsigmoid(self.decay_up(self.decay_down(x))) / self.config.gate_temperature  # (B, N, C)
         return _heads(g, self.n_heads)  # (B, H, N, D)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state):
-        return gated_linear_attention(q, k, v, self.log_decay(x), key_padding_mask=key_padding_mask,
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
+        return gated_linear_attention(q, k, v, self.log_decay(x), key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                                       initial_state=initial_state, return_state=return_state)
 
     def extra_repr(self) -> str:
@@ -361,9 +365,9 @@ class DeltaNetMechanism(GatedMechanism):
         """``x (B, N, C)`` -> beta ``(B, H, N)`` in (0, 1)."""
         return torch.sigmoid(self.beta_proj(x)).transpose(1, 2)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state):
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
         return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x),
-                                    key_padding_mask=key_padding_mask, initial_state=initial_state,
+                                    key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                     return_state=return_state)
 
 
@@ -389,9 +393,9 @@ class GatedDeltaNetMechanism(DeltaNetMechanism):
         g = -torch.exp(self.A_log) * F.softplus(self.decay_proj(x) + self.dt_bias)  # (B, N, H)
         return g.transpose(1, 2)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state):
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
         return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x), log_decay=self.log_decay(x),
-                                    key_padding_mask=key_padding_mask, initial_state=initial_state,
+                                    key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                     return_state=return_state)
 
     def extra_repr(self) -> str:

@@ -249,6 +249,9 @@ class Mechanism(nn.Module):
     # projections read: mechanisms whose gates are functions of it (linattn.nn.gated). Keyword-only,
     # so that every other mechanism keeps its signature.
     needs_input: ClassVar[bool] = False
+    # Every mechanism with a causal form also takes ``cu_seqlens`` (int64 ``(n + 1,)`` offsets of n
+    # documents packed along N, batch size 1; see linattn.functional.varlen) in its causal
+    # forward: no position attends another document. MultiHeadAttention passes it only then.
 
     def __init__(self, *, n_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -282,8 +285,8 @@ class SoftmaxMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
-        out = softmax_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+        out = softmax_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
         if not return_state:
             return out
         if not causal:
@@ -330,9 +333,9 @@ class LinearMechanism(Mechanism):
         phi = resolve_feature_map("LinearMechanism", config.feature_map)
         self.feature_dim = phi(torch.zeros(1, head_dim)).shape[-1]  # F ("cos" adds one)
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
         return linear_attention(q, k, v, feature_map=self.config.feature_map, causal=causal,
-                                key_padding_mask=key_padding_mask, return_state=return_state)
+                                key_padding_mask=key_padding_mask, return_state=return_state, cu_seqlens=cu_seqlens)
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LinearAttentionState:
         """Zero sums: S ``(B, H, F, D)``, z ``(B, H, F)`` (what no key at all contributes)."""
@@ -356,7 +359,7 @@ class EfficientMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
         if return_state:
             raise self._no_recurrent("state to return")
         return efficient_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
@@ -382,8 +385,9 @@ class FavorMechanism(Mechanism):
         m = config.num_features
         self.feature_dim = 2 * m if config.features == "trig" else m
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
-        return self.favor(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state)
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+        return self.favor(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
+                          cu_seqlens=cu_seqlens)
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LinearAttentionState:
         """Zero sums at the lowest finite scale (below every key's log-magnitude, so the first key
@@ -409,9 +413,9 @@ class LocalMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
         return local_attention(q, k, v, window=self.config.window, causal=causal,
-                               key_padding_mask=key_padding_mask, return_state=return_state)
+                               key_padding_mask=key_padding_mask, return_state=return_state, cu_seqlens=cu_seqlens)
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LocalAttentionState:
         """An empty ring buffer: k, v ``(B, H, W, D)`` zeros, valid ``(B, W)`` all False, pos 0."""
@@ -472,7 +476,7 @@ class LSHMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
         if return_state:
             raise self._no_recurrent("state to return")
         if q is not k:
@@ -480,7 +484,7 @@ class LSHMechanism(Mechanism):
         c = self.config
         g = torch.Generator().manual_seed(c.seed)
         return lsh_attention(q, v, n_hashes=c.n_hashes, bucket_size=c.bucket_size, causal=causal,
-                             key_padding_mask=key_padding_mask, generator=g)
+                             key_padding_mask=key_padding_mask, generator=g, cu_seqlens=cu_seqlens)
 
     def extra_repr(self) -> str:
         c = self.config

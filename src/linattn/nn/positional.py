@@ -9,7 +9,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["apply_rotary", "rotary_angles", "sinusoidal_table"]
+__all__ = ["apply_rotary", "document_positions", "rotary_angles", "sinusoidal_table"]
+
+
+def document_positions(cu_seqlens: Tensor) -> Tensor:
+    """The position of every packed token within its own document, ``(T,)`` int64, for documents
+    packed along one sequence with offsets ``cu_seqlens = [0, c_1, ..., T]`` (see
+    :mod:`linattn.functional.varlen`): positions restart at 0 at every document, so a document gets
+    the same position encodings packed as alone."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (n,)
+    T = int(cu_seqlens[-1])
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,) its document's offset
+    return torch.arange(T, device=cu_seqlens.device) - starts
 
 
 def sinusoidal_table(n_positions: int, dim: int, *, base: float = 10000.0, device=None,

@@ -11,7 +11,7 @@ under ``torchrun`` or :func:`launch_local`.
 
 from .checkpoint import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
 from .config import DATA_SOURCES, RESUMABLE_CHANGES, DataConfig, TrainConfig, apply_overrides, load_config
-from .data import TokenData, WindowSampler, load_token_file, make_data, recall_tokens
+from .data import TokenData, WindowSampler, load_token_file, make_data, pack_documents, recall_tokens
 from .lock import OutDirBusyError
 from .loop import CosineSchedule, LoopResult, MetricsLog, TrainingLoop, decay_groups
 from .trainer import TrainResult, launch_local, lr_at, train
@@ -38,6 +38,7 @@ __all__ = [
     "load_train_checkpoint",
     "lr_at",
     "make_data",
+    "pack_documents",
     "recall_tokens",
     "save_train_checkpoint",
     "train",

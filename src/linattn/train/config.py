@@ -71,6 +71,13 @@ class DataConfig(Config):
         recall_queries: queries per recall episode (each a key from the episode and its value).
         recall_tokens: length of the recall training stream.
         recall_val_tokens: length of the recall validation stream (a different stream).
+        document_separator: the token that opens every document of a stream of documents (an
+            end-of-text token between them: it ends one and, as the first token, opens the next;
+            0 opens every recall episode). Set, training packs documents: the rows of a batch
+            are joined into one sequence cut at every separator (and row start), no position
+            attends another document, positions restart at each, and no padding is added
+            (``TransformerLM.forward(..., cu_seqlens=...)``). None: rows are plain windows whose
+            attention runs across whatever they contain.
     """
 
     source: str = field(default="recall", metadata={"choices": DATA_SOURCES})
@@ -82,6 +89,7 @@ class DataConfig(Config):
     recall_queries: int = 8
     recall_tokens: int = 1 << 20
     recall_val_tokens: int = 1 << 16
+    document_separator: int | None = None
 
     def __post_init__(self) -> None:
         o = "DataConfig"
@@ -102,6 +110,8 @@ class DataConfig(Config):
             _int(o, name, getattr(self, name), 1)
         for name in ("recall_tokens", "recall_val_tokens"):
             _int(o, name, getattr(self, name), 2)
+        if self.document_separator is not None:
+            _int(o, "document_separator", self.document_separator, 0)
 
 
 def default_model() -> TransformerConfig:
@@ -219,6 +229,10 @@ class TrainConfig(Config):
             raise ValueError(f"{o}: device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"{o}: out must be a non-empty path string, got {self.out!r}")
+        sep = self.data.document_separator
+        if sep is not None and sep >= self.model.vocab_size:
+            raise ValueError(f"{o}: data.document_separator = {sep} is not a token of model.vocab_size = "
+                             f"{self.model.vocab_size}")
         if self.data.source == "recall":
             n_keys = (self.model.vocab_size - 2) // 2
             if n_keys < self.data.recall_pairs:

@@ -23,7 +23,8 @@ import torch
 
 from .config import TrainConfig
 
-__all__ = ["TokenData", "WindowSampler", "load_token_file", "make_data", "mix_seed", "recall_tokens", "splitmix64"]
+__all__ = ["TokenData", "WindowSampler", "load_token_file", "make_data", "mix_seed", "pack_documents", "recall_tokens",
+           "splitmix64"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -140,6 +141,19 @@ class TokenData:
             )
         rows = torch.from_numpy(rows)
         return rows[:, :-1], rows[:, 1:]
+
+
+def pack_documents(ids: torch.Tensor, separator: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``ids (B, T)`` joined into one packed sequence ``(1, B*T)`` and its document
+    offsets ``cu_seqlens (n + 1,)`` int64: a document starts at every row start and at every
+    ``separator`` token (which opens the document it starts). No token is added or dropped, so
+    targets ``(B, T)`` line up with the packed logits viewed as ``(B, T, V)``."""
+    B, T = ids.shape
+    flat = ids.reshape(1, B * T)
+    pos = torch.arange(B * T, device=ids.device)
+    starts = (pos % T == 0) | (flat[0] == separator)  # (B*T,)
+    cu = torch.cat([pos[starts], pos.new_full((1,), B * T)])
+    return flat, cu
 
 
 def make_data(config: TrainConfig) -> TokenData:

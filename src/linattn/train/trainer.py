@@ -42,7 +42,7 @@ from ..models import TransformerLM, count_parameters
 from ..progress import say
 from .checkpoint import capture_rng, latest_checkpoint, load_train_checkpoint, restore_rng, save_train_checkpoint
 from .config import RESUMABLE_CHANGES, TrainConfig
-from .data import TokenData, WindowSampler, make_data, mix_seed
+from .data import TokenData, WindowSampler, make_data, mix_seed, pack_documents
 from .dist import DistInfo, World, setup, spawn_local, teardown
 from .lock import OutDirLock
 from .loop import CosineSchedule, MetricsLog, TrainingLoop, decay_groups, lr_at
@@ -147,6 +147,16 @@ def _autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+def _logits(model: nn.Module, x: torch.Tensor, config: TrainConfig) -> torch.Tensor:
+    """``model(x)`` for ``x (b, T)``: ``(b, T, V)``; with ``data.document_separator`` the rows are
+    packed into one sequence of documents (:func:`pack_documents`) and the logits viewed back."""
+    sep = config.data.document_separator
+    if sep is None:
+        return model(x)
+    ids, cu_seqlens = pack_documents(x, sep)
+    return model(ids, cu_seqlens=cu_seqlens).view(*x.shape, -1)
+
+
 @torch.no_grad()
 def _evaluate(model: nn.Module, data: TokenData, config: TrainConfig, world: World) -> float:
     """Mean next-token loss over the first ``eval_batches * batch_size`` validation windows
@@ -163,7 +173,7 @@ def _evaluate(model: nn.Module, data: TokenData, config: TrainConfig, world: Wor
             x, y = data.batch(part, split="val")
             x, y = x.to(world.device), y.to(world.device)
             with _autocast(config, world.device):
-                logits = model(x)
+                logits = _logits(model, x, config)
             total += _loss(logits, y, "sum").item()
             count += y.numel()
     model.train(was_training)
@@ -303,7 +313,7 @@ def _train(config: TrainConfig, info: DistInfo, *, resume: bool, handle_signals:
         x, y = data.batch(parts[a])
         x, y = x.to(info.device), y.to(info.device)
         with _autocast(c, info.device):
-            logits = model(x)  # (b, T, V)
+            logits = _logits(model, x, c)  # (b, T, V)
         return _loss(logits, y)
 
     metrics = MetricsLog(metrics_path) if info.is_main else None
