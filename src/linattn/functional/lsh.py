@@ -12,17 +12,42 @@ softmax mass, ``exp(lse_r - logsumexp_r lse_r)``.
 A position never attends to itself unless it has nothing else to attend in every round (then its
 output is its own value): with shared q and k, q_i . k_i would dominate every row.
 
+Packed documents (``cu_seqlens``, flash-attention's varlen convention: int64 offsets
+``[0, c_1, ..., c_n = N]`` of n documents along N, batch size 1): no information crosses a
+boundary. A *group* is the positions of one (document, bucket) pair in one round, and everything
+above said of a bucket holds per group: positions are sorted by (document, bucket, position), each
+group is cut into chunks of c, a query attends its chunk and the chunk before in its group.
+Sorting by (bucket, position) alone and masking other documents would not do: a position's rank
+in its bucket would count the positions of *other* documents before it, so their content would
+decide which keys of its own document share its chunk. The rotations are drawn once per call,
+with Nbk = N / c for the packed N (so c divides N; a document's length may be anything).
+Without ``cu_seqlens`` the call is one document.
+
 Dimension legend: B batch, H heads, N positions, D qk width, Dv value width, R hash rounds,
-Nbk buckets, c = bucket_size (chunk length), G = B*H*R, Np padded slots per round, Nc chunks.
+Nbk buckets, c = bucket_size (chunk length), P the largest power of two <= c, G = B*H*R,
+Np padded slots per round, Nc chunks, n documents, m positions of a group.
 
 Why chunks are cut per bucket (the paper cuts the sorted sequence into chunks across bucket
 boundaries): with chunks across boundaries, which past keys share a chunk with query i depends on
 how many *future* positions fall into lower buckets, so a causal output would change when a future
 token changes. Cutting each bucket separately makes the rank of a position in its bucket, and so
-its chunk, depend only on earlier positions. Each bucket is padded to whole chunks: Np <= 2N slots.
+its chunk, depend only on earlier positions.
 
-Cost: O(N log N) for the sort, O(R N c D) for the attention, O(R N (c + D)) memory (Np <= 2N
-slots per round, each chunk's keys copied next to the previous chunk's).
+Slots. Each round lays its positions out in Np slots, Nc = Np / c chunks; a query's keys are the
+slots of its chunk and of the chunk before, masked to its group. Documents follow one another,
+each starting on a chunk boundary; inside one, a group of m > P positions starts on a chunk
+boundary and fills ceil(m / c) whole chunks (its chunks are then slot chunks), and a smaller group
+takes a block of the next power of two p >= m slots. Those blocks are placed largest first into
+runs of P slots, one run at the start of each chunk: every block then starts at a multiple of its
+size and never straddles a chunk, so a small group (a single chunk of its own) sees all of itself
+and other groups sharing its chunk are masked. Padding a small group to whole chunks instead would
+cost c slots per occupied (document, bucket) group, c times N for short documents. A document's
+slots relative to its chunks depend on that document alone, so even the rounding in its chunks'
+sums does not depend on other documents. Np < 2N + c n' for a power-of-two c (< 4N + c n'
+otherwise), n' the number of non-empty documents (a document shorter than c still takes a chunk).
+
+Cost: O(N log N) for the sorts, O(R Np c D) = O(R (N + c n') c D) for the attention,
+O(R Np (c + D)) memory (each chunk's keys copied next to the previous chunk's).
 """
 
 from __future__ import annotations
@@ -39,6 +64,7 @@ from .checks import (
     sanitize_padded,
     shape_str,
 )
+from .varlen import check_cu_seqlens
 
 __all__ = ["lsh_attention", "lsh_attention_reference"]
 
@@ -51,7 +77,7 @@ def _check_int(fn: str, name: str, value, what: str) -> int:
     return value
 
 
-def _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask) -> int:
+def _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask, cu_seqlens) -> int:
     """Checks every argument; returns the number of buckets N / bucket_size."""
     for name, t in (("qk", qk), ("v", v)):
         if not isinstance(t, Tensor):
@@ -67,6 +93,11 @@ def _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask) -> int:
     if qk.shape[:3] != v.shape[:3]:
         raise ValueError(f"{fn}: qk (B, H, N, D) and v (B, H, N, Dv) must share B, H and N, got qk {shape_str(qk)} and v {shape_str(v)}")
     check_key_padding_mask(fn, key_padding_mask, qk)
+    if cu_seqlens is not None:
+        if qk.shape[0] != 1:  # checked here too, to name both of this function's tensors
+            raise ValueError(f"{fn}: with cu_seqlens the documents are packed along N and the batch size must be 1, "
+                             f"got qk {shape_str(qk)} and v {shape_str(v)}")
+        check_cu_seqlens(fn, cu_seqlens, qk)
     _check_int(fn, "n_hashes", n_hashes, "the number of hash rounds")
     _check_int(fn, "bucket_size", bucket_size, "the chunk length; N / bucket_size buckets")
     n = qk.shape[2]
@@ -74,6 +105,8 @@ def _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask) -> int:
         raise ValueError(
             f"{fn}: bucket_size must divide the sequence length N (there are N / bucket_size buckets), "
             f"got bucket_size {bucket_size} and N = {n} from qk {shape_str(qk)}"
+            + (" (with cu_seqlens N is the packed length; the documents' own lengths may be anything)"
+               if cu_seqlens is not None else "")
         )
     return n // bucket_size
 
@@ -187,6 +220,7 @@ def lsh_attention(
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
     generator: torch.Generator | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """Reformer LSH attention with shared queries and keys (Kitaev et al., arXiv 2001.04451).
 
@@ -203,44 +237,107 @@ def lsh_attention(
         generator: draws the rotations R ``(D, n_hashes, ceil(N / c / 2))``, standard normal
             float32 on the generator's device (the global generator when None). The same generator
             state gives the same buckets and output.
+        cu_seqlens: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., c_n = N]`` of n documents packed
+            along N (non-decreasing; empty documents allowed), with B = 1; None: one sequence per
+            batch row. Rank and chunks are then per (document, bucket) group and nothing crosses
+            a boundary: a document's outputs and gradients do not depend on any other document's
+            content (bit for bit). The rotations are drawn once for the packed call, with
+            N / c buckets of the packed N: c must divide N, not the documents' lengths. A
+            document of one position returns its value. See the module docstring for the cost.
 
     Returns:
         ``(B, H, N, Dv)`` in the input dtype (computed in float32 for half inputs). A position with
         nothing else to attend in every round returns its own value.
     """
     fn = "lsh_attention"
-    n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask)
+    n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask, cu_seqlens)
     scale = check_scale(fn, scale, qk.shape[-1])
     with no_autocast(qk.device.type):
         dt = compute_dtype(qk.dtype)
         q, k, v, buckets = _prepare(qk, v, n_hashes, n_buckets, key_padding_mask, generator, dt)
-        o, lse = _bucketed(q, k, v, buckets, n_buckets, bucket_size, causal, scale)
+        o, lse = _bucketed(q, k, v, buckets, n_buckets, bucket_size, causal, scale, cu_seqlens)
         return _combine_rounds(o, lse, v, key_padding_mask).to(qk.dtype)
 
 
-def _bucketed(q, k, v, buckets, n_buckets: int, c: int, causal: bool, scale: float):
-    """Attention inside per-bucket chunks for every round: ``o (B,H,R,N,Dv)``, ``lse (B,H,R,N)``."""
+def _document_of(cu_seqlens: Tensor | None, n: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """For every position: its document, that document's first position and its length, each
+    ``(N,)`` int64. Without ``cu_seqlens`` the call is one document ``[0, N)``."""
+    pos = torch.arange(n, device=device)
+    if cu_seqlens is None:
+        zero = torch.zeros_like(pos)
+        return zero, zero, torch.full_like(pos, n)
+    # right=True: an empty document (c_i == c_{i+1}) owns no position
+    doc = torch.searchsorted(cu_seqlens[1:], pos, right=True)  # (N,)
+    start = cu_seqlens[doc]
+    return doc, start, cu_seqlens[doc + 1] - start
+
+
+def _bucketed(q, k, v, buckets, n_buckets: int, c: int, causal: bool, scale: float, cu_seqlens: Tensor | None):
+    """Attention inside per-group chunks for every round: ``o (B,H,R,N,Dv)``, ``lse (B,H,R,N)``.
+
+    A group is the positions of one (document, bucket) pair of one round; the slot layout is
+    described in the module docstring."""
     B, H, N, D = q.shape
     R, Dv = buckets.shape[2], v.shape[-1]
     G = B * H * R
     dev = q.device
+    levels = c.bit_length() - 1  # log2(P)
+    P = 1 << levels  # the largest power of two <= c
     with torch.no_grad():
         h = buckets.reshape(G, N)  # padding has bucket Nbk
+        doc, start, length = _document_of(cu_seqlens, N, dev)  # (N,) each
         pos = torch.arange(N, device=dev)
-        order = torch.sort(h * N + pos).indices  # (G, N): sorted by bucket, then position
+        # (document, bucket, position) in one int64 key below N (Nbk + 1): document d's keys fill
+        # [(Nbk+1) start_d, (Nbk+1) (start_d + length_d)), so the key does not grow with n.
+        key = (n_buckets + 1) * start + h * length + (pos - start)  # (G, N); bucket * N + pos for one document
+        order = torch.sort(key).indices  # (G, N)
         h_sorted = h.gather(1, order)
-        counts = torch.zeros(G, n_buckets + 1, dtype=torch.long, device=dev).scatter_add_(1, h, torch.ones_like(h))
-        first = counts.cumsum(1) - counts  # (G, Nbk+1): sorted index of each bucket's first position
-        rank = torch.arange(N, device=dev) - first.gather(1, h_sorted)  # rank in its bucket, (G, N)
-        span = -(-counts[:, :n_buckets] // c) * c  # each bucket padded to whole chunks
-        np_ = int(span.sum(1).max()) if G else 0  # slots per round (<= 2N); no rounds when B*H = 0
-        start = torch.cat([span.cumsum(1) - span, torch.full((G, 1), np_, device=dev)], 1)  # padding -> dump slot
-        slot = start.gather(1, h_sorted) + torch.where(h_sorted < n_buckets, rank, 0)  # (G, N)
+        doc_sorted = doc[order]  # (G, N)
+        real = h_sorted < n_buckets  # (G, N) padding sorts last in its document and is no group's member
+        new = torch.ones_like(real)
+        new[:, 1:] = (h_sorted[:, 1:] != h_sorted[:, :-1]) | (doc_sorted[:, 1:] != doc_sorted[:, :-1])
+        gid = new.cumsum(1) - 1  # (G, N): dense group ids in (document, bucket) order, < N
+        idx = torch.arange(N, device=dev).expand(G, N)
+        rank = idx - torch.where(new, idx, 0).cummax(1).values  # rank in its group, (G, N)
+        size = torch.zeros(G, N, dtype=torch.long, device=dev).scatter_add_(1, gid, real.long())  # m per group id
+        gdoc = torch.full((G, N), -1, dtype=torch.long, device=dev).scatter_(1, gid, doc_sorted)  # -1: unused id (no slots)
+        # a group of more than P positions starts on a chunk boundary and fills whole chunks, so its
+        # chunks are slot chunks; a smaller one takes a power-of-two block of p >= m slots
+        full = size > P
+        small = (size > 0) & ~full
+        mant, expo = torch.frexp(size.to(torch.float64))  # exact: m = mant 2^expo, mant in [0.5, 1)
+        p_exp = (expo - (mant == 0.5).long()).clamp(0, levels)  # ceil(log2 m) for small groups
+        p = torch.where(small, torch.ones_like(p_exp) << p_exp, 0)  # (G, N)
+        f = torch.where(full, -(-size // c) * c, 0)  # (G, N) slots of a full group
+        # gfirst: the first group id of every group's document (groups of a document are consecutive)
+        newdoc = torch.ones_like(real)
+        newdoc[:, 1:] = gdoc[:, 1:] != gdoc[:, :-1]
+        gfirst = torch.where(newdoc, idx, 0).cummax(1).values  # (G, N)
+        # small groups of a document, largest first: every block then starts at a multiple of its
+        # size inside a run of P slots, so it never straddles a chunk boundary
+        lev = torch.where(small, levels - p_exp, levels + 1)
+        placed = torch.sort((gfirst * (levels + 2) + lev) * N + idx).indices  # (G, N) group ids
+        p_placed = p.gather(1, placed)
+        u = p_placed.cumsum(1) - p_placed
+        # a document's groups stay consecutive in this order, from index gfirst on
+        u = u - u.gather(1, gfirst.gather(1, placed))
+        u = torch.empty_like(u).scatter_(1, placed, u)  # (G, N) offset in the document's run of small blocks
+        f_excl = f.cumsum(1) - f
+        f_doc = torch.zeros_like(f).scatter_add_(1, gfirst, f)  # at each document's gfirst
+        u_doc = torch.zeros_like(p).scatter_add_(1, gfirst, p)
+        region = f_doc + -(-u_doc // P) * c  # (G, N): whole chunks per document, at its gfirst
+        doc_base = (region.cumsum(1) - region).gather(1, gfirst)  # first slot of each group's document
+        base = torch.where(
+            full,
+            doc_base + f_excl - f_excl.gather(1, gfirst),
+            doc_base + f_doc.gather(1, gfirst) + (u // P) * c + u % P,  # run u // P of P slots
+        )  # (G, N): first slot of every group
+        np_ = int(region.sum(1).max()) if G and N else 0  # slots per round; no rounds when B*H = 0
+        slot = torch.where(real, base.gather(1, gid) + rank, np_)  # (G, N); padding -> dump slot
         tok = torch.full((G, np_ + 1), -1, dtype=torch.long, device=dev).scatter_(1, slot, order)[:, :np_]
+        slot_group = torch.full((G, np_ + 1), -1, dtype=torch.long, device=dev).scatter_(1, slot, gid)[:, :np_]
         slot_of_tok = torch.empty_like(order).scatter_(1, order, slot)  # (G, N), Np for padding
-        filled = tok >= 0  # (G, Np)
         tok = tok.clamp_min(0)
-        slot_bucket = torch.where(filled, h.gather(1, tok), -1)  # (G, Np)
         # flat row index into (B*H*N, X) of each slot's position
         rows = (torch.arange(B * H, device=dev).repeat_interleave(R)[:, None] * N + tok).reshape(-1)
 
@@ -257,9 +354,9 @@ def _bucketed(q, k, v, buckets, n_buckets: int, c: int, causal: bool, scale: flo
     kw, vw = look_back(ks, 0), look_back(vs, 0)  # (G, Nc, 2c, D|Dv)
     del ks, vs  # R * Np * (D + Dv) floats each: free them before the scores exist
     pq = tok.view(G, nc, c)
-    bq = slot_bucket.view(G, nc, c)
-    pk, bk = look_back(pq, -1), look_back(bq, -1)  # (G, Nc, 2c); -1: no key
-    allowed = (bk[:, :, None, :] == bq[..., None]) & (bk[:, :, None, :] >= 0)  # same bucket, a real key
+    gq = slot_group.view(G, nc, c)
+    pk, gk = look_back(pq, -1), look_back(gq, -1)  # (G, Nc, 2c); -1: no key
+    allowed = (gk[:, :, None, :] == gq[..., None]) & (gk[:, :, None, :] >= 0)  # same group, a real key
     allowed &= pk[:, :, None, :] != pq[..., None]  # never itself (the fallback is handled later)
     if causal:
         allowed &= pk[:, :, None, :] <= pq[..., None]
@@ -282,14 +379,16 @@ def lsh_attention_reference(
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
     generator: torch.Generator | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """The same attention from the definition, without sorting: for each round an explicit (N, N)
-    mask "j is in i's bucket, its rank there is in i's chunk or the one before, j != i (and
-    j < i when causal)", a masked softmax, and the same log-sum-exp combination. Same contract
-    (and the same rotations for the same generator state) as :func:`lsh_attention`; tests trust
-    this one, in float64."""
+    mask "j is in i's group (its bucket, and its document when ``cu_seqlens`` is given), its rank
+    there is in i's chunk or the one before, j != i (and j < i when causal)", a masked softmax,
+    and the same log-sum-exp combination. Same contract, arguments and shapes (and the same
+    rotations for the same generator state) as :func:`lsh_attention`; tests trust this one, in
+    float64. O(R N^2) time and memory."""
     fn = "lsh_attention_reference"
-    n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask)
+    n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask, cu_seqlens)
     scale = check_scale(fn, scale, qk.shape[-1])
     dt = compute_dtype(qk.dtype)
     q, k, v, buckets = _prepare(qk, v, n_hashes, n_buckets, key_padding_mask, generator, dt)
@@ -297,7 +396,10 @@ def lsh_attention_reference(
     i = torch.arange(N, device=qk.device)[:, None]
     j = torch.arange(N, device=qk.device)[None, :]
     same = (buckets[..., :, None] == buckets[..., None, :]) & (buckets[..., None, :] < n_buckets)  # (B,H,R,N,N)
-    chunk = (same & (j < i)).sum(-1) // bucket_size  # (B, H, R, N): rank in the bucket // c
+    if cu_seqlens is not None:
+        doc = _document_of(cu_seqlens, N, qk.device)[0]  # (N,)
+        same = same & (doc[:, None] == doc[None, :])  # one group: same bucket AND same document
+    chunk = (same & (j < i)).sum(-1) // bucket_size  # (B, H, R, N): rank in its group // c
     dchunk = chunk[..., :, None] - chunk[..., None, :]
     allowed = same & (j != i) & ((dchunk == 0) | (dchunk == 1))
     if causal:
