@@ -218,7 +218,7 @@ def test_no_bidirectional_form_and_other_refusals_name_the_mechanism():
     x = torch.randn(1, 5, 8)
     for name in GATED:
         spec = get_mechanism(name)
-        assert spec.forms == frozenset({"causal", "recurrent"}) and spec.needs_input
+        assert spec.forms == frozenset({"causal", "recurrent", "sharded"}) and spec.needs_input
         assert spec.state_type is DecayedState
         with pytest.raises(ValueError, match=f"'{name}' attention has no bidirectional form"):
             MultiHeadAttention(8, 2, attention=GATED[name])(x)

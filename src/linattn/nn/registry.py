@@ -33,6 +33,11 @@ time (each position's state is the previous one decayed, corrected and written t
 position sees every other" is no form of theirs; a request for one (an encoder layer, the sweep's
 bidirectional mode) raises, naming the mechanism. Their gates are functions of the layer input,
 so their modules set ``needs_input`` (see :mod:`linattn.nn.mechanisms`).
+
+Sharded forms (context parallelism, :mod:`linattn.distributed`): every causal mechanism but LSH.
+The recurrent ones pass a state summary between ranks; local attention a halo of the last
+``window`` keys; softmax gathers the keys and values of the ranks before it. LSH has none: its
+buckets are cut over the whole sequence.
 """
 
 from __future__ import annotations
@@ -121,7 +126,10 @@ AttentionConfig = Union[
 ]
 
 
-FORMS = ("bidirectional", "causal", "recurrent")
+# "sharded": the causal form over one sequence sharded along N across the ranks of a process group
+# (context parallelism, linattn.distributed): what TransformerLM.forward(context_parallel=...) and
+# `linattn train --context-parallel P` need in every layer
+FORMS = ("bidirectional", "causal", "recurrent", "sharded")
 
 
 @dataclass(frozen=True)
@@ -163,8 +171,9 @@ class MechanismSpec:
         unknown = sorted(set(self.forms) - set(FORMS))
         if unknown or not self.forms:
             raise ValueError(f"MechanismSpec {self.name!r}: forms must be a non-empty subset of {FORMS}, got {unknown}")
-        if "recurrent" in self.forms and "causal" not in self.forms:
-            raise ValueError(f"MechanismSpec {self.name!r}: a recurrent form needs a causal one")
+        for form in ("recurrent", "sharded"):
+            if form in self.forms and "causal" not in self.forms:
+                raise ValueError(f"MechanismSpec {self.name!r}: a {form} form needs a causal one")
 
     @property
     def bidirectional(self) -> bool:
@@ -179,6 +188,11 @@ class MechanismSpec:
     def recurrent(self) -> bool:
         """Has a recurrent form: ``step()`` and decoding with a state."""
         return "recurrent" in self.forms
+
+    @property
+    def sharded(self) -> bool:
+        """Has a context-parallel form: its causal output over a sequence sharded across ranks."""
+        return "sharded" in self.forms
 
     @property
     def needs_input(self) -> bool:
@@ -212,8 +226,8 @@ def _spec(name, config_type, module_type, function, reference, forms, *, rotary,
                          rotary=rotary, shared_qk=shared_qk, state_type=state_type, summary=summary)
 
 
-_ALL = "bidirectional causal recurrent"
-_CAUSAL = "causal recurrent"  # recurrences in time: no bidirectional form (see the module docstring)
+_ALL = "bidirectional causal recurrent sharded"
+_CAUSAL = "causal recurrent sharded"  # recurrences in time: no bidirectional form (see the module docstring)
 MECHANISMS: dict[str, MechanismSpec] = {
     s.name: s
     for s in (
