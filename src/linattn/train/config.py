@@ -157,6 +157,13 @@ class TrainConfig(Config):
         log_every: append a ``metrics.jsonl`` record, and update the progress bar's loss and
             tokens/s, every this many steps (and at the last step).
         out: folder of ``train_config.json``, ``metrics.jsonl`` and ``checkpoints/``.
+        context_parallel: P, the ranks that share each sequence (context parallelism,
+            :mod:`linattn.distributed`): each holds ``seq_len / P`` consecutive tokens of the same
+            sequences, and the layers pass state summaries (recurrent mechanisms), halos (local
+            attention, the short convolution) or keys and values (softmax) between them. The
+            world size must be a multiple of P; its ``world_size / P`` groups split the batch as
+            data parallelism does. 1: off. Every layer needs a sharded form (all causal
+            mechanisms but LSH); not with ``data.document_separator``.
     """
 
     model: TransformerConfig = field(default_factory=default_model)
@@ -183,6 +190,7 @@ class TrainConfig(Config):
     keep_last: int = 2
     log_every: int = 10
     out: str = "runs/train"
+    context_parallel: int = 1
 
     renamed = {"out_dir": "out"}  # a class attribute (no annotation), not a field
 
@@ -201,6 +209,15 @@ class TrainConfig(Config):
             _int(o, name, getattr(self, name), 0)
         if self.decay_steps is not None:
             _int(o, "decay_steps", self.decay_steps, 1)
+        _int(o, "context_parallel", self.context_parallel, 1)
+        if self.context_parallel > 1:
+            self.model.check_form("sharded", owner=f"{o}: model", user="context parallelism")
+            if self.seq_len % self.context_parallel:
+                raise ValueError(f"{o}: context_parallel = {self.context_parallel} must divide seq_len = {self.seq_len} "
+                                 "(each rank holds seq_len / context_parallel tokens of every sequence)")
+            if self.data.document_separator is not None:
+                raise ValueError(f"{o}: context_parallel = {self.context_parallel} with data.document_separator = "
+                                 f"{self.data.document_separator}: packed documents are not sharded across ranks")
         if self.seq_len > self.model.max_len:
             raise ValueError(f"{o}: seq_len = {self.seq_len} exceeds model.max_len = {self.model.max_len}")
         if self.batch_size % self.grad_accum:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "World", "free_port", "is_main_process", "setup", "spawn_local", "teardown"]
+__all__ = ["DistInfo", "World", "context_groups", "free_port", "is_main_process", "setup", "spawn_local", "teardown"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,37 @@ class World:
 
     ``model``: the DistributedDataParallel wrapper whose gradients the ranks average; its
     ``no_sync`` skips that averaging for every micro-batch but a step's last.
+
+    ``context_parallel``: P, the consecutive ranks ``[g P, (g + 1) P)`` that share each sequence
+    (context parallelism); ``context_group`` is this rank's group of them (None when P = 1). The
+    batch is split over the ``world_size / P`` data-parallel groups (:attr:`data_rank`,
+    :attr:`data_size`), and every rank of a group takes the same rows.
     """
 
-    def __init__(self, info: DistInfo = SINGLE, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, info: DistInfo = SINGLE, model: torch.nn.Module | None = None, *,
+                 context_parallel: int = 1, context_group=None) -> None:
+        if info.world_size % context_parallel:
+            raise ValueError(f"World: context_parallel = {context_parallel} must divide the world size "
+                             f"{info.world_size}")
         self.info = info
         self.model = model
+        self.context_parallel = context_parallel
+        self.context_group = context_group
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel group: which rows of a batch it takes."""
+        return self.info.rank // self.context_parallel
+
+    @property
+    def data_size(self) -> int:
+        """How many data-parallel groups split a batch."""
+        return self.info.world_size // self.context_parallel
+
+    @property
+    def context_rank(self) -> int:
+        """This rank's place in its context-parallel group: which shard of the positions it holds."""
+        return self.info.rank % self.context_parallel
 
     @property
     def rank(self) -> int:
@@ -153,6 +179,22 @@ def setup(device: str) -> DistInfo:
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank, world, local, dev, owns)
+
+
+def context_groups(info: DistInfo, context_parallel: int):
+    """This rank's context-parallel process group: ranks ``[g P, (g + 1) P)`` with P =
+    ``context_parallel`` (None when P = 1). Every rank creates every group, as
+    ``torch.distributed.new_group`` requires, and keeps its own."""
+    if context_parallel == 1:
+        return None
+    if info.world_size % context_parallel:
+        raise ValueError(f"--context-parallel {context_parallel} must divide the number of processes {info.world_size}")
+    mine = None
+    for start in range(0, info.world_size, context_parallel):
+        group = dist.new_group(list(range(start, start + context_parallel)))
+        if start <= info.rank < start + context_parallel:
+            mine = group
+    return mine
 
 
 def teardown(info: DistInfo) -> None:

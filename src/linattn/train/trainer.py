@@ -43,7 +43,7 @@ from ..progress import say
 from .checkpoint import capture_rng, latest_checkpoint, load_train_checkpoint, restore_rng, save_train_checkpoint
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .data import TokenData, WindowSampler, make_data, mix_seed, pack_documents
-from .dist import DistInfo, World, setup, spawn_local, teardown
+from .dist import DistInfo, World, context_groups, setup, spawn_local, teardown
 from .lock import OutDirLock
 from .loop import CosineSchedule, MetricsLog, TrainingLoop, decay_groups, lr_at
 
@@ -128,9 +128,11 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _micro_slices(batch: list[int], accum: int, world: World) -> list[list[int]]:
-    b = len(batch) // (accum * world.world_size)
-    return [batch[(a * world.world_size + world.rank) * b : (a * world.world_size + world.rank + 1) * b]
-            for a in range(accum)]
+    """This rank's rows of each micro-batch: the batch split over the data-parallel groups (the
+    ranks of one context-parallel group take the same rows)."""
+    n, r = world.data_size, world.data_rank
+    b = len(batch) // (accum * n)
+    return [batch[(a * n + r) * b : (a * n + r + 1) * b] for a in range(accum)]
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -147,9 +149,21 @@ def _autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def _logits(model: nn.Module, x: torch.Tensor, config: TrainConfig) -> torch.Tensor:
-    """``model(x)`` for ``x (b, T)``: ``(b, T, V)``; with ``data.document_separator`` the rows are
-    packed into one sequence of documents (:func:`pack_documents`) and the logits viewed back."""
+def _shard(x: torch.Tensor, world: World) -> torch.Tensor:
+    """This rank's positions of ``x (b, T)``: ``(b, T / P)``, the whole of it without context parallelism."""
+    n = x.shape[1] // world.context_parallel
+    return x[:, world.context_rank * n : (world.context_rank + 1) * n]
+
+
+def _logits(model: nn.Module, x: torch.Tensor, config: TrainConfig, world: World) -> torch.Tensor:
+    """``model(x)`` for ``x (b, n)``: ``(b, n, V)``. With ``data.document_separator`` the rows are
+    packed into one sequence of documents (:func:`pack_documents`) and the logits viewed back; with
+    context parallelism ``x`` is this rank's shard (:func:`_shard`) of the group's sequences."""
+    if world.context_parallel > 1:
+        from ..distributed import ContextParallel  # TODO(owner): top-level once distributed exports it
+
+        offset = world.context_rank * x.shape[1]
+        return model(x, context_parallel=ContextParallel(world.context_group, offset))
     sep = config.data.document_separator
     if sep is None:
         return model(x)
@@ -171,9 +185,9 @@ def _evaluate(model: nn.Module, data: TokenData, config: TrainConfig, world: Wor
         batch = windows[k * config.batch_size : (k + 1) * config.batch_size]
         for part in _micro_slices(batch, config.grad_accum, world):
             x, y = data.batch(part, split="val")
-            x, y = x.to(world.device), y.to(world.device)
+            x, y = _shard(x, world).to(world.device), _shard(y, world).to(world.device)
             with _autocast(config, world.device):
-                logits = _logits(model, x, config)
+                logits = _logits(model, x, config, world)
             total += _loss(logits, y, "sum").item()
             count += y.numel()
     model.train(was_training)
@@ -225,10 +239,14 @@ def _train(config: TrainConfig, info: DistInfo, *, resume: bool, handle_signals:
            quiet: bool) -> TrainResult:
     c = config
     W = info.world_size
-    if c.batch_size % (c.grad_accum * W):
+    P = c.context_parallel
+    if W % P:
+        raise ValueError(f"TrainConfig: context_parallel = {P} must divide the number of processes {W} (each group of "
+                         f"{P} consecutive ranks shares its sequences)")
+    if c.batch_size % (c.grad_accum * (W // P)):
         raise ValueError(
-            f"TrainConfig: batch_size = {c.batch_size} must be divisible by grad_accum * world_size = "
-            f"{c.grad_accum} * {W}"
+            f"TrainConfig: batch_size = {c.batch_size} must be divisible by grad_accum * data-parallel groups = "
+            f"{c.grad_accum} * {W // P} ({W} processes, context_parallel = {P})"
         )
     out = Path(c.out)
     dtype = getattr(torch, c.dtype)
@@ -287,7 +305,7 @@ def _train(config: TrainConfig, info: DistInfo, *, resume: bool, handle_signals:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     model.train()
-    world = World(info, model)
+    world = World(info, model, context_parallel=P, context_group=context_groups(info, P))
     say(f"[linattn train] {count_parameters(raw_model):,} parameters, device {info.device}, "
         f"{W} process{'es' if W > 1 else ''}, output {out}", quiet=quiet)
 
@@ -311,9 +329,9 @@ def _train(config: TrainConfig, info: DistInfo, *, resume: bool, handle_signals:
         if a == 0:
             parts[:] = _micro_slices(sampler.take(c.batch_size), c.grad_accum, world)
         x, y = data.batch(parts[a])
-        x, y = x.to(info.device), y.to(info.device)
+        x, y = _shard(x, world).to(info.device), _shard(y, world).to(info.device)
         with _autocast(c, info.device):
-            logits = _logits(model, x, c)  # (b, T, V)
+            logits = _logits(model, x, c, world)  # (b, T / P, V)
         return _loss(logits, y)
 
     metrics = MetricsLog(metrics_path) if info.is_main else None
