@@ -286,3 +286,19 @@ def test_compiled_step_equals_eager_step():
                        lm.generate(prompt, 10, temperature=0))
     with pytest.raises(ValueError, match="layer 0 uses 'lsh' attention, which has no recurrent form"):
         TransformerLM(TransformerConfig(**SMALL, attention=LSHConfig(bucket_size=4))).compiled_step()
+
+
+def test_positional_none_has_no_table_and_stays_causal():
+    """positional="none": no position embedding of max_len rows, and the order still reaches the
+    logits through the causal mask and the short convolution (shifting the input changes them)."""
+    from linattn.nn.gated import GatedDeltaNetConfig
+
+    cfg = TransformerConfig(vocab_size=11, max_len=4096, d_model=16, n_heads=2, n_layers=1, positional="none",
+                            short_conv=3, attention=GatedDeltaNetConfig())
+    m = TransformerLM(cfg)
+    names = [n for n, _ in m.named_parameters()] + [n for n, _ in m.named_buffers()]
+    assert not any("pos" in n for n in names), names
+    ids = torch.randint(0, 11, (1, 12), generator=torch.Generator().manual_seed(0))
+    a = m(ids)
+    b = m(torch.cat([ids[:, :6], (ids[:, 6:] + 1) % 11], dim=1))
+    assert torch.equal(a[:, :6], b[:, :6]) and not torch.equal(a[:, 6:], b[:, 6:])

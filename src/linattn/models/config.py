@@ -13,7 +13,7 @@ from ..nn.registry import MECHANISMS, AttentionConfig, attention_config_from_dic
 __all__ = ["NORMS", "POSITIONAL", "TransformerConfig"]
 
 NORMS = ("layernorm", "rmsnorm")
-POSITIONAL = ("learned", "sinusoidal", "rotary")
+POSITIONAL = ("learned", "sinusoidal", "rotary", "none")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,10 @@ class TransformerConfig(Config):
         positional: ``"learned"`` (an embedding table added to the tokens), ``"sinusoidal"`` (the
             fixed table of arXiv 1706.03762, added) or ``"rotary"`` (q and k rotated inside every
             attention layer, arXiv 2104.09864; rejected for efficient, linformer, hedgehog,
-            deltanet and gated_deltanet attention, see ``linattn.nn.registry``).
+            deltanet and gated_deltanet attention, see ``linattn.nn.registry``) or ``"none"`` (no
+            position encoding: the order comes from the causal mask, the decays of the gated and
+            delta-rule mechanisms and the short convolution, as in their papers; and no table of
+            ``max_len`` rows, which at a long ``max_len`` is memory of its own).
         dropout: on embeddings and on each sub-layer's output.
         attention: the mechanism config of every layer not in ``layer_attention``.
         layer_attention: per-layer overrides, ``{layer_index: config}`` (stored as sorted
