@@ -8,13 +8,16 @@ from pathlib import Path
 import linattn
 import linattn.convert
 import linattn.datasets
+import linattn.distributed
 import linattn.experiments
 import linattn.train
 
 SRC = Path(linattn.__file__).parent
 TOP = {"bench", "cli", "train", "experiments", "convert"}
-HIGHER = {"functional": {"nn", "models"} | TOP, "nn": {"models"} | TOP, "models": TOP,
-          "datasets": {"functional", "nn", "models"} | TOP}
+# distributed (context parallelism) sits at the functional tier: it may import functional only
+HIGHER = {"functional": {"nn", "models", "distributed"} | TOP, "nn": {"models"} | TOP, "models": TOP,
+          "datasets": {"functional", "nn", "models"} | TOP,
+          "distributed": {"nn", "models", "datasets"} | TOP}
 
 
 def _imported_packages(path: Path) -> set[str]:
@@ -48,7 +51,7 @@ def test_tiers_import_downwards():
 
 def test_public_names_sorted_and_present():
     for module in (linattn, linattn.nn, linattn.models, linattn.train, linattn.datasets, linattn.experiments,
-                   linattn.convert):
+                   linattn.convert, linattn.distributed):
         assert list(module.__all__) == sorted(module.__all__), module.__name__
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"

@@ -71,6 +71,7 @@ from ..functional.linear import LinearAttentionState
 __all__ = [
     "all_gather_differentiable",
     "delta_rule_attention",
+    "depend_on",
     "favor_attention",
     "gated_linear_attention",
     "linear_attention",
@@ -128,7 +129,7 @@ def all_gather_differentiable(x: Tensor, *, group=None) -> Tensor:
     return _AllGather.apply(x, group)
 
 
-def _depend_on(x: Tensor, anchor: Tensor) -> Tensor:
+def depend_on(x: Tensor, anchor: Tensor) -> Tensor:
     """``x`` unchanged, but with ``anchor`` in its graph (zero gradient): backward through ``x``
     then reaches the gather behind ``anchor``, whose backward is a collective every rank must join,
     also on a rank whose result reads no gathered value (rank 0's output)."""
@@ -224,7 +225,7 @@ def _run(fn: str, where, inputs: list, names: tuple[str, ...], check_shards: boo
     if grad and not flat.requires_grad:
         # an empty shard on rank 0 without an initial state sends constant zeros, yet this rank
         # must join the gather's backward all the same when the others run theirs
-        flat = _depend_on(flat, tracked[0])
+        flat = depend_on(flat, tracked[0])
     rows = all_gather_differentiable(flat, group=where[0])  # (P, L)
     shapes = [p.shape for p in pieces]  # the same on every rank: the check compared the sizes
     return rows, [_unpack(row, shapes) for row in rows.unbind(0)]
@@ -349,7 +350,7 @@ def linear_attention(
             return LinearAttentionState(S=S, z=z)
 
         if rank == 0:
-            out = _depend_on(first[0], rows)
+            out = depend_on(first[0], rows)
         else:
             out = linear.linear_attention(q, k, v, initial_state=upto(rank), return_state=False, **opts)
         return (out, upto(P)) if return_state else out
@@ -445,7 +446,7 @@ def favor_attention(
             return LinearAttentionState(S=S, z=z, log_scale=c)
 
         if rank == 0:
-            out = _depend_on(first[0], rows)
+            out = depend_on(first[0], rows)
         else:
             out = favor.favor_attention(q, k, v, projection, initial_state=upto(rank), return_state=False, **opts)
         return (out, upto(P)) if return_state else out
@@ -540,7 +541,7 @@ def gated_linear_attention(
 
         out = kept["out"]
         if rank == 0:
-            out = _depend_on(out, rows)
+            out = depend_on(out, rows)
         else:
             s_in = upto(rank)
             qd = q.to(s_in.dtype) * kept["decay_to_t"]  # (B, H, N, D): q_t * exp(b_t)
@@ -640,7 +641,7 @@ def delta_rule_attention(
 
         out = kept["out"]
         if rank == 0:
-            out = _depend_on(out, rows)
+            out = depend_on(out, rows)
         else:
             out = (out + kept["reads"] @ upto(rank)).to(q.dtype)
         return (out, DecayedState(upto(P))) if return_state else out

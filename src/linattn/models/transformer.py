@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..distributed import ContextParallel, check_context_parallel
 from ..functional.varlen import check_cu_seqlens
 from ..nn.attention import AttentionState, MultiHeadAttention
 from ..nn.positional import document_positions, sinusoidal_table
@@ -79,13 +80,17 @@ class Block(nn.Module):
         return self.norm1(x + self._drop(a)), state
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                return_state: bool = False, cu_seqlens: Tensor | None = None):
+                return_state: bool = False, cu_seqlens: Tensor | None = None,
+                context_parallel: ContextParallel | None = None):
         """``x (B, N, C) -> (B, N, C)``, with ``return_state`` also the layer's AttentionState;
-        ``cu_seqlens``: documents packed along N (see MultiHeadAttention.forward)."""
+        ``cu_seqlens``: documents packed along N; ``context_parallel``: ``x`` is this rank's shard
+        of sequences sharded along N (see MultiHeadAttention.forward). The norms and the MLP act
+        per position, so only the attention layer exchanges anything with the other ranks."""
 
         def run(h):
+            extra = {} if context_parallel is None else {"context_parallel": context_parallel}
             r = self.attn(h, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, **extra)
             return r if return_state else (r, None)
 
         x, state = self._attend(x, run)
@@ -214,7 +219,8 @@ class TransformerLM(_Transformer):
             self.head.weight = self.tok_emb.weight
 
     def forward(self, ids: Tensor, *, key_padding_mask: Tensor | None = None, return_state: bool = False,
-                last_only: bool = False, cu_seqlens: Tensor | None = None):
+                last_only: bool = False, cu_seqlens: Tensor | None = None,
+                context_parallel: ContextParallel | None = None):
         """``ids (B, N)`` -> logits ``(B, N, V)``; with ``return_state`` also the :class:`LMState`
         after position N - 1, to continue with :meth:`step` (prefill).
 
@@ -228,7 +234,25 @@ class TransformerLM(_Transformer):
         ``ids (1, N)`` (no padding): every layer keeps the documents apart and positions restart at
         0 in each, so each document's logits are those it would get alone (up to rounding). Each
         document, not N, must fit in ``max_len``. Not with ``return_state``.
+
+        ``context_parallel``: a :class:`linattn.distributed.ContextParallel` ``(group, offset)``
+        for context parallelism: ``ids (B, n)`` is this rank's shard of B sequences sharded along
+        N over the ranks of ``group`` (contiguous shards in rank order, the same B sequences on
+        every rank), starting at global position ``offset``; returns this rank's logits
+        ``(B, n, V)``, those of the whole sequences at positions ``offset .. offset + n - 1``
+        (up to rounding). Learned, sinusoidal and rotary positions are ``offset + i``; the whole
+        sequence must fit in ``max_len``. Every attention layer exchanges what it needs with the
+        other ranks (a state summary, a halo, or for softmax layers every rank's keys and values;
+        docs/context_parallel.md), so the call is collective: every rank of the group calls it,
+        and when one runs backward every rank must. The ranks' losses add up: the sum over ranks
+        of the parameter gradients of their losses is the gradient of the summed loss (all-reduce
+        them as data parallelism does). Offsets are checked (one small all-gather): they must be
+        the running sums of the shard lengths. Not with ``cu_seqlens``, ``return_state`` or
+        ``key_padding_mask``; ValueError for a model with an LSH layer (no context-parallel form).
         """
+        if context_parallel is not None:
+            return self._forward_sharded(ids, context_parallel, key_padding_mask=key_padding_mask,
+                                         return_state=return_state, last_only=last_only, cu_seqlens=cu_seqlens)
         positions = None
         if cu_seqlens is None:
             self._check_ids(ids, 0, "forward")
@@ -259,6 +283,34 @@ class TransformerLM(_Transformer):
         if return_state:
             return logits, LMState(tuple(states), ids.shape[1])
         return logits
+
+    def _forward_sharded(self, ids: Tensor, context_parallel: ContextParallel, *, key_padding_mask, return_state,
+                         last_only, cu_seqlens) -> Tensor:
+        """:meth:`forward` with ``context_parallel`` (see there)."""
+        fn = "TransformerLM.forward"
+        for name, value in (("cu_seqlens", cu_seqlens), ("key_padding_mask", key_padding_mask)):
+            if value is not None:
+                raise ValueError(f"{fn}: context_parallel is not supported together with {name}; pass None")
+        if return_state:
+            raise ValueError(f"{fn}: context_parallel is not supported together with return_state (a decoding "
+                             "state is the whole sequence's, not one rank's)")
+        # refused here, before any collective, the same way on every rank
+        for i, block in enumerate(self.blocks):
+            if not block.attn.mechanism.has_context_parallel:
+                raise ValueError(f"{fn}: layer {i} uses {block.attn.spec.name!r} attention, which has no "
+                                 "context-parallel form (see docs/context_parallel.md); pass context_parallel=None")
+        self._check_ids(ids[:, :0], 0, "forward")  # the type and rank; the length against the whole sequence's
+        lengths = check_context_parallel(fn, context_parallel, ids.shape[1], device=ids.device)
+        total = sum(lengths)  # the same on every rank: all raise together
+        if total > self.config.max_len:
+            raise ValueError(f"{fn}: the sharded sequence has {total} positions (shards {lengths}), more than "
+                             f"max_len = {self.config.max_len}")
+        x = self._embed(ids, context_parallel.offset)
+        for block in self.blocks:
+            x = block(x, causal=True, context_parallel=context_parallel)
+        if last_only:
+            x = x[:, -1:]
+        return self.head(self.norm_f(x))
 
     def _check_recurrent(self, what: str) -> None:
         self.config.check_form("recurrent", owner=f"TransformerLM.{what}", user="decoding in every layer")

@@ -11,9 +11,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..distributed import ContextParallel
 from ..functional.varlen import check_cu_seqlens
 from .conv import ShortConv
-from .mechanisms import SoftmaxConfig
+from .mechanisms import SoftmaxConfig, check_context_parallel_call
 from .positional import apply_rotary, document_positions, rotary_angles
 from .registry import MECHANISMS, build_mechanism, spec_for
 
@@ -142,7 +143,9 @@ class MultiHeadAttention(nn.Module):
         """q, k, v ``(B, H, N, D)`` for positions ``start .. start + N - 1``, or ``positions (N,)``
         when given (rotary applied): views into one ``(B, N, 3 | 2, H, D)`` projection."""
         B, N, _ = x.shape
-        p = self.in_proj(x).view(B, N, -1, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # the count of projections spelled out, not -1: an empty shard (N = 0) cannot infer it
+        p = self.in_proj(x).view(B, N, 2 if self.spec.shared_qk else 3, self.n_heads, self.head_dim)
+        p = p.permute(2, 0, 3, 1, 4)  # (3 | 2, B, H, N, D)
         if self.spec.shared_qk:
             q = k = p[0]
             v = p[1]
@@ -171,7 +174,8 @@ class MultiHeadAttention(nn.Module):
     # -- public --------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                return_state: bool = False, cu_seqlens: Tensor | None = None):
+                return_state: bool = False, cu_seqlens: Tensor | None = None,
+                context_parallel: ContextParallel | None = None):
         """Attention over ``x (B, N, C)`` -> ``(B, N, C)``.
 
         Args:
@@ -186,9 +190,28 @@ class MultiHeadAttention(nn.Module):
                 position attends another document, the short convolution does not reach across a
                 boundary, and rotary positions restart at 0 in every document, so each document's
                 output is what it would be alone. Not with ``return_state``.
+            context_parallel: a :class:`linattn.distributed.ContextParallel` ``(group, offset)``:
+                ``x`` is this rank's shard of sequences sharded along N over the ranks of ``group``
+                (contiguous shards in rank order), starting at global position ``offset``; returns
+                this rank's part of the whole sequences' output. Rotary positions are ``offset + i``;
+                the short convolution and the mechanism exchange what they need with the other ranks
+                (collective: every rank calls it, and every rank runs backward when one does; see
+                docs/context_parallel.md). Causal only; not with ``key_padding_mask``,
+                ``return_state`` or ``cu_seqlens``; mechanisms without a context-parallel form (lsh)
+                raise ValueError.
         """
         self._check_x(x, "forward")
         positions = None
+        start = 0
+        if context_parallel is not None:
+            check_context_parallel_call("MultiHeadAttention", causal=causal, key_padding_mask=key_padding_mask,
+                                        return_state=return_state, cu_seqlens=cu_seqlens)
+            if not self.mechanism.has_context_parallel:
+                raise ValueError(f"MultiHeadAttention: {self.spec.name!r} attention has no context-parallel form "
+                                 "(see docs/context_parallel.md); pass context_parallel=None")
+            start = context_parallel.offset
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise ValueError(f"MultiHeadAttention: context_parallel.offset must be an int >= 0, got {start!r}")
         if cu_seqlens is not None:
             if not causal:
                 raise ValueError("MultiHeadAttention: cu_seqlens (packed documents) needs causal=True")
@@ -221,12 +244,14 @@ class MultiHeadAttention(nn.Module):
                 x = x.masked_fill(~key_padding_mask[..., None], 0.0)
             if return_state:
                 conv_state = self.conv.tail(x)
-            x = self.conv(x, positions=positions)
-        q, k, v = self._qkv(x, 0, positions)
+            x = self.conv(x, positions=positions, context_parallel=context_parallel)
+        q, k, v = self._qkv(x, start, positions)
         # mechanisms whose gates are functions of the layer input read the x the projections read
         extra = {"x": x} if self.mechanism.needs_input else {}
         if cu_seqlens is not None:
             extra["cu_seqlens"] = cu_seqlens
+        if context_parallel is not None:
+            extra["context_parallel"] = context_parallel
         res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
                              **extra)
         if return_state:

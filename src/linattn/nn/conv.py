@@ -7,6 +7,10 @@ token shift (RWKV, arXiv 2305.13048) or a short convolution before the q/k/v pro
 arXiv 2212.14052; Mamba; gated linear attention, arXiv 2312.06635). It adds ``C x K`` weights per
 layer and O(K) work per token, and keeps decoding O(1): the state is the last ``K - 1`` inputs.
 
+Context parallelism (a sequence sharded along N over the ranks of a group): the shard's first
+K - 1 positions read the previous rank's last inputs, fetched by one differentiable all-gather
+(:func:`linattn.distributed.halo`; zeros before position 0, as unsharded).
+
 Dimension legend: B batch, N positions, C channels (d_model), K kernel size.
 """
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ..distributed import ContextParallel, layers
 
 __all__ = ["ShortConv", "short_conv_reference"]
 
@@ -57,15 +63,23 @@ class ShortConv(nn.Module):
             raise ValueError(f"ShortConv.{what}: x must be (B, N, {self.d_model}), got {tuple(x.shape)}")
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, *,
-                positions: Tensor | None = None) -> Tensor:
+                positions: Tensor | None = None, context_parallel: ContextParallel | None = None) -> Tensor:
         """``x (B, N, C) -> (B, N, C)``. ``key_padding_mask`` (bool ``(B, N)``, True = real token):
         padded positions are zeroed first, so no padding reaches a real token's output.
 
         ``positions (N,)``: for documents packed along N, every token's position within its own
         document (:func:`linattn.nn.positional.document_positions`); a tap that would reach back
         past the document's first token reads zero instead, as at the start of a sequence.
+
+        ``context_parallel`` (:class:`linattn.distributed.ContextParallel`): ``x`` is this rank's
+        shard of one sequence sharded along N; its first K - 1 positions read the K - 1 inputs
+        before the shard from the previous rank(s) (a halo, one all-gather; collective). Not with
+        ``key_padding_mask`` or ``positions``.
         """
         self._check(x, "forward")
+        if context_parallel is not None and (key_padding_mask is not None or positions is not None):
+            raise ValueError("ShortConv.forward: context_parallel is not supported together with key_padding_mask "
+                             "or positions (packed documents); pass None")
         if key_padding_mask is not None:
             x = x.masked_fill(~key_padding_mask[..., None], 0.0)
         if positions is not None and tuple(positions.shape) != (x.shape[1],):
@@ -73,7 +87,14 @@ class ShortConv(nn.Module):
                              f"{tuple(x.shape)}, got {tuple(positions.shape)}")
         K = self.kernel_size
         if K == 1:
-            return x * self.weight[:, 0].to(x.dtype)
+            return x * self.weight[:, 0].to(x.dtype)  # reads no other position: nothing to exchange
+        if context_parallel is not None:
+            before = layers.halo(x, K - 1, dim=1, group=context_parallel.group).values  # (B, K - 1, C)
+            if x.shape[1] == 0:  # an empty shard: no output, but tied to the halo for the backward
+                return x + before[:, :0].to(x.dtype)
+            # the halo takes the place of conv1d's K - 1 zeros on the left (it is zeros on rank 0)
+            h = torch.cat([before.to(x.dtype), x], dim=1).transpose(1, 2)  # (B, C, K - 1 + N)
+            return F.conv1d(h, self.weight.to(x.dtype)[:, None, :], groups=self.d_model).transpose(1, 2)
         if positions is not None:
             # tap j (input t - j) only where t - j is in t's document: j <= its position there;
             # K small shifted products rather than a convolution whose window a mask must cut

@@ -44,10 +44,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import Config
+from ..distributed import ContextParallel, context
 from ..functional.decayed_state import DecayedState
 from ..functional.delta import delta_rule_attention
 from ..functional.gated import gated_linear_attention
-from .mechanisms import Mechanism
+from .mechanisms import Mechanism, check_context_parallel_call
 
 __all__ = [
     "DeltaNetConfig",
@@ -208,7 +209,7 @@ class GatedDeltaNetConfig(Config):
 def _heads(t: Tensor, n_heads: int) -> Tensor:
     """``(B, N, H * E) -> (B, H, N, E)``."""
     B, N, _ = t.shape
-    return t.view(B, N, n_heads, -1).transpose(1, 2)
+    return t.view(B, N, n_heads, t.shape[-1] // n_heads).transpose(1, 2)  # no -1: N may be 0
 
 
 def _silu_l2(t: Tensor) -> Tensor:
@@ -227,6 +228,7 @@ class GatedMechanism(Mechanism):
     """
 
     needs_input: ClassVar[bool] = True
+    has_context_parallel: ClassVar[bool] = True
 
     def __init__(self, config, *, n_heads: int, head_dim: int, output_gate: bool, output_norm: bool,
                  gate_bias: bool = False) -> None:
@@ -239,9 +241,12 @@ class GatedMechanism(Mechanism):
         self.gate_proj = nn.Linear(self.d_model, self.d_model, bias=gate_bias) if output_gate else None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, key_padding_mask: Tensor | None,
-               initial_state: DecayedState | None, return_state: bool, cu_seqlens: Tensor | None = None):
+               initial_state: DecayedState | None, return_state: bool, cu_seqlens: Tensor | None = None,
+               group=None, sharded: bool = False):
         """The recurrence: ``(B, H, N, D)`` (and the state after position N - 1 with return_state);
-        ``cu_seqlens``: documents packed along N (batch size 1), the state reset at each."""
+        ``cu_seqlens``: documents packed along N (batch size 1), the state reset at each.
+        ``sharded``: q, k, v, x are this rank's shard of one sequence sharded along N over the ranks
+        of ``group`` (the :mod:`linattn.distributed` form of the recurrence; no mask, no state)."""
         raise NotImplementedError
 
     def _check_input(self, what: str, q: Tensor, x) -> None:
@@ -263,12 +268,23 @@ class GatedMechanism(Mechanism):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor, causal: bool = False,
                 key_padding_mask: Tensor | None = None, return_state: bool = False,
-                cu_seqlens: Tensor | None = None):
+                cu_seqlens: Tensor | None = None, context_parallel: ContextParallel | None = None):
         """``q, k, v (B, H, N, D)``, ``x (B, N, C)`` -> ``(B, H, N, D)``; with ``return_state`` also
         the :class:`DecayedState` after position N - 1 (one per document with ``cu_seqlens``).
         Causal only. ``key_padding_mask`` bool ``(B, N)``, True = a real position; a padded one
         leaves the state as it is and outputs zeros. ``cu_seqlens``: int64 offsets of documents
-        packed along N (batch size 1), the state reset at each (linattn.functional.varlen)."""
+        packed along N (batch size 1), the state reset at each (linattn.functional.varlen).
+        ``context_parallel`` (:class:`linattn.distributed.ContextParallel`): q, k, v, x are this
+        rank's shard of one sequence sharded along N; the recurrence runs over the whole sequence
+        (one state summary per rank exchanged, see docs/context_parallel.md). Not with
+        key_padding_mask, return_state or cu_seqlens."""
+        if context_parallel is not None:
+            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
+                                        return_state=return_state, cu_seqlens=cu_seqlens)
+            self._check_input("forward", q, x)
+            o = self.attend(q, k, v, x, key_padding_mask=None, initial_state=None, return_state=False,
+                            group=context_parallel.group, sharded=True)
+            return self._output(o, x)
         if not causal:
             raise ValueError(f"{type(self).__name__}: {self.name!r} attention has no bidirectional form (it is a "
                              "recurrence in time); call it with causal=True")
@@ -318,9 +334,12 @@ class RetNetMechanism(GatedMechanism):
         # rather than float32's rounding of them.
         self.register_buffer("log_decay", torch.log1p(-torch.exp2(-5.0 - h)), persistent=False)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
+               sharded=False):
         B, H, N, _ = q.shape
         log_decay = self.log_decay.to(q.dtype).view(1, H, 1).expand(B, H, N)  # (B, H, N)
+        if sharded:
+            return context.gated_linear_attention(q, k, v, log_decay, group=group)
         return gated_linear_attention(q, k, v, log_decay, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                                       initial_state=initial_state, return_state=return_state)
 
@@ -342,7 +361,10 @@ class GLAMechanism(GatedMechanism):
         g = F.logsigmoid(self.decay_up(self.decay_down(x))) / self.config.gate_temperature  # (B, N, C)
         return _heads(g, self.n_heads)  # (B, H, N, D)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
+               sharded=False):
+        if sharded:
+            return context.gated_linear_attention(q, k, v, self.log_decay(x), group=group)
         return gated_linear_attention(q, k, v, self.log_decay(x), key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                                       initial_state=initial_state, return_state=return_state)
 
@@ -365,7 +387,10 @@ class DeltaNetMechanism(GatedMechanism):
         """``x (B, N, C)`` -> beta ``(B, H, N)`` in (0, 1)."""
         return torch.sigmoid(self.beta_proj(x)).transpose(1, 2)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
+               sharded=False):
+        if sharded:
+            return context.delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x), group=group)
         return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x),
                                     key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                     return_state=return_state)
@@ -393,7 +418,11 @@ class GatedDeltaNetMechanism(DeltaNetMechanism):
         g = -torch.exp(self.A_log) * F.softplus(self.decay_proj(x) + self.dt_bias)  # (B, N, H)
         return g.transpose(1, 2)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
+    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
+               sharded=False):
+        if sharded:
+            return context.delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x),
+                                                log_decay=self.log_decay(x), group=group)
         return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x), log_decay=self.log_decay(x),
                                     key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                     return_state=return_state)

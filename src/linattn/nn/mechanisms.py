@@ -17,6 +17,13 @@ Every mechanism module has
 
 ``key_padding_mask`` is bool ``(B, N)``, True = a real key that may be attended, False = padding.
 
+Context parallelism: a mechanism whose class sets ``has_context_parallel`` (softmax, linear, favor,
+local and the gated and delta-rule ones) also takes ``context_parallel``
+(:class:`linattn.distributed.ContextParallel`) in its causal forward: q, k, v are then this rank's
+shard of one sequence sharded along N over the group's ranks, and the output is this rank's part of
+the whole sequence's output (via :mod:`linattn.distributed`). Not with ``key_padding_mask``,
+``return_state`` or ``cu_seqlens`` (:func:`check_context_parallel_call`).
+
 A mechanism whose class sets ``needs_input = True`` (the gated and delta-rule ones of
 :mod:`linattn.nn.gated`, whose gates are functions of the layer input) also takes ``x (B, N, C)``,
 the input the q/k/v projections read: ``forward(q, k, v, *, x, causal, key_padding_mask,
@@ -34,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import Config
+from ..distributed import context, layers
 
 from ..functional.efficient import efficient_attention
 from ..functional.feature_maps import FEATURE_MAPS, resolve_feature_map
@@ -64,6 +72,7 @@ __all__ = [
     "Mechanism",
     "SoftmaxConfig",
     "SoftmaxMechanism",
+    "check_context_parallel_call",
 ]
 
 
@@ -223,6 +232,23 @@ class KVCache(NamedTuple):
         return KVCache(self.k.clone(), self.v.clone(), self.length)
 
 
+def check_context_parallel_call(owner: str, *, causal: bool, key_padding_mask, return_state: bool,
+                                cu_seqlens) -> None:
+    """Raise ValueError, naming ``owner``, unless a forward with ``context_parallel`` is causal and
+    has no ``key_padding_mask``, ``return_state`` or ``cu_seqlens``: a shard of one sequence per
+    rank has no padding of its own, its decoding state would be one rank's, and packed documents
+    would cross the shards."""
+    if not causal:
+        raise ValueError(f"{owner}: context_parallel needs causal=True (a shard of a sequence sees the shards "
+                         "before it only through a causal mechanism)")
+    for name, value in (("key_padding_mask", key_padding_mask), ("cu_seqlens", cu_seqlens)):
+        if value is not None:
+            raise ValueError(f"{owner}: context_parallel is not supported together with {name}; pass None")
+    if return_state:
+        raise ValueError(f"{owner}: context_parallel is not supported together with return_state (a decoding "
+                         "state is the whole sequence's, not one rank's)")
+
+
 def _check_state_type(name: str, state, expected: type) -> None:
     if not isinstance(state, expected):
         raise TypeError(
@@ -249,6 +275,9 @@ class Mechanism(nn.Module):
     # projections read: mechanisms whose gates are functions of it (linattn.nn.gated). Keyword-only,
     # so that every other mechanism keeps its signature.
     needs_input: ClassVar[bool] = False
+    # True when the causal forward also takes ``context_parallel`` (a linattn.distributed
+    # ContextParallel): q, k, v are one rank's shard of a sequence sharded along N
+    has_context_parallel: ClassVar[bool] = False
     # Every mechanism with a causal form also takes ``cu_seqlens`` (int64 ``(n + 1,)`` offsets of n
     # documents packed along N, batch size 1; see linattn.functional.varlen) in its causal
     # forward: no position attends another document. MultiHeadAttention passes it only then.
@@ -285,7 +314,15 @@ class SoftmaxMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+    has_context_parallel = True
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
+                context_parallel=None):
+        if context_parallel is not None:
+            # no summary of the past exists: every rank's keys and values are gathered (O(N) per rank)
+            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
+                                        return_state=return_state, cu_seqlens=cu_seqlens)
+            return layers.softmax_attention(q, k, v, group=context_parallel.group)
         out = softmax_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
         if not return_state:
             return out
@@ -333,7 +370,15 @@ class LinearMechanism(Mechanism):
         phi = resolve_feature_map("LinearMechanism", config.feature_map)
         self.feature_dim = phi(torch.zeros(1, head_dim)).shape[-1]  # F ("cos" adds one)
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+    has_context_parallel = True
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
+                context_parallel=None):
+        if context_parallel is not None:
+            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
+                                        return_state=return_state, cu_seqlens=cu_seqlens)
+            return context.linear_attention(q, k, v, feature_map=self.config.feature_map,
+                                            group=context_parallel.group)
         return linear_attention(q, k, v, feature_map=self.config.feature_map, causal=causal,
                                 key_padding_mask=key_padding_mask, return_state=return_state, cu_seqlens=cu_seqlens)
 
@@ -385,9 +430,15 @@ class FavorMechanism(Mechanism):
         m = config.num_features
         self.feature_dim = 2 * m if config.features == "trig" else m
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+    has_context_parallel = True
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
+                context_parallel=None):
+        if context_parallel is not None:
+            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
+                                        return_state=return_state, cu_seqlens=cu_seqlens)
         return self.favor(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, context_parallel=context_parallel)
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LinearAttentionState:
         """Zero sums at the lowest finite scale (below every key's log-magnitude, so the first key
@@ -413,7 +464,15 @@ class LocalMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+    has_context_parallel = True
+
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
+                context_parallel=None):
+        if context_parallel is not None:
+            # a halo: the W keys and values before the shard, from the previous rank(s)
+            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
+                                        return_state=return_state, cu_seqlens=cu_seqlens)
+            return layers.local_attention(q, k, v, window=self.config.window, group=context_parallel.group)
         return local_attention(q, k, v, window=self.config.window, causal=causal,
                                key_padding_mask=key_padding_mask, return_state=return_state, cu_seqlens=cu_seqlens)
 
@@ -476,7 +535,12 @@ class LSHMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
+                context_parallel=None):
+        if context_parallel is not None:
+            raise ValueError("LSHMechanism: LSH attention has no context-parallel form (its buckets sort the "
+                             "whole sequence's keys, so no rank can compute its shard from a summary or a halo of "
+                             "the others); pass context_parallel=None")
         if return_state:
             raise self._no_recurrent("state to return")
         if q is not k:
