@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import ContextParallel
 from ..models import TransformerLM, count_parameters
 from ..progress import say
 from .checkpoint import capture_rng, latest_checkpoint, load_train_checkpoint, restore_rng, save_train_checkpoint
@@ -160,8 +161,6 @@ def _logits(model: nn.Module, x: torch.Tensor, config: TrainConfig, world: World
     packed into one sequence of documents (:func:`pack_documents`) and the logits viewed back; with
     context parallelism ``x`` is this rank's shard (:func:`_shard`) of the group's sequences."""
     if world.context_parallel > 1:
-        from ..distributed import ContextParallel  # TODO(owner): top-level once distributed exports it
-
         offset = world.context_rank * x.shape[1]
         return model(x, context_parallel=ContextParallel(world.context_group, offset))
     sep = config.data.document_separator
