@@ -206,7 +206,25 @@ def build_parser(prog: str) -> CommandParser:
     gated.add_argument("--memory-n", type=non_negative_int, default=65536, metavar="N",
                        help="Sequence length of the memory and accuracy check; 0 skips it (default: 65536).")
     _add_runs(gated)
-    for sub in (sweep, core, favor, family, full, gen, gated):  # its validation errors name it, not `linattn bench`
+
+    cp = bench_sub.add_parser(
+        "context-parallel", help="One training step with the sequence sharded over 1, 2, 4 ranks: the longest "
+        "sequence within a memory budget, the time per step, the bytes exchanged.",
+        description=_wrapped("A Gated DeltaNet TransformerLM trained one step with its sequence sharded over P gloo "
+        "processes (context parallelism): the longest sequence whose ranks fit the memory budget together, the time "
+        "per step beside one process, and the bytes each rank receives, counted and against the written model "
+        "(extended to 8 .. 1024 ranks). Runs for tens of minutes."))
+    add_out_argument(cp, "docs/benchmarks", "Folder for context_parallel.json and context_parallel.md")
+    cp.add_argument("--ranks", type=int_list, default=(1, 2, 4), metavar="P,P",
+                    help="Rank counts, the first the baseline of the time ratios (default: 1,2,4).")
+    cp.add_argument("--time-n", type=positive_int, default=32768, metavar="N",
+                    help="Sequence length of the timed steps (default: 32768).")
+    cp.add_argument("--budget-gib", type=float, default=20.0,
+                    help="Memory all ranks together may use, GiB (default: 20, of this machine's 24).")
+    cp.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
+                    help="Search the longest sequence within the budget (default: on).")
+    _add_runs(cp)
+    for sub in (sweep, core, favor, family, full, gen, gated, cp):  # its validation errors name it, not `linattn bench`
         sub.set_defaults(suite_parser=sub)
     return parser
 
@@ -259,6 +277,12 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         # the flags' types already hold run_gated's preconditions: an error from here on is a failure
         run_gated(out=args.out, ns=args.ns, repeats=args.repeats, hf_repeats=args.hf_repeats,
                   memory_n=args.memory_n, **_runs(args))
+    elif args.suite == "context-parallel":
+        from ..bench.context_parallel import run_context_parallel
+
+        with reported(chosen, ValueError):
+            run_context_parallel(out=args.out, ranks=tuple(args.ranks), time_n=args.time_n, budget_gib=args.budget_gib,
+                                 search=args.search, **_runs(args))
     elif args.suite == "generate":
         from ..bench.generate import check_mechanisms, run_generate
 
