@@ -29,6 +29,7 @@ RUNNERS = {
     "mnist": ("mnist", "MnistConfig", "run_mnist"),
     "shakespeare": ("shakespeare", "ShakespeareConfig", "run_shakespeare"),
     "proteins": ("proteins", "ProteinsConfig", "run_proteins"),
+    "mqar": ("mqar", "MqarConfig", "run_mqar"),
 }
 
 

@@ -4,6 +4,6 @@ Imports every lower tier; nothing imports this package. Each experiment module s
 until its command runs.
 """
 
-EXPERIMENTS = ("copy", "mnist", "shakespeare", "proteins")
+EXPERIMENTS = ("copy", "mnist", "shakespeare", "proteins", "mqar")
 
 __all__ = ["EXPERIMENTS"]
