@@ -11,11 +11,13 @@ from linattn.bench.gated import (
     OURS,
     _memory_child,
     claims,
+    favor_product_on_gated_engine,
     linear_on_gated_engine,
     make_inputs,
     run_gated,
 )
 from linattn.cli import main
+from linattn.functional.log_scaled import causal_product_log_scaled
 
 
 def test_gated_bench_tiny(tmp_path):
@@ -31,11 +33,13 @@ def test_gated_bench_tiny(tmp_path):
     assert md.count("- holds: ") + md.count("- **does not hold**: ") == len(result["claims"]) == len(OURS) * 2 + 2
 
 
-def test_engine_probe_computes_what_the_engine_it_replaces_computes():
+def test_engine_probes_compute_what_the_engines_they_replace_compute():
     # the "one engine" timings compare like with like only if the gated engine's results are the same
-    x = {k: t.double() for k, t in make_inputs(77, requires_grad=False).items()}
+    x = {k: t.double() for k, t in make_inputs(77, favor=True, requires_grad=False).items()}
     torch.testing.assert_close(linear_on_gated_engine(x["q"], x["k"], x["v"]),
                                functional.linear_attention(x["q"], x["k"], x["v"], causal=True))
+    favor = (x["fq"], x["fk"], x["fv"], x["favor_scale"])
+    torch.testing.assert_close(favor_product_on_gated_engine(*favor), causal_product_log_scaled(*favor)[0])
 
 
 def test_memory_child_checks_finiteness_and_the_reference():

@@ -86,7 +86,7 @@ def fast_vs_reference_errors(n: int = 1000, d: int = 64, seed: int = 0) -> dict[
             lambda q, k, v: linear_attention_reference(q, k, v, causal=True, key_padding_mask=mask)),
         "efficient": (lambda q, k, v: linattn.efficient_attention(q, k, v, key_padding_mask=mask),
                       lambda q, k, v: efficient_attention_reference(q, k, v, key_padding_mask=mask)),
-        "favor causal (rescaled state on the gated engine)": (
+        "favor causal (log-scaled chunks)": (
             lambda q, k, v: linattn.favor_attention(q * 0.5, k * 0.5, v, W, causal=True, key_padding_mask=mask),
             lambda q, k, v: favor_attention_reference(q * 0.5, k * 0.5, v, W.double(), causal=True,
                                                       key_padding_mask=mask)),

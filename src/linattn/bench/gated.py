@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import functional, progress
+from ..functional.log_scaled import causal_product_log_scaled
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
@@ -55,12 +56,12 @@ from .harness import (
 H, D = 8, 64
 BASE = "linear"
 OURS = ("gla_head", "gla_channel", "delta", "gated_delta")
-# Linear attention computed by the gated engine, timed beside linear_attention's own engine: what
-# keeping that engine is worth (issue 20's "one engine" question; FAVOR+'s causal product moved to
-# the gated engine after the same comparison, see docs/design/one_engine.md). probe -> the
-# contender it is divided by. Timed, not a claim.
-ENGINE_PROBES = {"linear_on_gated_engine": "linear"}
-TIMED = (BASE, *OURS, *ENGINE_PROBES)  # the forward+backward timings, interleaved
+# The products of linear attention and of FAVOR+ computed by the gated engine, each timed beside
+# the engine that serves it today: what keeping those engines is worth (issue 20's "one engine"
+# question). probe -> the contender it is divided by. Timed, not claims.
+ENGINE_PROBES = {"linear_on_gated_engine": "linear", "favor_on_gated_engine": "favor_product"}
+FAVOR_FEATURES = 256  # FAVOR+'s registry default num_features; the product's values carry Dv + 1 columns
+TIMED = (BASE, *OURS, *ENGINE_PROBES, "favor_product")  # the forward+backward timings, interleaved
 # the claims of issue 20: (contender, its time / linear's at most this)
 WITHIN = {"gla_head": 1.5, "gla_channel": 3.0, "delta": 3.0, "gated_delta": 3.0}
 HF_FASTER_BY = 10.0  # torch_chunk_gated_delta_rule's time / our gated delta rule's at least this
@@ -76,6 +77,10 @@ DESCRIPTIONS = {
     "hf_gated_delta": "transformers' torch_chunk_gated_delta_rule (chunk 64), same inputs",
     "linear_on_gated_engine": "linear attention (elu+1) on gated_linear_attention's engine: decay 0, normaliser "
                               "as a value column",
+    "favor_product": f"FAVOR+'s causal product on its own engine (causal_product_log_scaled), {FAVOR_FEATURES} "
+                     "features, Dv + 1 value columns",
+    "favor_on_gated_engine": "the same FAVOR+ product on gated_linear_attention's engine: the running rescale "
+                             "as a per-head log decay",
 }
 
 
@@ -88,9 +93,13 @@ def hf_gated_delta_rule():
     return torch_chunk_gated_delta_rule
 
 
-def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, requires_grad: bool = True) -> dict:
+def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, requires_grad: bool = True,
+                favor: bool = False) -> dict:
     """Leaf tensors of every contender's inputs: q, k (unit rows), v ``(1, H, n, D)``, decays
-    ``(1, H, n)`` and ``(1, H, n, D)``, beta ``(1, H, n)``."""
+    ``(1, H, n)`` and ``(1, H, n, D)``, beta ``(1, H, n)``; with ``favor``, FAVOR+'s product inputs
+    too: query and key features ``fq, fk (1, H, n, FAVOR_FEATURES)`` in [0, 1) (keys as if divided
+    by their running scale), values ``fv (1, H, n, D + 1)`` with the normaliser's column of ones,
+    and the running log-scale ``favor_scale (1, H, n)``, non-decreasing, without gradient."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, H, n, D, generator=g, dtype=dtype) for _ in range(3))
     k = F.normalize(k, dim=-1)
@@ -98,7 +107,14 @@ def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, re
          "decay_head": F.logsigmoid(torch.randn(1, H, n, generator=g, dtype=dtype) + 4),
          "decay_channel": F.logsigmoid(torch.randn(1, H, n, D, generator=g, dtype=dtype) + 4),
          "beta": torch.sigmoid(torch.randn(1, H, n, generator=g, dtype=dtype))}
-    return {name: t.requires_grad_(requires_grad) for name, t in x.items()}
+    if favor:
+        x.update(fq=torch.rand(1, H, n, FAVOR_FEATURES, generator=g, dtype=dtype),
+                 fk=torch.rand(1, H, n, FAVOR_FEATURES, generator=g, dtype=dtype),
+                 fv=torch.cat([torch.randn(1, H, n, D, generator=g, dtype=dtype), torch.ones(1, H, n, 1, dtype=dtype)], -1))
+    x = {name: t.requires_grad_(requires_grad) for name, t in x.items()}
+    if favor:
+        x["favor_scale"] = torch.randn(1, H, n, generator=g, dtype=dtype).cummax(-1).values
+    return x
 
 
 # Each timed linattn form: (fast form, its float64 reference, the make_inputs entries it takes
@@ -130,6 +146,10 @@ def forms(x: dict) -> dict:
     """``name -> () -> output`` for every contender on the inputs ``x`` (forward only)."""
     out = {name: functools.partial(_call, name, x) for name in _FORMS}
     out["linear_on_gated_engine"] = lambda: linear_on_gated_engine(x["q"], x["k"], x["v"])
+    if "fq" in x:
+        favor = (x["fq"], x["fk"], x["fv"], x["favor_scale"])
+        out["favor_product"] = lambda: causal_product_log_scaled(*favor)[0]
+        out["favor_on_gated_engine"] = lambda: favor_product_on_gated_engine(*favor)
     hf = hf_gated_delta_rule()
     if hf is not None:
         def hf_call():  # (B, N, H, D) layout; the transposes are views, part of what a caller pays
@@ -146,6 +166,15 @@ def linear_on_gated_engine(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     zero = q.new_zeros(q.shape[:-1])
     o = functional.gated_linear_attention(qf, kf, torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1), zero, scale=1.0)
     return o[..., :-1] / o[..., -1:]
+
+
+def favor_product_on_gated_engine(a: Tensor, kf: Tensor, w: Tensor, m: Tensor) -> Tensor:
+    """``causal_product_log_scaled(a, kf, w, m)``'s output through ``gated_linear_attention``: its
+    state ``S_i = e^(m_(i-1) - m_i) S_(i-1) + kf_i w_i^T`` is a per-head decayed state with
+    ``log_decay_i = m_(i-1) - m_i <= 0`` (0 at i = 0), read with scale 1. ``m`` gets no gradient."""
+    m = m.detach()
+    log_decay = torch.cat([m.new_zeros(*m.shape[:-1], 1), m[..., :-1] - m[..., 1:]], dim=-1)
+    return functional.gated_linear_attention(a, kf, w, log_decay, scale=1.0)
 
 
 def _forward_backward(fn, x: dict):
@@ -175,7 +204,7 @@ def _child(ns: list[int], repeats: int, hf_repeats: int) -> dict:
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     out: dict = {"times": {}, "hf_times": {}}
     for n in ns:
-        x = make_inputs(n)
+        x = make_inputs(n, favor=True)
         f = forms(x)
         ours = {name: _forward_backward(f[name], x) for name in TIMED}
         times = time_calls(ours, repeats=repeats, warmup=1)

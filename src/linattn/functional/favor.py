@@ -23,11 +23,14 @@ so:
 - each query's features are divided by their own maximum (a per-query factor);
 - each key's features are divided by ``e^{m_j}``, where ``m_j`` is the running maximum, over the
   real keys up to j, of the keys' log-magnitudes ``c_j = max_r (W k'_j)_r - ||k'_j||^2/2``
-  (trig: ``||k'_j||^2/2``). Causal and recurrent forms carry the state at that running scale, so
-  the stabiliser of position i depends on no later position and every exponent is <= 0. Rescaling
-  the state from ``m_{i-1}`` to ``m_i`` is a decay ``e^{m_{i-1} - m_i} <= 1``: the causal product
-  is :func:`~linattn.functional.gated.gated_linear_attention`'s, with that per-head log decay. performer-pytorch takes one maximum over the whole sequence instead, which lets
-  a future key push earlier features into underflow. The bidirectional form uses the maximum over
+  (trig: ``||k'_j||^2/2``). Causal and recurrent forms carry the state at that running scale
+  (``log_scaled.py``), so the stabiliser of position i depends on no later position and every
+  exponent is <= 0. Rescaling the state from ``m_{i-1}`` to ``m_i`` is a decay
+  ``e^{m_{i-1} - m_i} <= 1``, so :func:`~linattn.functional.gated.gated_linear_attention` could
+  serve it too; it does for packed documents (``cu_seqlens``), whose resets it already has, but
+  not for the plain causal form, where ``log_scaled.py`` measured faster (docs/design/one_engine.md).
+  performer-pytorch takes one maximum over the whole sequence instead, which lets a future key
+  push earlier features into underflow. The bidirectional form uses the maximum over
   all real keys (there is no future to leak).
 The stabiliser receives no gradient: it cancels exactly in the normalised output.
 
@@ -66,6 +69,7 @@ from .checks import (
 from .decayed_state import DecayedState
 from .gated import gated_linear_attention
 from .linear import LinearAttentionState, causal_linear_product, check_linear_state
+from .log_scaled import causal_product_log_scaled
 from .normaliser import divide_by_normaliser_, normalise, normaliser_floor
 from .varlen import VarlenLayout, check_cu_seqlens, segment_cumsum, varlen_layout
 
@@ -258,8 +262,9 @@ def favor_attention(
             ``z`` are ``sum_j phi(k_j) v_j^T`` and ``sum_j phi(k_j)`` divided by
             ``exp(log_scale)``.
         chunk_size: causal only, a tuning knob: the chunk length C of the chunked causal product
-            (``gated_linear_attention``'s; ``causal_linear_product``'s for the relu kernel). Any
-            C >= 1 gives the same result up to rounding.
+            (:func:`~linattn.functional.log_scaled.causal_product_log_scaled`'s,
+            ``causal_linear_product``'s for the relu kernel, ``gated_linear_attention``'s for packed
+            documents). Any C >= 1 gives the same result up to rounding.
         tile_entries: a tuning knob: about how many (position, feature) entries of the feature
             tensors one tile holds (>= 1). Larger calls run tile by tile, a few sequences or heads
             at a time and, causal, blocks of positions that resume from the previous block's
@@ -489,7 +494,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             s_final = s_final + s0
         o = qf @ s_final  # (B, H, 1, E)
     else:
-        o, s_final = _rescaled_product(qf, kf, w, run, s0, chunk_size)
+        o, s_final = causal_product_log_scaled(qf, kf, w, run, s0, chunk_size=chunk_size)
     out = _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
     if not return_state:
         return out
@@ -543,28 +548,6 @@ def _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay: VarlenLa
     empty_scale = log_scale0 if log_scale0 is not None else st.s.new_zeros(lay.n, qf.shape[1])
     final_scale = empty_scale if last is None else torch.where(nonempty[:, None], last, empty_scale)
     return out, _state(st.s, dv, final_scale)
-
-
-def _rescaled_product(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None,
-                      chunk_size: int) -> tuple[Tensor, Tensor]:
-    """``o_i = a_i . (e^{m_0 - m_i} s0 + sum_{j <= i} e^{m_j - m_i} kf_j w_j^T)`` and the state
-    after the last position, at scale ``m_{N-1}``: ``a, kf (B, H, N, F)``, ``w (B, H, N, E)``,
-    ``m (B, H, N)`` non-decreasing (no gradient: a stabiliser), ``s0 (B, H, F, E)`` at scale
-    ``m_0`` or None -> ``o (B, H, N, E)``, ``s (B, H, F, E)``.
-
-    The state kept at the running scale is a decayed state: ``S_i = e^{m_{i-1} - m_i} S_{i-1} +
-    kf_i w_i^T``, a per-head log decay ``m_{i-1} - m_i <= 0`` (0 at i = 0). Consecutive scales
-    are mostly equal or close, so their float difference is exact and the engine's float64
-    cumulative sums of it telescope back to ``m_j - m_i``.
-    """
-    if a.shape[2] == 0:  # zeros attached to the graph, so that a caller's backward reaches the inputs
-        s = kf.transpose(-1, -2) @ w  # (B, H, F, E)
-        s = s if s0 is None else s0 + s
-        return a @ s, s
-    log_decay = torch.cat([m[..., :1].new_zeros(m[..., :1].shape), m[..., :-1] - m[..., 1:]], dim=-1)  # (B, H, N)
-    o, state = gated_linear_attention(a, kf, w, log_decay, scale=1.0, return_state=True, chunk_size=chunk_size,
-                                      initial_state=None if s0 is None else DecayedState(s0))
-    return o, state.s
 
 
 def _projections(q: Tensor, k: Tensor, W: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,15 +1,10 @@
-"""FAVOR+'s causal product at a running log-scale (the state rescaled as a per-head decay on
-gated_linear_attention's engine) against a step-by-step float64 recurrence."""
+"""The log-scaled causal engine (FAVOR's causal form) against a step-by-step float64 recurrence."""
 
 import pytest
 import torch
 
 from conftest import assert_close
-from linattn.functional.favor import _rescaled_product
-
-
-def causal_product_log_scaled(a, kf, w, m, s0=None, *, chunk_size):
-    return _rescaled_product(a, kf, w, m, s0, chunk_size)
+from linattn.functional.log_scaled import causal_product_log_scaled
 
 
 def recurrence(a, kf, w, m, s0):
@@ -48,9 +43,8 @@ def test_matches_recurrence(n, chunk, with_s0):
 
 
 def test_huge_level_jumps_stay_finite_and_exact_in_float32():
-    """A jump of 5000 in the level underflows everything before it to exactly 0 (the engine floors
-    the log decay at -1000, exp of which is 0) and loses no precision afterwards (consecutive
-    levels differ exactly, and the engine sums those differences within a chunk in float64)."""
+    """A jump of 5000 in the level underflows everything before it to exactly 0 and loses no
+    precision afterwards (factors are differences of given levels, not of cumulative sums)."""
     n = 200
     g = torch.Generator().manual_seed(0)
     a, kf, w = (torch.rand(1, 1, n, 4, generator=g) for _ in range(3))
