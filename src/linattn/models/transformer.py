@@ -295,10 +295,7 @@ class TransformerLM(_Transformer):
             raise ValueError(f"{fn}: context_parallel is not supported together with return_state (a decoding "
                              "state is the whole sequence's, not one rank's)")
         # refused here, before any collective, the same way on every rank
-        for i, block in enumerate(self.blocks):
-            if not block.attn.mechanism.has_context_parallel:
-                raise ValueError(f"{fn}: layer {i} uses {block.attn.spec.name!r} attention, which has no "
-                                 "context-parallel form (see docs/context_parallel.md); pass context_parallel=None")
+        self.config.check_form("sharded", owner=fn, user="context_parallel (see docs/context_parallel.md)")
         self._check_ids(ids[:, :0], 0, "forward")  # the type and rank; the length against the whole sequence's
         lengths = check_context_parallel(fn, context_parallel, ids.shape[1], device=ids.device)
         total = sum(lengths)  # the same on every rank: all raise together

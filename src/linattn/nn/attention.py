@@ -206,7 +206,7 @@ class MultiHeadAttention(nn.Module):
         if context_parallel is not None:
             check_context_parallel_call("MultiHeadAttention", causal=causal, key_padding_mask=key_padding_mask,
                                         return_state=return_state, cu_seqlens=cu_seqlens)
-            if not self.mechanism.has_context_parallel:
+            if not self.spec.sharded:
                 raise ValueError(f"MultiHeadAttention: {self.spec.name!r} attention has no context-parallel form "
                                  "(see docs/context_parallel.md); pass context_parallel=None")
             start = context_parallel.offset

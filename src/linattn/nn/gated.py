@@ -228,7 +228,6 @@ class GatedMechanism(Mechanism):
     """
 
     needs_input: ClassVar[bool] = True
-    has_context_parallel: ClassVar[bool] = True
 
     def __init__(self, config, *, n_heads: int, head_dim: int, output_gate: bool, output_norm: bool,
                  gate_bias: bool = False) -> None:

@@ -17,7 +17,7 @@ Every mechanism module has
 
 ``key_padding_mask`` is bool ``(B, N)``, True = a real key that may be attended, False = padding.
 
-Context parallelism: a mechanism whose class sets ``has_context_parallel`` (softmax, linear, favor,
+Context parallelism: a mechanism with a ``sharded`` form in the registry (softmax, linear, favor,
 local and the gated and delta-rule ones) also takes ``context_parallel``
 (:class:`linattn.distributed.ContextParallel`) in its causal forward: q, k, v are then this rank's
 shard of one sequence sharded along N over the group's ranks, and the output is this rank's part of
@@ -275,9 +275,6 @@ class Mechanism(nn.Module):
     # projections read: mechanisms whose gates are functions of it (linattn.nn.gated). Keyword-only,
     # so that every other mechanism keeps its signature.
     needs_input: ClassVar[bool] = False
-    # True when the causal forward also takes ``context_parallel`` (a linattn.distributed
-    # ContextParallel): q, k, v are one rank's shard of a sequence sharded along N
-    has_context_parallel: ClassVar[bool] = False
     # Every mechanism with a causal form also takes ``cu_seqlens`` (int64 ``(n + 1,)`` offsets of n
     # documents packed along N, batch size 1; see linattn.functional.varlen) in its causal
     # forward: no position attends another document. MultiHeadAttention passes it only then.
@@ -314,7 +311,6 @@ class SoftmaxMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    has_context_parallel = True
 
     def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
                 context_parallel=None):
@@ -370,7 +366,6 @@ class LinearMechanism(Mechanism):
         phi = resolve_feature_map("LinearMechanism", config.feature_map)
         self.feature_dim = phi(torch.zeros(1, head_dim)).shape[-1]  # F ("cos" adds one)
 
-    has_context_parallel = True
 
     def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
                 context_parallel=None):
@@ -430,7 +425,6 @@ class FavorMechanism(Mechanism):
         m = config.num_features
         self.feature_dim = 2 * m if config.features == "trig" else m
 
-    has_context_parallel = True
 
     def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
                 context_parallel=None):
@@ -464,7 +458,6 @@ class LocalMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    has_context_parallel = True
 
     def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
                 context_parallel=None):
