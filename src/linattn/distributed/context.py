@@ -74,6 +74,7 @@ __all__ = [
     "depend_on",
     "favor_attention",
     "gated_linear_attention",
+    "group_place",
     "linear_attention",
 ]
 
@@ -138,7 +139,7 @@ def depend_on(x: Tensor, anchor: Tensor) -> Tensor:
     return x + anchor.reshape(-1)[:0].sum().to(x.dtype)  # + 0, from an empty slice of anchor
 
 
-def _where(fn: str, group) -> tuple[object, int, int] | None:
+def group_place(fn: str, group) -> tuple[object, int, int] | None:
     """``(group, rank, P)`` to shard over, or None when the call is the functional one (no
     initialised process group, or a group of one rank)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -313,7 +314,7 @@ def linear_attention(
     fn = _PREFIX + "linear_attention"
     _no_mask(fn, key_padding_mask)
     opts = dict(feature_map=feature_map, causal=True, chunk_size=chunk_size, tile_positions=tile_positions)
-    where = _where(fn, group)
+    where = group_place(fn, group)
     if where is None:
         return linear.linear_attention(q, k, v, initial_state=initial_state, return_state=return_state, **opts)
     rank, P = where[1], where[2]
@@ -407,7 +408,7 @@ def favor_attention(
     _no_mask(fn, key_padding_mask)
     opts = dict(kernel=kernel, features=features, causal=True, scale=scale, chunk_size=chunk_size,
                 tile_entries=tile_entries)
-    where = _where(fn, group)
+    where = group_place(fn, group)
     if where is None:
         return favor.favor_attention(q, k, v, projection, initial_state=initial_state, return_state=return_state,
                                      **opts)
@@ -497,7 +498,7 @@ def gated_linear_attention(
     """
     fn = _PREFIX + "gated_linear_attention"
     _no_mask(fn, key_padding_mask)
-    where = _where(fn, group)
+    where = group_place(fn, group)
     if where is None:
         return gated.gated_linear_attention(q, k, v, log_decay, scale=scale, initial_state=initial_state,
                                             return_state=return_state, chunk_size=chunk_size)
@@ -599,7 +600,7 @@ def delta_rule_attention(
     fn = _PREFIX + "delta_rule_attention"
     _no_mask(fn, key_padding_mask)
     opts = dict(log_decay=log_decay, scale=scale, chunk_size=chunk_size)
-    where = _where(fn, group)
+    where = group_place(fn, group)
     if where is None:
         return delta.delta_rule_attention(q, k, v, beta, initial_state=initial_state, return_state=return_state,
                                           **opts)

@@ -43,7 +43,7 @@ from torch import Tensor
 from ..functional.checks import check_qkv, check_scale, compute_dtype, no_autocast
 from ..functional import local, softmax
 from ..functional.local import LocalAttentionState
-from .context import all_gather_differentiable, depend_on
+from .context import all_gather_differentiable, depend_on, group_place
 
 __all__ = [
     "ContextParallel",
@@ -85,19 +85,6 @@ class Halo(NamedTuple):
 
     values: Tensor
     valid: Tensor
-
-
-def _where(fn: str, group) -> tuple[object, int, int] | None:
-    """``(group, rank, P)``, or None when there is nothing to exchange (no initialised process
-    group, or a group of one rank)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError(f"{fn}: group was given but torch.distributed has no initialised process group")
-        return None
-    P, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"{fn}: this process is not a member of group (its rank there is {rank})")
-    return (group, rank, P) if P > 1 else None
 
 
 def _sizes(fn: str, where, x: Tensor, dim: int, what: str) -> list[int]:
@@ -142,7 +129,7 @@ def check_context_parallel(fn: str, context_parallel, n: int, *, device: torch.d
     offset = context_parallel.offset
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"{fn}: context_parallel.offset must be an int >= 0, got {offset!r}")
-    where = _where(fn, context_parallel.group)
+    where = group_place(fn, context_parallel.group)
     if where is None:
         if offset != 0:
             raise ValueError(f"{fn}: context_parallel.offset = {offset} but there is no group of several ranks "
@@ -220,7 +207,7 @@ def halo(x: Tensor, width: int, *, dim: int, group=None) -> Halo:
     if not isinstance(x, Tensor) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"{fn}: dim = {dim} is not a dimension of x "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-    where = _where(fn, group)
+    where = group_place(fn, group)
     if where is None:
         shape = list(x.shape)
         shape[dim] = width
@@ -260,7 +247,7 @@ def local_attention(
         ``(B, H, N, Dv)`` this rank's outputs, differentiable in q, k, v of every rank.
     """
     fn = _PREFIX + "local_attention"
-    where = _where(fn, group)
+    where = group_place(fn, group)
     if where is None:
         return local.local_attention(q, k, v, window=window, causal=True, scale=scale)
     check_qkv(fn, q, k, v, causal=True)
@@ -309,7 +296,7 @@ def softmax_attention(
         ``(B, H, N, Dv)`` this rank's outputs, differentiable in q, k, v of every rank.
     """
     fn = _PREFIX + "softmax_attention"
-    where = _where(fn, group)
+    where = group_place(fn, group)
     if where is None:
         return softmax.softmax_attention(q, k, v, causal=True, scale=scale)
     check_qkv(fn, q, k, v, causal=True)
