@@ -115,7 +115,7 @@ class ExperimentConfig(Config):
         d_model: the model width, the same for every mechanism.
         n_layers: transformer blocks.
         n_heads: attention heads; must divide d_model.
-        d_ff: hidden width of each block's MLP.
+        d_ff: hidden width of each block's MLP; 0 = attention-only blocks, no MLP.
         short_conv: K > 0 gives every mechanism's attention layers the same causal depthwise
             convolution of kernel size K over their input (``TransformerConfig.short_conv``); 0 = none.
         steps: optimiser steps per mechanism.
@@ -170,9 +170,11 @@ class ExperimentConfig(Config):
                 raise TypeError(f"{name}: {f.name} must be true or false, got {val!r}")
             if f.type in ("str", str) and not isinstance(val, str):
                 raise TypeError(f"{name}: {f.name} must be a string, got {val!r}")
-        for key in ("d_model", "n_layers", "n_heads", "d_ff", "steps", "batch_size", "threads", "log_every"):
+        for key in ("d_model", "n_layers", "n_heads", "steps", "batch_size", "threads", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{name}: {key} must be >= 1, got {getattr(self, key)!r}")
+        if self.d_ff < 0:
+            raise ValueError(f"{name}: d_ff must be >= 0 (0 = no MLP), got {self.d_ff!r}")
         if self.short_conv < 0:
             raise ValueError(f"{name}: short_conv must be >= 0 (0 = none), got {self.short_conv!r}")
         if not 0 <= self.warmup_steps < self.steps:

@@ -26,7 +26,7 @@ class TransformerConfig(Config):
         d_model: width C.
         n_layers: number of blocks.
         n_heads: attention heads; must divide d_model.
-        d_ff: hidden width of the MLP.
+        d_ff: hidden width of the MLP; 0 leaves the MLP (and its norm) out of every block.
         norm: ``"layernorm"`` or ``"rmsnorm"``.
         pre_norm: normalise before each sub-layer (and once after the stack); False is the
             original post-norm ``x = norm(x + f(x))``.
@@ -70,9 +70,10 @@ class TransformerConfig(Config):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "d_ff"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"TransformerConfig: {name} must be an int >= 1, got {val!r}")
+            val, lo = getattr(self, name), 0 if name == "d_ff" else 1
+            if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+                raise ValueError(f"TransformerConfig: {name} must be an int >= {lo}"
+                                 f"{' (0: no MLP)' if lo == 0 else ''}, got {val!r}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"TransformerConfig: n_heads = {self.n_heads} must divide d_model = {self.d_model}"

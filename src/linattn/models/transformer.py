@@ -47,7 +47,8 @@ def _norm(kind: str, d: int) -> nn.Module:
 
 class Block(nn.Module):
     """Attention then MLP (Linear C->d_ff, GELU, Linear d_ff->C), each with a residual connection,
-    pre-norm ``x + f(norm(x))`` or post-norm ``norm(x + f(x))``."""
+    pre-norm ``x + f(norm(x))`` or post-norm ``norm(x + f(x))``. ``d_ff = 0``: attention only, no
+    MLP and no second norm (Zoology's MQAR models)."""
 
     def __init__(self, config: TransformerConfig, layer: int) -> None:
         super().__init__()
@@ -57,8 +58,8 @@ class Block(nn.Module):
                                        rotary=c.positional == "rotary", max_len=c.max_len,
                                        short_conv=c.short_conv)
         self.norm1 = _norm(c.norm, c.d_model)
-        self.norm2 = _norm(c.norm, c.d_model)
-        self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model))
+        self.norm2 = _norm(c.norm, c.d_model) if c.d_ff else None
+        self.ff = nn.Sequential(nn.Linear(c.d_model, c.d_ff), nn.GELU(), nn.Linear(c.d_ff, c.d_model)) if c.d_ff else None
         self.drop = nn.Dropout(c.dropout)
 
     def _drop(self, x: Tensor) -> Tensor:
@@ -67,6 +68,8 @@ class Block(nn.Module):
         return self.drop(x) if self.drop.training and self.drop.p > 0 else x
 
     def _mlp(self, x: Tensor) -> Tensor:
+        if self.ff is None:
+            return x
         if self.pre_norm:
             return x + self._drop(self.ff(self.norm2(x)))
         return self.norm2(x + self._drop(self.ff(x)))
