@@ -302,3 +302,24 @@ def test_positional_none_has_no_table_and_stays_causal():
     a = m(ids)
     b = m(torch.cat([ids[:, :6], (ids[:, 6:] + 1) % 11], dim=1))
     assert torch.equal(a[:, :6], b[:, :6]) and not torch.equal(a[:, 6:], b[:, 6:])
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_d_ff_0_blocks_are_attention_only(pre_norm):
+    """d_ff = 0: no MLP and no second norm in any block (Zoology's MQAR models), so the block is
+    exactly x + attn(norm1(x)) (pre-norm) or norm1(x + attn(x)); decoding still equals teacher forcing."""
+    lm = _lm("all-four", d_ff=0, pre_norm=pre_norm)
+    with_mlp = _lm("all-four", pre_norm=pre_norm)
+    names = [n for n, _ in lm.named_parameters()]
+    assert not any(".ff." in n or ".norm2." in n for n in names), names
+    mlp = sum(p.numel() for n, p in with_mlp.named_parameters() if ".ff." in n or ".norm2." in n)
+    assert count_parameters(with_mlp) - count_parameters(lm) == mlp > 0
+    ids = _ids(seed=5)
+    with torch.no_grad():
+        assert_close(lm.forward_steps(ids)[0], lm(ids), atol=1e-10, rtol=1e-9, msg="d_ff 0 steps")
+        block, x = lm.blocks[0], torch.randn(2, 7, SMALL["d_model"], dtype=torch.float64)
+        attn = block.attn(block.norm1(x) if pre_norm else x, causal=True)
+        assert_close(block(x, causal=True), x + attn if pre_norm else block.norm1(x + attn), atol=1e-12, rtol=1e-12,
+                     msg="attention-only block")
+    with pytest.raises(ValueError, match=r"d_ff must be an int >= 0 \(0: no MLP\), got -1"):
+        TransformerConfig(**{**SMALL, "d_ff": -1})

@@ -40,21 +40,23 @@ replacement in drawing order, the distribution of Zoology's sequential draw.
 
 Where this differs from Zoology, and why:
 
-- Scale. Zoology trains on a GPU: vocabulary 8192, 100,000 fixed training examples for 64 epochs,
-  widths 64 to 512, sequences 64 to 512 with 4 to 64 pairs. Here the grid must finish on a 2-core
-  CPU in about two hours, so the vocabulary is smaller (``vocab_size``, 64 by default), training
-  batches are fresh examples every step (an endless stream, not epochs of a fixed set: nothing
-  to memorise), the steps are far fewer, and the default tasks hold N at 64 and vary P (4, 8,
-  16; at P = 16 every one of the 16 query slots is used, so the power law only orders them).
-  A cell that fails here might succeed with more steps.
-- Heads. One head by default (``n_heads = 1``, the simplest model; this module does not claim it
-  is Zoology's setting); a recurrent state is then one C x C matrix. RetNet's fixed decay is then the single 1 - 2^-5 (a memory of about 32
-  tokens), which is RetNet's own recipe at H = 1, not a choice made against it.
-- Model. The same TransformerLM for every mechanism (``n_layers`` blocks of attention + MLP, learned
-  positions), ``n_heads`` heads, MLP width ``ff_ratio * d_model``, and the same short causal
-  convolution (``short_conv``) in front of every attention layer (DeltaNet's recipe; it lets a
-  layer see the previous token, which binds a value to its key). The learning rate is swept over
-  ``lrs`` per cell and the best held-out accuracy kept, as Zoology does.
+- Scale. Zoology trains on a GPU: vocabulary 8192, 100,000 fixed training examples for 64 epochs
+  in batches of up to 512, widths 64 to 512, sequences 64 to 512 with 4 to 64 pairs, learning
+  rates logspace(1e-4, 1e-2, 4). Here the grid must finish on a 2-core CPU in about two hours, so
+  the vocabulary is smaller (``vocab_size``, 64 by default), training batches are fresh examples
+  every step (an endless stream, not epochs of a fixed set: nothing to memorise), the steps are
+  far fewer, the learning rates are the top of Zoology's range, and the default tasks hold N at
+  64 and vary P (4, 8, 16; at P = 16 every one of the 16 query slots is used, so the power law
+  only orders them). A cell that fails here might succeed with more steps.
+- Heads. One head by default (``n_heads = 1``); a recurrent state is then one C x C matrix.
+  RetNet's fixed decay is then the single 1 - 2^-5 (a memory of about 32 tokens), which is
+  RetNet's own recipe at H = 1, not a choice made against it.
+- Model. The same TransformerLM for every mechanism: ``n_layers`` blocks, learned positions,
+  ``n_heads`` heads, and by default no MLP (``ff_ratio = 0``: attention-only blocks, Zoology's
+  identity "state mixer"; ``ff_ratio * d_model`` is the MLP width otherwise). Every attention layer
+  has the same short causal convolution (``short_conv``) in front of it (DeltaNet's recipe; it
+  lets a layer see the previous token, which binds a value to its key). The learning rate is swept over ``lrs`` per cell and the best held-out accuracy kept,
+  as Zoology does.
 - Accuracy is measured once, after the last step, on ``eval_examples`` held-out examples: the
   fraction of queries whose arg-max over all V ids is the right value.
 
