@@ -153,6 +153,19 @@ def test_copy_quick(tmp_path):
     assert text.rstrip().endswith("See also docs/convert.md for the pretrained-model conversion results.")
     with pytest.raises(SystemExit):
         main(["experiment", "report", "--runs", str(tmp_path / "none"), "--out", str(doc)])
+    # a run beside it with another mechanism: its rows join the copy table, and the gated section
+    # compares its steps to loss < 0.01 with softmax's, read from the two folders' metrics files
+    gated = tmp_path / "copy_gated"
+    assert main(["experiment", "copy", "--quick", "--steps", "30", "--mechanisms", "deltanet", "--out", str(gated)]) == 0
+    for folder, name, below in ((out, "softmax", 10), (gated, "deltanet", 25)):
+        (folder / f"metrics_{name}.jsonl").write_text("".join(
+            json.dumps({"step": k, "loss": 0.005 if k >= below else 1.0}) + "\n" for k in (5, 10, 15, 20, 25, 30)))
+    assert main(["experiment", "report", "--runs", str(tmp_path), "--out", str(doc),
+                 "--convert-runs", str(tmp_path / "none")]) == 0
+    text = doc.read_text()
+    assert "| copy_gated | deltanet | " in text and "| copy | softmax | " in text
+    assert ("- copy (the first table's settings): deltanet 25 steps (2.50x softmax's 10): **does not close the gap**"
+            in text.split("## Gated and delta-rule mechanisms against softmax")[1])
 
 
 def test_mnist_quick_on_digits(tmp_path):
