@@ -13,9 +13,6 @@ also checks the errors a bad shard raises (on every rank, without a hang) and th
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +21,7 @@ import torch.nn.functional as F
 import linattn.distributed as cp
 import linattn.functional as fx
 from linattn.functional import DecayedState, LinearAttentionState
-from linattn.train.dist import spawn_local
+from ranks import gloo_ranks
 
 B, H, D, DV, M = 2, 2, 5, 3, 7  # M: FAVOR's random features
 N = 37
@@ -180,34 +177,27 @@ def _errors(rank: int) -> dict:
     return found
 
 
-def _worker(out_dir: str) -> None:
-    rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {}
-        for dtype in DTYPES:
-            splits = SPLITS[P] if dtype == torch.float64 else SPLITS[P][:1]
-            for si, lengths in enumerate(splits):
-                lo = sum(lengths[:rank])
-                hi = lo + lengths[rank]
-                for name, mech, opts in CASES:
-                    prob = _problem(mech, opts, dtype, P)
-                    results[(name, str(dtype), si)] = _run_and_grad(cp, mech, opts, prob, lo, hi,
-                                                                    [prob["state_cots"][rank]], {})
-        if P == 2:
-            results["errors"] = _errors(rank)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _results(rank: int, P: int) -> dict:
+    """This rank's results on every case (run on each of P gloo processes)."""
+    results = {}
+    for dtype in DTYPES:
+        splits = SPLITS[P] if dtype == torch.float64 else SPLITS[P][:1]
+        for si, lengths in enumerate(splits):
+            lo = sum(lengths[:rank])
+            hi = lo + lengths[rank]
+            for name, mech, opts in CASES:
+                prob = _problem(mech, opts, dtype, P)
+                results[(name, str(dtype), si)] = _run_and_grad(cp, mech, opts, prob, lo, hi,
+                                                                [prob["state_cots"][rank]], {})
+    if P == 2:
+        results["errors"] = _errors(rank)
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"P{p}")
 def launched(request, tmp_path_factory):
     """One launch of P gloo processes; every rank's results."""
-    P = request.param
-    out = tmp_path_factory.mktemp(f"cp{P}")
-    spawn_local(_worker, P, (str(out),))
-    return P, [torch.load(out / f"rank{r}.pt") for r in range(P)]
+    return request.param, gloo_ranks(_results, request.param, tmp_path_factory.mktemp(f"cp{request.param}"))
 
 
 def _close(got, want, what):

@@ -16,9 +16,6 @@ still works afterwards.
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,7 +33,7 @@ from linattn.nn import (
     RetNetConfig,
     SoftmaxConfig,
 )
-from linattn.train.dist import spawn_local
+from ranks import gloo_ranks
 
 B, N, V = 2, 20, 13
 WINDOW = 5  # above some shard lengths below, so a halo reaches back over several ranks
@@ -126,30 +123,23 @@ def _errors(rank: int) -> dict:
     return out
 
 
-def _worker(out_dir: str) -> None:
-    rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {}
-        for si, lengths in enumerate(SPLITS[P]):
-            lo = sum(lengths[:rank])
-            hi = lo + lengths[rank]
-            for name, *_ in MODELS:
-                results[(name, si)] = _run(name, lo, hi, ContextParallel(None, lo))
-        if P == 2:
-            results["errors"] = _errors(rank)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _results(rank: int, P: int) -> dict:
+    """This rank's results on every case (run on each of P gloo processes)."""
+    results = {}
+    for si, lengths in enumerate(SPLITS[P]):
+        lo = sum(lengths[:rank])
+        hi = lo + lengths[rank]
+        for name, *_ in MODELS:
+            results[(name, si)] = _run(name, lo, hi, ContextParallel(None, lo))
+    if P == 2:
+        results["errors"] = _errors(rank)
+    return results
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"P{p}")
 def launched(request, tmp_path_factory):
     """One launch of P gloo processes; every rank's results."""
-    P = request.param
-    out = tmp_path_factory.mktemp(f"cpm{P}")
-    spawn_local(_worker, P, (str(out),))
-    return P, [torch.load(out / f"rank{r}.pt") for r in range(P)]
+    return request.param, gloo_ranks(_results, request.param, tmp_path_factory.mktemp(f"cpm{request.param}"))
 
 
 def _close(got, want, what):
