@@ -180,6 +180,13 @@ def test_quick_grid_writes_every_cell_and_the_report(tmp_path):
     first = cells[("softmax", 2, 16, 16)]
     assert f"{first['best_accuracy']:.3f} ({first['best_lr']:g})" in text
     assert "No run found at" in text  # the other experiments have none here
+    # a run beside it with other settings gets its own tables, its differing settings named
+    assert main(["experiment", "mqar", "--quick", "--mechanisms", "deltanet", "--hybrids", "", "--steps", "8",
+                 "--widths", "[16]", "--out", str(tmp_path / "mqar_short")]) == 0
+    assert main(["experiment", "report", "--runs", str(tmp_path), "--out", str(doc),
+                 "--convert-runs", str(tmp_path / "none")]) == 0
+    after = doc.read_text().split("Run `mqar_short/` beside it (settings that differ: ")[1]
+    assert after.startswith("steps 8, widths [16]") and "| deltanet | " in after.split("Paper (Zoology")[0]
 
 
 def test_workers_give_the_same_grid_as_one_process(tmp_path):

@@ -320,6 +320,9 @@ def _mqar(s: dict, rel: str, runs: Path) -> list[str]:
     for k, v in s.get("targets", {}).items():
         verdict = "not judged" if v["holds"] is None else "yes" if v["holds"] else "**no**"
         lines.append(f"| {k} | {verdict} | {v['figures']} |")
+    for folder, sr, diff in _siblings(s, runs)[1:]:
+        lines += ["", f"Run `{folder}/` beside it (settings that differ: {diff}; command "
+                  f"`{sr['command']}`, wall time {sr['wall_seconds'] / 60:.1f} min):", "", *markdown_tables(sr)]
     return lines + ["", "Paper (Zoology, Figure 2): attention solves MQAR at every width; gated convolutions and "
                     "kernel linear attention need a width that grows with the number of pairs. Zoology trains on "
                     "a GPU with vocabulary 8192 and 64 epochs of 100,000 examples; this grid is sized for about two "
