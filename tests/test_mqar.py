@@ -187,6 +187,9 @@ def test_quick_grid_writes_every_cell_and_the_report(tmp_path):
                  "--convert-runs", str(tmp_path / "none")]) == 0
     after = doc.read_text().split("Run `mqar_short/` beside it (settings that differ: ")[1]
     assert after.startswith("steps 8, widths [16]") and "| deltanet | " in after.split("Paper (Zoology")[0]
+    # and the generated comparison reads both runs: deltanet in each, the second named by its folder
+    gated = doc.read_text().split("## Gated and delta-rule mechanisms against softmax")[1]
+    assert "- MQAR, 2 pairs in 16 tokens" in gated and "- MQAR (`mqar_short/`: steps 8, widths [16]), 2 pairs" in gated
 
 
 def test_workers_give_the_same_grid_as_one_process(tmp_path):

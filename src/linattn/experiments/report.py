@@ -390,8 +390,9 @@ def _gated_lines(name: str, s: dict, runs: Path) -> list[str]:
     return out
 
 
-def _gated_mqar_lines(s: dict) -> list[str]:
-    """For each task, the widths at which softmax and each gated mechanism recall (>= 99%)."""
+def _gated_mqar_lines(s: dict, where: str = "") -> list[str]:
+    """For each task, the widths at which softmax and each gated mechanism recall (>= 99%);
+    ``where`` names the run when it is not the main one."""
     out = []
     for P, N in dict.fromkeys((c["num_kv_pairs"], c["seq_len"]) for c in s["cells"]):
         cells = [c for c in s["cells"] if (c["num_kv_pairs"], c["seq_len"]) == (P, N)]
@@ -403,7 +404,7 @@ def _gated_mqar_lines(s: dict) -> list[str]:
             solved = [w for w, a in mine if a >= 0.99]
             accs = ", ".join(f"{a:.2f}" for _, a in mine)
             parts.append(f"{m} at {', '.join(map(str, solved)) if solved else 'no width'} ({accs})")
-        out.append(f"- MQAR, {P} pairs in {N} tokens, the widths where each recalls >= 99% (accuracy at widths "
+        out.append(f"- MQAR{where}, {P} pairs in {N} tokens, the widths where each recalls >= 99% (accuracy at widths "
                    f"{', '.join(str(w) for w in sorted({c['d_model'] for c in cells}))}): " + "; ".join(parts) + ".")
     return out
 
@@ -415,8 +416,9 @@ def _gated_section(found: dict[str, Path], runs: Path) -> list[str]:
     for name, path in found.items():
         s = json.loads(path.read_text())
         if name == "mqar":
-            if any(c["mechanism"] in GATED for c in s["cells"]):
-                lines += _gated_mqar_lines(s)
+            for i, (folder, sr, diff) in enumerate(_siblings(s, runs / name)):
+                if any(c["mechanism"] in GATED for c in sr["cells"]):
+                    lines += _gated_mqar_lines(sr, "" if i == 0 else f" (`{folder}/`: {diff})")
         elif name in ("copy", "shakespeare", "proteins"):
             lines += _gated_lines(name, s, runs / name)
     if not lines:
