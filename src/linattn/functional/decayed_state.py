@@ -8,14 +8,14 @@ both, and a state returned by one form (chunked, recurrent step) resumes the oth
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from .checks import shape_str
 
-__all__ = ["DecayedState", "check_decayed_state"]
+__all__ = ["DecayedState", "check_decayed_state", "result_without_positions"]
 
 
 class DecayedState(NamedTuple):
@@ -42,3 +42,34 @@ def check_decayed_state(fn: str, state, B: int, H: int, D: int, Dv: int, device:
                          f"got {shape_str(s)}")
     if s.device != device:
         raise ValueError(f"{fn}: initial_state.s is on {s.device}, the inputs on {device}")
+
+
+def result_without_positions(
+    per_position: Sequence[Tensor], s0: Tensor | None, out_shape: tuple[int, ...], state_shape: tuple[int, ...]
+) -> tuple[Tensor, Tensor]:
+    """The result of a decayed recurrence over inputs without a single position (B*H*N == 0: no
+    batch row, no head, or N = 0), checked and in the compute dtype.
+
+    Args:
+        per_position: the inputs with a position dimension (q, k, v, the gates), every one empty.
+        s0: ``(n, H, D, Dv)`` the initial state (n = B, or the number of packed documents), or None
+            for zeros.
+        out_shape: ``(B, H, N, Dv)``.
+        state_shape: ``(n, H, D, Dv)``.
+
+    Returns:
+        ``out (B, H, N, Dv)``, empty, and the state after no step, ``(n, H, D, Dv)``: a new tensor
+        equal to s0 (zeros without one), never s0 itself, so that the caller can change one without
+        the other.
+
+    Both are built from every input, as any non-empty call's results are, so that a loss on them
+    backpropagates like any other: zero gradients of the inputs' shapes, and the identity from the
+    state to s0. A sum over an empty tensor is exactly 0 and its gradient is empty, so ``nothing``
+    links the per-position inputs at no cost to the values; s0's sum reaches ``out`` only by being
+    broadcast into an empty tensor, so even an inf in s0 cannot make a NaN.
+    """
+    nothing = sum(x.sum() for x in per_position)  # exactly 0
+    ref = per_position[0]
+    s = (ref.new_zeros(state_shape) if s0 is None else s0) + nothing
+    out = ref.new_zeros(out_shape) + (nothing + s.sum())
+    return out, s

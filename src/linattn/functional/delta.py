@@ -68,7 +68,7 @@ from .checks import (
     sanitize_padded,
     shape_str,
 )
-from .decayed_state import DecayedState, check_decayed_state
+from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
@@ -493,11 +493,10 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
     ``return_state``). One run of the chunked form on the expanded sequence: -inf log decays at the
     documents' starts (so DeltaNet runs the decayed path, with zero decays elsewhere), D positions
-    with beta = 1 replacing the rows of each initial state, D with beta = 0 reading each final one."""
+    with beta = 1 replacing the rows of each initial state, D with beta = 0 reading each final one.
+    T, H >= 1: delta_rule_attention answers inputs without a position itself."""
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     lay = varlen_layout(cu_seqlens, D, write_states=s0 is not None, read_states=return_state)
-    if lay.total == 0:  # no position at all
-        return v.new_zeros(1, H, 0, Dv), None
     g = beta.new_zeros(beta.shape) if log_decay is None else log_decay
     b, g = beta.unsqueeze(-1), g.unsqueeze(-1)  # (1, H, T, 1)
     if lay.gather is not None:
@@ -574,12 +573,22 @@ def delta_rule_attention(
             see ``linattn.functional.varlen``). ``key_padding_mask`` ``(1, T)`` works alike.
             Without ``log_decay`` this runs the decayed path (zero decays, -inf at boundaries).
 
+    Causality and document isolation hold for finite inputs within the contract (unit keys, beta
+    in [0, 2]): a NaN or inf at a real position t, or a state that overflows because keys far
+    longer than unit norm make it grow, can reach the outputs of earlier positions in t's chunk
+    (each chunk is solved as a whole), and, packed, of the other documents sharing that chunk.
+    Not guarded (it would cost every call); a padded position's content is never read.
+
     Returns:
         ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the
         :class:`~linattn.functional.decayed_state.DecayedState` after position N,
         ``s (B, H, D, Dv)``. Half inputs (float16, bfloat16) are computed with the state, the
         cumulative decays and the triangular solves in float32; the returned state is float32 then.
         Differentiable (once; no double backward) in q, k, v, beta, log_decay and initial_state.s.
+        Inputs without a position (B, H or N = 0; T = 0 when packed) give the empty output and the
+        state after no step: a new tensor equal to ``initial_state.s`` (zeros without one), both in
+        the graph of every input as for any other call (zero gradients; the identity to
+        ``initial_state.s``).
     """
     fn = "delta_rule_attention"
     check_positive_int(fn, "chunk_size", chunk_size)
@@ -590,15 +599,17 @@ def delta_rule_attention(
         Dv = v.shape[-1]
         s0 = None if initial_state is None else initial_state.s.to(dt)
         qx = sanitize_padded(q, key_padding_mask).to(dt)
-        if cu_seqlens is not None:
+        if B * H * N == 0:
+            # No position in any sequence, in every form (packed too: T = 0 or H = 0). The chunked
+            # engine cannot lay out zero rows or positions in chunks; the result is the state
+            # after no step, and it must stay in the graph as any other call's does.
+            n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            gates = (beta,) if log_decay is None else (beta, log_decay)
+            out, s = result_without_positions((qx, kx, vx, *gates), s0, (B, H, N, Dv), (n, H, D, Dv))
+        elif cu_seqlens is not None:
             out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size)
-            if return_state and s is None:  # no position at all: no document, or D = 0
-                s = vx.new_zeros(cu_seqlens.shape[0] - 1, H, D, Dv) if s0 is None else s0 + 0
         elif N == 1 and s0 is not None:  # the recurrent step
             out, s = _step(qx, kx, vx, beta, log_decay, scale, s0)
-        elif N == 0:
-            out = vx.new_zeros(B, H, 0, Dv)
-            s = s0 if s0 is not None else vx.new_zeros(B, H, D, Dv)
         else:
             def rows(t):  # (B, H, N, ...) -> (R, N, ...)
                 return t.reshape(B * H, N, *t.shape[3:])
@@ -631,17 +642,23 @@ def delta_rule_attention_reference(
     dt, scale, beta, log_decay, k, v = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
                                                 initial_state)
     B, H, N, D = q.shape
-    s = q.new_zeros(B, H, D, v.shape[-1], dtype=dt) if initial_state is None else initial_state.s.to(dt)
+    Dv = v.shape[-1]
+    s0 = None if initial_state is None else initial_state.s.to(dt)
     q = sanitize_padded(q, key_padding_mask).to(dt)
-    outs = []
-    for t in range(N):
-        kt, vt = k[:, :, t, :, None], v[:, :, t, None, :]  # (B, H, D, 1), (B, H, 1, Dv)
-        bt = beta[:, :, t, None, None]  # (B, H, 1, 1)
-        s = s - bt * kt @ (kt.transpose(-1, -2) @ s)  # (I - beta k k^T) S, (B, H, D, Dv)
-        if log_decay is not None:
-            s = torch.exp(log_decay[:, :, t, None, None]) * s
-        s = s + bt * kt @ vt
-        outs.append(scale * (q[:, :, t, None, :] @ s))  # (B, H, 1, Dv)
-    out = torch.cat(outs, dim=2) if outs else v.new_zeros(B, H, 0, v.shape[-1])
+    if B * H * N == 0:  # no step at all: as in delta_rule_attention
+        gates = (beta,) if log_decay is None else (beta, log_decay)
+        out, s = result_without_positions((q, k, v, *gates), s0, (B, H, N, Dv), (B, H, D, Dv))
+    else:
+        s = q.new_zeros(B, H, D, Dv) if s0 is None else s0  # (B, H, D, Dv)
+        outs = []
+        for t in range(N):
+            kt, vt = k[:, :, t, :, None], v[:, :, t, None, :]  # (B, H, D, 1), (B, H, 1, Dv)
+            bt = beta[:, :, t, None, None]  # (B, H, 1, 1)
+            s = s - bt * kt @ (kt.transpose(-1, -2) @ s)  # (I - beta k k^T) S, (B, H, D, Dv)
+            if log_decay is not None:
+                s = torch.exp(log_decay[:, :, t, None, None]) * s
+            s = s + bt * kt @ vt
+            outs.append(scale * (q[:, :, t, None, :] @ s))  # (B, H, 1, Dv)
+        out = torch.cat(outs, dim=2)
     out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out

@@ -32,7 +32,7 @@ from .checks import (
     no_autocast,
     shape_str,
 )
-from .decayed_state import DecayedState, check_decayed_state
+from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_reference"]
@@ -120,12 +120,16 @@ def gated_linear_attention_reference(
     in_dtype = q.dtype
     q, k, v, g, s0 = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state)
     B, H, N, D = q.shape
-    s = q.new_zeros(B, H, D, v.shape[-1]) if s0 is None else s0  # (B, H, D, Dv)
-    outs = []
-    for t in range(N):
-        s = torch.exp(g[:, :, t]).unsqueeze(-1) * s + k[:, :, t, :, None] * v[:, :, t, None, :]
-        outs.append((q[:, :, t, None, :] @ s).squeeze(-2))  # (B, H, Dv)
-    out = torch.stack(outs, dim=2) if outs else q.new_zeros(B, H, 0, v.shape[-1])
+    Dv = v.shape[-1]
+    if B * H * N == 0:  # no step at all: as in gated_linear_attention
+        out, s = result_without_positions((q, k, v, g), s0, (B, H, N, Dv), (B, H, D, Dv))
+    else:
+        s = q.new_zeros(B, H, D, Dv) if s0 is None else s0  # (B, H, D, Dv)
+        outs = []
+        for t in range(N):
+            s = torch.exp(g[:, :, t]).unsqueeze(-1) * s + k[:, :, t, :, None] * v[:, :, t, None, :]
+            outs.append((q[:, :, t, None, :] @ s).squeeze(-2))  # (B, H, Dv)
+        out = torch.stack(outs, dim=2)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
 
@@ -435,11 +439,10 @@ def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size):
     ``g (1, H, T, G)``, ``s0 (n, H, D, Dv)`` or None, prepared (compute dtype, padding zeroed) ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
     ``return_state``). One run of the chunked form on the expanded sequence: -inf log decays at the
-    documents' starts, D positions writing each initial state and D reading each final one."""
+    documents' starts, D positions writing each initial state and D reading each final one.
+    T, H >= 1: gated_linear_attention answers inputs without a position itself."""
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     lay = varlen_layout(cu_seqlens, D, write_states=s0 is not None, read_states=return_state)
-    if lay.total == 0:  # no position at all: every document is empty and no state is read
-        return v.new_zeros(1, H, 0, Dv), None
     if lay.gather is not None:
         # inserted positions read and write with scale 1: scale the real queries here instead
         q = lay.expand(q * scale, lay.zeros(q), lay.basis(q))
@@ -504,10 +507,19 @@ def gated_linear_attention(
             Also the engine for other mechanisms' packed inputs: pass their features as q, k,
             their values as v, their log decays (zeros for none) and ``scale=1.0``.
 
+    Causality and document isolation hold for finite q, k, v: a NaN or inf at a real position t
+    can reach the outputs of earlier positions in t's chunk (blocked products: 0 * inf is NaN),
+    and, packed, of the other documents sharing that chunk. Not guarded (it would cost every
+    call); a padded position's content is never read, whatever it is.
+
     Returns:
         ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` a :class:`DecayedState`.
         Half inputs (float16, bfloat16) are computed in float32 (state, cumulative decays, every
         chunk product); the state is float32 for them, else the input dtype.
+        Inputs without a position (B, H or N = 0; T = 0 when packed) give the empty output and the
+        state after no step: a new tensor equal to ``initial_state.s`` (zeros without one), both in
+        the graph of every input as for any other call (zero gradients; the identity to
+        ``initial_state.s``).
     """
     fn = "gated_linear_attention"
     if chunk_size is not None:
@@ -517,17 +529,19 @@ def gated_linear_attention(
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
                                          scaled=False, cu_seqlens=cu_seqlens)
         B, H, N, D = q.shape
+        Dv = v.shape[-1]
         if chunk_size is None:
             chunk_size = _CHUNK_HEAD if g.shape[-1] == 1 else _CHUNK_CHANNEL
-        if cu_seqlens is not None:
+        if B * H * N == 0:
+            # No position in any sequence, in every form (packed too: T = 0 or H = 0). The chunked
+            # engine cannot lay out zero rows or positions in chunks; the result is the state
+            # after no step, and it must stay in the graph as any other call's does.
+            n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+            out, s = result_without_positions((q, k, v, g), s0, (B, H, N, Dv), (n, H, D, Dv))
+        elif cu_seqlens is not None:
             out, s = _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size)
-            if return_state and s is None:  # no position at all: no document, or D = 0
-                s = q.new_zeros(cu_seqlens.shape[0] - 1, H, D, v.shape[-1]) if s0 is None else s0 + 0
         elif N == 1 and s0 is not None:
             out, s = _recurrent_step(q * scale, k, v, g, s0)
-        elif N == 0:
-            s = q.new_zeros(B, H, D, v.shape[-1]) if s0 is None else s0 + 0
-            out = v.new_zeros(B, H, 0, v.shape[-1])
         else:
             out, s = _GatedChunked.apply(q, k, v, g, s0, chunk_size, scale)
     out = out.to(in_dtype)

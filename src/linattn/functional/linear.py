@@ -672,6 +672,9 @@ def linear_attention(
             engine (zero decays, a reset at each document's start; ``chunk_size`` is its chunk
             length, ``tile_positions`` is not used), the normaliser is a per-document running sum
             of the key features (``linattn.functional.varlen``), guarded as in every other form.
+            The isolation holds for finite inputs; a NaN or inf can cross into the documents that
+            share its chunk (and, through the normaliser's prefix sums, later ones): see
+            ``linattn.functional.varlen``.
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
@@ -705,8 +708,9 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
     # Causal sequences longer than one chunk go to the tiled Function, which computes an
     # elementwise phi itself. One chunk or less (a generation step, a short prompt) is that
     # algorithm's intra-chunk product alone, written out below: there the tiled machinery's
-    # hundred small ops would cost more than the arithmetic.
-    tiled = causal and q.shape[2] > chunk_size
+    # hundred small ops would cost more than the arithmetic. So are inputs without a row
+    # (B*H = 0), which have no tile to assemble a result from and cost nothing in any form.
+    tiled = causal and q.shape[2] > chunk_size and q.shape[0] * q.shape[1] > 0
     fusable = isinstance(feature_map, str) and feature_map in ELEMENTWISE_MAPS and key_padding_mask is None
     if tiled and fusable:
         phi, qf, kf = ELEMENTWISE_MAPS[feature_map], q.to(dt), k.to(dt)

@@ -242,7 +242,7 @@ def causal_product_log_scaled(
         )
     if tuple(m.shape) != tuple(a.shape[:3]):
         raise ValueError(f"{fn}: m must be (B, H, N) = {tuple(a.shape[:3])}, got {tuple(m.shape)}")
-    if a.shape[2] == 0:
+    if a.shape[:3].numel() == 0:  # no position (N = 0) or no row (B*H = 0): no chunk to scan
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E) zeros, attached to the graph
         s_final = s if s0 is None else s0 + s
         return a @ s_final, s_final

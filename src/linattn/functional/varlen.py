@@ -43,6 +43,12 @@ prefix sum over the packed sequence, accumulated in float64 (a document's sum is
 of two prefix sums: float64 keeps that difference far more exact than float32 would, and the cost is
 a few elementwise passes over ``(H, T, F)``).
 
+Where the isolation stops: everything above holds for finite inputs. A NaN or inf in a real
+position's q, k or v can reach earlier outputs of its chunk (0 * inf is NaN in the blocked
+products; SDPA's blocks do the same), and so the documents that share that chunk; the prefix sums
+of the normaliser carry a non-finite key feature into every later document. Guarding against it
+would cost every call; the training loop stops at the first non-finite loss instead.
+
 Dimension legend: H heads, T packed positions, n documents, Tx expanded positions (T plus the
 inserted ones), D width of a state's rows (key or feature width), Dv value width, G gate width (1
 per head, D per key channel), X any trailing width.
