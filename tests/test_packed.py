@@ -161,3 +161,46 @@ def test_softmax_packed_equals_one_call_per_document(causal):
         torch.testing.assert_close(x, y)
     with pytest.raises(ValueError, match="same packed positions"):
         linattn.softmax_attention(q, k[:, :, :10], v[:, :, :10], cu_seqlens=cu)
+
+
+def test_training_stops_at_the_first_nonfinite_loss_of_a_packed_batch(tmp_path, monkeypatch, capsys):
+    """One document of a packed row turns non-finite at step 3 (its embeddings, as a poisoned input
+    would): `linattn train` stops at that step with one line, exit status 1, and the checkpoint of
+    step 2 is the last one, untouched."""
+    from linattn.cli import main
+    from linattn.train import trainer
+
+    class Poisoned(TransformerLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.training_calls = 0
+            self.tok_emb.register_forward_hook(self._poison)
+
+        def forward(self, ids, *args, cu_seqlens=None, **kwargs):
+            self.cu = cu_seqlens
+            self.training_calls += int(self.training)
+            return super().forward(ids, *args, cu_seqlens=cu_seqlens, **kwargs)
+
+        def _poison(self, module, inputs, out):
+            if self.training and self.training_calls == 3:
+                assert self.cu is not None and len(self.cu) > 3  # a packed row of several documents
+                a, b = int(self.cu[1]), int(self.cu[2])  # the second document only
+                out = out.clone()
+                out[:, a:b] = float("nan")
+                return out
+
+    monkeypatch.setattr(trainer, "TransformerLM", Poisoned)
+    out = tmp_path / "run"
+    code = main(["train", "--max-steps", "6", "--ckpt-every", "1", "--eval-every", "0", "--batch-size", "4",
+                 "--seq-len", "32", "--data-document-separator", "0", "--d-model", "32", "--n-layers", "1",
+                 "--n-heads", "2", "--d-ff", "64", "--log-every", "1", "--quiet", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1 and "the training loss of step 3 is not finite: stopped there" in lines[0], err
+    assert "step_00000002" in lines[0] and "is kept" in lines[0]
+    latest = json.loads((out / "checkpoints" / "latest.json").read_text())
+    assert "step_00000002" in json.dumps(latest)
+    assert not list((out / "checkpoints").glob("step_00000003*"))
+    steps = [json.loads(line).get("step") for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(s for s in steps if s is not None) == 2  # the non-finite step is not logged as a loss

@@ -7,6 +7,12 @@ attention, then ``--set`` and the field flags as overrides of the dict form (so
 Field flags come from the config dataclasses: :class:`linattn.train.TrainConfig` unprefixed
 (``--lr``, ``--out``), :class:`linattn.TransformerConfig` unprefixed too (``--d-model``, applied as
 ``model.d_model``) and :class:`linattn.train.DataConfig` as ``--data-FIELD`` (``data.FIELD``).
+
+Under torchrun every process parses the same command line, so a config refused before training
+(a bad flag value, a context-parallel setup the processes cannot run) is refused alike by all:
+rank 0 prints the one line, every rank exits 2, and torchrun's own report follows. A rank that
+waited ``--collective-timeout-s`` for the others prints its own line and exits 1; torchrun then
+stops the rest, a stopped (SIGSTOP) one only by SIGKILL after its ``--shutdown-timeout`` (30 s).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import dataclasses
 import json
 import re
 import sys
+import typing
 from pathlib import Path
 
 from .common import (
@@ -120,21 +127,53 @@ def resolve_config(args: argparse.Namespace):
         raise type(e)(f"{flag}: {e}") from None
 
 
+def _with_flag(message: str) -> str:
+    """A validation message led by the flag of the field it names, when it names one."""
+    flag = _flag_of(message)
+    return message if flag is None else f"{flag}: {message}"
+
+
+def _refuse(parser: CommandParser, message: str) -> typing.NoReturn:
+    """A config every rank refuses alike: the one line on rank 0 only (not once per process, ahead
+    of torchrun's report), status 2 on every rank."""
+    from ..train.dist import is_main_process
+
+    if is_main_process():
+        parser.fail(message)
+    parser.exit(2)
+
+
 def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int:
     from ..train import OutDirBusyError, train
-    from ..train.dist import is_main_process
+    from ..train.dist import CollectiveTimeout, expected_world_size, is_main_process
 
     try:
         config = resolve_config(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        parser.fail(str(e))
+        _refuse(parser, str(e))
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
     try:
+        config.check_processes(expected_world_size())
+    except ValueError as e:
+        _refuse(parser, _with_flag(str(e)))
+    try:
         result = train(config, resume=args.resume, quiet=args.quiet)
+    except CollectiveTimeout as e:
+        # the run started and failed (not a refused command line, status 2); the rank that gave up
+        # says so, whichever it is: rank 0 may be the one that stopped
+        print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except (ValueError, FileNotFoundError, FileExistsError, OutDirBusyError) as e:
         parser.fail(str(e))
+    if result.diverged:
+        if is_main_process():
+            kept = (f"the last checkpoint, {result.checkpoint}, is kept" if result.checkpoint is not None
+                    else "no checkpoint was written before it")
+            print(f"{parser.prog}: error: the training loss of step {result.step} is not finite: "
+                  f"stopped there, without a checkpoint of that step; {kept}", file=sys.stderr, flush=True)
+        return 1
     if result.stop_signal is None:
         return 0
     if is_main_process():

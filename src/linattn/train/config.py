@@ -36,7 +36,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # Fields that may differ between a checkpoint's config and the config a run resumes with; any
 # other difference would make the resumed run a different run, so resuming refuses it.
 RESUMABLE_CHANGES = ("max_steps", "eval_every", "eval_batches", "ckpt_every", "keep_last", "log_every",
-                     "out", "device")
+                     "out", "device", "collective_timeout_s")
 
 
 def _int(owner: str, name: str, val: Any, lo: int) -> None:
@@ -164,6 +164,12 @@ class TrainConfig(Config):
             world size must be a multiple of P; its ``world_size / P`` groups split the batch as
             data parallelism does. 1: off. Every layer needs a sharded form (all causal
             mechanisms but LSH); not with ``data.document_separator``.
+        collective_timeout_s: seconds a rank waits in a collective (an all-reduce, a barrier)
+            for the other ranks before giving up: with several processes, a rank that stopped or
+            is stuck then ends the run with one line naming what timed out, and the last
+            checkpoint is kept. Under nccl the same timeout arms its watchdog, which aborts the
+            process instead. Raise it when writing a checkpoint (the other ranks wait for rank 0)
+            or a rank's data can take longer.
     """
 
     model: TransformerConfig = field(default_factory=default_model)
@@ -191,6 +197,9 @@ class TrainConfig(Config):
     log_every: int = 10
     out: str = "runs/train"
     context_parallel: int = 1
+    # torch's default is 30 minutes of a stalled run; the longest legitimate wait here is the other
+    # ranks waiting for rank 0 to write a checkpoint, which takes seconds for the models this trains
+    collective_timeout_s: float = 300.0
 
     renamed = {"out_dir": "out"}  # a class attribute (no annotation), not a field
 
@@ -218,6 +227,7 @@ class TrainConfig(Config):
             if self.data.document_separator is not None:
                 raise ValueError(f"{o}: context_parallel = {self.context_parallel} with data.document_separator = "
                                  f"{self.data.document_separator}: packed documents are not sharded across ranks")
+        _float(o, "collective_timeout_s", self.collective_timeout_s, 0.0, math.inf, lo_open=True)
         if self.seq_len > self.model.max_len:
             raise ValueError(f"{o}: seq_len = {self.seq_len} exceeds model.max_len = {self.model.max_len}")
         if self.batch_size % self.grad_accum:
@@ -257,6 +267,23 @@ class TrainConfig(Config):
                     f"{o}: the recall task with recall_pairs = {self.data.recall_pairs} needs "
                     f"model.vocab_size >= {2 + 2 * self.data.recall_pairs}, got {self.model.vocab_size}"
                 )
+
+    def check_processes(self, world_size: int) -> None:
+        """Raise ValueError unless ``world_size`` processes can run this config: ``context_parallel``
+        must divide it, and ``batch_size`` must split over its data-parallel groups and
+        ``grad_accum``. :func:`linattn.train.train` checks it before joining a process group, so
+        that every rank refuses at once and none waits for the others."""
+        _int("check_processes", "world_size", world_size, 1)
+        P = self.context_parallel
+        if world_size % P:
+            raise ValueError(f"TrainConfig: context_parallel = {P} must divide the number of processes {world_size} "
+                             f"(each group of {P} consecutive ranks shares its sequences)")
+        groups = world_size // P
+        if self.batch_size % (self.grad_accum * groups):
+            raise ValueError(
+                f"TrainConfig: batch_size = {self.batch_size} must be divisible by grad_accum * data-parallel groups = "
+                f"{self.grad_accum} * {groups} ({world_size} processes, context_parallel = {P})"
+            )
 
     @property
     def schedule_steps(self) -> int:

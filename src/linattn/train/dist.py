@@ -9,11 +9,19 @@ local port and runs a given function in each (:func:`linattn.train.launch_local`
 :func:`linattn.train.train` that way; the tests use it). :class:`World` is this process's place in
 the group as :class:`linattn.train.TrainingLoop` sees it: mean and max over ranks, and the
 ``no_sync`` of the DistributedDataParallel wrapper for all but the last micro-batch.
+
+Every group :func:`setup` and :func:`context_groups` make waits ``collective_timeout_s`` in a
+collective for the other ranks, not torch's default 30 minutes: a rank that stopped (SIGSTOP, a
+stuck data loader) then makes the others raise instead of stalling the run. gloo raises a
+RuntimeError ("Timed out waiting 5000ms for recv operation to complete", torch 2.13) that names no
+collective; :func:`timed_out` recognises it and :class:`CollectiveTimeout` says what the rank was
+doing instead. nccl's watchdog aborts the process after the same timeout, so nothing is raised there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import os
 import socket
@@ -23,19 +31,23 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "World", "context_groups", "free_port", "is_main_process", "setup", "spawn_local", "teardown"]
+__all__ = ["CollectiveTimeout", "DistInfo", "World", "context_groups", "expected_world_size", "free_port",
+           "is_main_process", "setup", "spawn_local", "teardown", "timed_out"]
 
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process stands: ``rank`` of ``world_size``, its ``device``, and whether
-    :func:`setup` created the process group (and :func:`teardown` must destroy it)."""
+    """Where this process stands: ``rank`` of ``world_size``, its ``device``, whether
+    :func:`setup` created the process group (and :func:`teardown` must destroy it), and
+    ``collective_timeout_s``, how long the groups made for it wait for the other ranks (None:
+    torch's default)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     owns_group: bool
+    collective_timeout_s: float | None = None
 
     @property
     def is_main(self) -> bool:
@@ -120,6 +132,41 @@ class World:
         return self.model.no_sync()
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective that the other ranks did not join within the group's timeout: one of them
+    stopped, is stuck, or is slower than ``timeout_s`` allows.
+
+    ``rank``: the rank that gave up; ``during``: what it was doing ("step 7's forward and
+    backward"); ``timeout_s``: how long it waited (None: unknown); ``setting``: the flag or field
+    that sets it, named in the message; ``kept``: what survives, appended to the message ("the
+    checkpoint of step 6 in out/checkpoints/step_00000006 is kept")."""
+
+    def __init__(self, *, rank: int, during: str, timeout_s: float | None, setting: str | None = None,
+                 kept: str | None = None) -> None:
+        self.rank, self.during, self.timeout_s = rank, during, timeout_s
+        waited = "past the group's timeout" if timeout_s is None else f"{timeout_s:g} s"
+        message = f"rank {rank} waited {waited} for the other ranks in {during}"
+        if setting is not None and timeout_s is not None:
+            message += f" ({setting} {timeout_s:g})"
+        message += ": a rank stopped or is stuck"
+        if kept is not None:
+            message += f"; {kept}"
+        super().__init__(message)
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's (or the rendezvous store's) timeout: gloo's
+    RuntimeError "Timed out waiting ...ms for recv operation to complete", the store's
+    DistStoreError "Timed out after ... seconds", or a :class:`CollectiveTimeout`. torch gives
+    them no type of their own, so the text decides."""
+    return isinstance(error, CollectiveTimeout) or (isinstance(error, RuntimeError)
+                                                   and "timed out" in str(error).lower())
+
+
+def _timeout(info: DistInfo) -> datetime.timedelta | None:
+    return None if info.collective_timeout_s is None else datetime.timedelta(seconds=info.collective_timeout_s)
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None:
@@ -149,11 +196,23 @@ def is_main_process() -> bool:
     return _env_int("RANK", 0) == 0
 
 
-def setup(device: str) -> DistInfo:
+def expected_world_size() -> int:
+    """The number of processes of this run: the joined group's, else ``WORLD_SIZE`` (torchrun's),
+    else 1. Known before :func:`setup`, so that a config can be refused before any group is joined."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", 1)
+
+
+def setup(device: str, *, collective_timeout_s: float) -> DistInfo:
     """Join the process group the environment describes (if any) and pick this rank's device.
 
     ``device``: ``"auto"``, ``"cpu"`` or ``"cuda"`` (see :class:`linattn.train.TrainConfig`).
-    Raises ValueError, before any process group is joined, when torch cannot use that device.
+    ``collective_timeout_s``: how long a collective of the group waits for the other ranks (the
+    rendezvous too); a group that exists already keeps its own, and the groups
+    :func:`context_groups` makes take this one.
+    Raises ValueError, before any process group is joined, when torch cannot use that device, and
+    :class:`CollectiveTimeout` when the other ranks do not join within the timeout.
     """
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -173,32 +232,44 @@ def setup(device: str) -> DistInfo:
     if use_cuda:
         torch.cuda.set_device(dev)
     owns = False
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+        try:
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                    timeout=timeout)
+        except RuntimeError as e:
+            if not timed_out(e):
+                raise
+            raise CollectiveTimeout(rank=rank, during="joining the process group",
+                                    timeout_s=collective_timeout_s) from e
         owns = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    return DistInfo(rank, world, local, dev, owns)
+    return DistInfo(rank, world, local, dev, owns, collective_timeout_s)
 
 
 def context_groups(info: DistInfo, context_parallel: int):
     """This rank's context-parallel process group: ranks ``[g P, (g + 1) P)`` with P =
     ``context_parallel`` (None when P = 1). Every rank creates every group, as
-    ``torch.distributed.new_group`` requires, and keeps its own."""
+    ``torch.distributed.new_group`` requires, and keeps its own. The groups wait
+    ``info.collective_timeout_s`` for the other ranks: ``new_group`` does not inherit the world
+    group's timeout but takes torch's 30-minute default."""
     if context_parallel == 1:
         return None
     if info.world_size % context_parallel:
         raise ValueError(f"--context-parallel {context_parallel} must divide the number of processes {info.world_size}")
     mine = None
     for start in range(0, info.world_size, context_parallel):
-        group = dist.new_group(list(range(start, start + context_parallel)))
+        group = dist.new_group(list(range(start, start + context_parallel)), timeout=_timeout(info))
         if start <= info.rank < start + context_parallel:
             mine = group
     return mine
 
 
-def teardown(info: DistInfo) -> None:
-    """Destroy the group :func:`setup` created, once every rank got here.
+def teardown(info: DistInfo, *, barrier: bool = True) -> None:
+    """Destroy the group :func:`setup` created, once every rank got here (``barrier``; False after a
+    :class:`CollectiveTimeout`, when the other ranks are stuck or gone and waiting for them again
+    would only double the wait).
 
     The DistributedDataParallel wrapper of the finished run may sit in a reference cycle that holds
     the group; collecting it here rather than during interpreter shutdown is meant to keep gloo's
@@ -208,7 +279,8 @@ def teardown(info: DistInfo) -> None:
     """
     if info.owns_group and dist.is_initialized():
         gc.collect()
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
         gc.collect()
 
@@ -230,7 +302,16 @@ def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., An
 def spawn_local(fn: Callable[..., Any], nprocs: int, args: tuple = (), *, threads_per_proc: int = 1) -> None:
     """Run ``fn(*args)`` in ``nprocs`` spawned CPU processes that see a torchrun-like environment
     (gloo, localhost, a free port). ``fn`` must be a module-level function (it is pickled by name).
-    Raises if any process fails."""
+    Raises if any process fails; when this process is stopped while they run (Ctrl-C, SIGTERM under
+    :func:`linattn.processes.stop_on_sigterm`), the ranks are stopped before the exception goes on."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(nprocs, free_port(), threads_per_proc, fn, args), nprocs=nprocs, join=True)
+    from ..processes import stop_processes
+
+    ranks = mp.start_processes(_worker, args=(nprocs, free_port(), threads_per_proc, fn, args), nprocs=nprocs,
+                               join=False, start_method="spawn")
+    try:
+        while not ranks.join():
+            pass
+    finally:  # a rank that failed, or this process interrupted: no rank outlives the call
+        stop_processes(ranks.processes)

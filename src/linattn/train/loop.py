@@ -13,7 +13,10 @@ The caller builds the model, the optimiser and the data; the loop owns what ever
   non-finite loss (``stop_on_nonfinite``), or at the step boundary after SIGINT/SIGTERM. Ranks
   agree on every stop (an all-reduce max), so none waits at a collective for one that left;
 - metrics records (:class:`MetricsLog`), evaluation and checkpoint cadence, and progress
-  (:func:`linattn.progress.progress_bar` with the current tokens/s).
+  (:func:`linattn.progress.progress_bar` with the current tokens/s);
+- a collective that timed out (another rank stopped or is stuck) is raised as a
+  :class:`linattn.train.dist.CollectiveTimeout` naming what this rank was doing: gloo's own error
+  names no collective.
 
 "At the end" (the last record, an evaluation, a checkpoint) means reaching ``max_steps`` or the
 budget. A signal stop writes a checkpoint but no extra record, so that a resumed run logs the same
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from ..progress import progress_bar
-from .dist import World
+from .dist import CollectiveTimeout, World, timed_out
 
 __all__ = ["CosineSchedule", "LoopResult", "MetricsLog", "StopFlag", "TrainingLoop", "decay_groups", "lr_at"]
 
@@ -346,48 +349,65 @@ class TrainingLoop:
             saved_at = step
 
         bar = self._bar(start_step, start_elapsed_s)
+        doing = f"step {start_step + 1}"  # what this rank is doing: named when a collective times out
         try:
             self.optimizer.zero_grad(set_to_none=True)
             while True:
                 step = self.step
                 over_budget = self.budget_s is not None and self.elapsed_s >= self.budget_s
                 # the ranks agree on stopping, and on which signal (the largest one any rank received)
+                doing = f"the agreement on stopping before step {step + 1}"
                 received, over_budget = w.max([int(flag.signal or 0), int(over_budget)])
                 result.stop_signal = signal.Signals(received) if received else None
                 at_max = self.max_steps is not None and step >= self.max_steps
                 if result.stop_signal is not None or at_max or over_budget:
                     if result.stop_signal is None and step > start_step:  # the end: its record and evaluation
                         if logged_at != step:
+                            doing = f"the loss average of step {step}"
                             log(step, window[-1])
                         if self.evaluate is not None and evaluated_at != step:
+                            doing = f"the evaluation at step {step}"
                             evaluate(step)
                     if saved_at != step:
+                        doing = f"the checkpoint of step {step}"
                         save(step)
                     break
                 if self.before_step is not None:
+                    doing = f"before_step of step {step + 1}"
                     self.before_step(step)
                 t_step = time.perf_counter()
+                doing = f"step {step + 1}'s forward and backward"
                 rank_loss, lr, grad_norm = self._one_step(micro_loss, step)
                 self.elapsed_s += time.perf_counter() - t_step
                 step += 1
                 self.step = step
                 window.append(rank_loss)
                 if self.on_step is not None:
+                    doing = f"on_step after step {step}"
                     self.on_step(step, {"step": step, "loss": rank_loss, "lr": lr})
-                if self.stop_on_nonfinite and w.max([int(not math.isfinite(rank_loss))])[0]:
-                    result.diverged = True
-                    break
+                if self.stop_on_nonfinite:
+                    doing = f"the agreement on whether step {step}'s loss is finite"
+                    if w.max([int(not math.isfinite(rank_loss))])[0]:
+                        result.diverged = True
+                        break
                 if self.max_steps is not None:
                     bar.update(1)
                 else:
                     bar.update(min(round(self.elapsed_s), round(self.budget_s)) - bar.n)
                 end = step == self.max_steps
                 if step % self.log_every == 0 or end:
+                    doing = f"the loss average of step {step}"
                     log(step, rank_loss)
                 if self.evaluate is not None and ((self.eval_every and step % self.eval_every == 0) or end):
+                    doing = f"the evaluation at step {step}"
                     evaluate(step)
                 if self.ckpt_every and step % self.ckpt_every == 0:
+                    doing = f"the checkpoint of step {step}"
                     save(step)
+        except RuntimeError as e:
+            if isinstance(e, CollectiveTimeout) or not timed_out(e):
+                raise
+            raise CollectiveTimeout(rank=w.rank, during=doing, timeout_s=w.info.collective_timeout_s) from e
         finally:
             bar.close()
             flag.restore()

@@ -19,6 +19,12 @@ never interrupted (bitwise on CPU in float32 with the same thread count).
 One run per output folder ``out``: rank 0 holds an exclusive lock on ``out/train.lock`` (see
 :mod:`linattn.train.lock`) from before it reads or writes anything there until :func:`train`
 returns or raises; a second run on the folder raises :class:`linattn.train.OutDirBusyError` on every rank.
+
+Several processes: a config that cannot run on their number (``context_parallel`` not dividing
+it, a batch that does not split) is refused on every rank before any process group is joined. A
+rank that waits longer than ``collective_timeout_s`` for the others (one stopped or is stuck)
+raises :class:`linattn.train.dist.CollectiveTimeout` naming what it waited in and the checkpoint
+left to resume from; it skips the closing barrier, as the others would not come.
 """
 
 from __future__ import annotations
@@ -41,10 +47,12 @@ from torch import nn
 from ..distributed import ContextParallel
 from ..models import TransformerLM, count_parameters
 from ..progress import say
-from .checkpoint import capture_rng, latest_checkpoint, load_train_checkpoint, restore_rng, save_train_checkpoint
+from .checkpoint import (TRAINER_META, capture_rng, latest_checkpoint, load_train_checkpoint, restore_rng,
+                         save_train_checkpoint)
 from .config import RESUMABLE_CHANGES, TrainConfig
 from .data import TokenData, WindowSampler, make_data, mix_seed, pack_documents
-from .dist import DistInfo, World, context_groups, setup, spawn_local, teardown
+from .dist import (CollectiveTimeout, DistInfo, World, context_groups, expected_world_size, setup, spawn_local,
+                   teardown, timed_out)
 from .lock import OutDirLock
 from .loop import CosineSchedule, MetricsLog, TrainingLoop, decay_groups, lr_at
 
@@ -67,6 +75,9 @@ class TrainResult:
     ``stop_signal``: the signal (SIGINT or SIGTERM) that stopped the run before ``max_steps``, after
     its checkpoint was written; None when it ran to the end. ``linattn train`` exits with
     ``128 + stop_signal`` (130, 143), as a shell reports a process killed by it.
+    ``diverged``: step ``step``'s loss was not finite on some rank; the run stopped there without a
+    checkpoint of that step (its weights may hold the non-finite values), ``checkpoint`` is the
+    last one written before, and ``linattn train`` exits 1 saying so.
     """
 
     step: int
@@ -75,6 +86,7 @@ class TrainResult:
     last_loss: float | None
     last_val_loss: float | None
     history: list[dict[str, Any]] = field(default_factory=list)
+    diverged: bool = False
 
     @property
     def stopped_by_signal(self) -> bool:
@@ -204,17 +216,55 @@ def train(config: TrainConfig, *, resume: bool = False, handle_signals: bool = T
     ``on_step(step, record)``: called on every rank after each optimiser step, ``record`` being
     ``{"step", "loss" (this rank's), "lr"}``; for tests and hooks.
     ``quiet``: no header, progress bar or closing line (metrics.jsonl is still written).
+    Raises ValueError before any process group is joined when the config cannot run on this many
+    processes (:meth:`TrainConfig.check_processes`), and :class:`linattn.train.dist.CollectiveTimeout`
+    when this rank waited ``config.collective_timeout_s`` for the others.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train: config must be a TrainConfig, got {type(config).__name__}")
-    info = setup(config.device)
+    config.check_processes(expected_world_size())  # every rank refuses alike, before any waits for the others
+    try:
+        info = setup(config.device, collective_timeout_s=config.collective_timeout_s)
+    except CollectiveTimeout as e:
+        raise _named_timeout(e, config, rank=e.rank, during=e.during) from e
     lock = OutDirLock(config.out)
+    waited_out = False
     try:
         _on_main(info, lock.acquire)  # rank 0 holds it for all ranks
         return _train(config, info, resume=resume, handle_signals=handle_signals, on_step=on_step, quiet=quiet)
+    except RuntimeError as e:
+        if not timed_out(e):
+            raise
+        waited_out = True
+        raise _named_timeout(e, config, rank=info.rank, during="the run's setup") from e
     finally:
         lock.release()
-        teardown(info)
+        try:
+            teardown(info, barrier=not waited_out)
+        except RuntimeError as e:
+            if not timed_out(e):
+                raise
+            raise _named_timeout(e, config, rank=info.rank, during="the closing barrier") from e
+
+
+def _named_timeout(error: RuntimeError, config: TrainConfig, *, rank: int, during: str) -> CollectiveTimeout:
+    """``error``, a collective's timeout, as the one line ``linattn train`` prints: which rank
+    waited in what (``error``'s own when it is a :class:`CollectiveTimeout`, else ``rank`` and
+    ``during``), the flag that sets the timeout, and the checkpoint a resumed run starts from."""
+    if isinstance(error, CollectiveTimeout):
+        rank, during = error.rank, error.during
+    out = Path(config.out)
+    try:
+        folder = latest_checkpoint(out)
+        step = None if folder is None else json.loads((folder / TRAINER_META).read_text())["step"]
+    except (OSError, ValueError, KeyError):  # a message about a timeout must not fail on a damaged pointer
+        folder = step = None
+    # the checkpoint is whole whatever the timeout interrupted: rank 0 writes it between two
+    # collectives, and latest.json moves to a folder only once it is complete
+    kept = (f"the checkpoint of step {step} in {folder} is kept" if folder is not None
+            else f"there is no checkpoint in {out / 'checkpoints'}")
+    return CollectiveTimeout(rank=rank, during=during, timeout_s=config.collective_timeout_s,
+                             setting="--collective-timeout-s", kept=kept)
 
 
 def _on_main(info: DistInfo, fn: Callable[[], None]) -> None:
@@ -238,15 +288,7 @@ def _train(config: TrainConfig, info: DistInfo, *, resume: bool, handle_signals:
            quiet: bool) -> TrainResult:
     c = config
     W = info.world_size
-    P = c.context_parallel
-    if W % P:
-        raise ValueError(f"TrainConfig: context_parallel = {P} must divide the number of processes {W} (each group of "
-                         f"{P} consecutive ranks shares its sequences)")
-    if c.batch_size % (c.grad_accum * (W // P)):
-        raise ValueError(
-            f"TrainConfig: batch_size = {c.batch_size} must be divisible by grad_accum * data-parallel groups = "
-            f"{c.grad_accum} * {W // P} ({W} processes, context_parallel = {P})"
-        )
+    P = c.context_parallel  # c.check_processes(W) held before the group was joined
     out = Path(c.out)
     dtype = getattr(torch, c.dtype)
     quiet = quiet or not info.is_main  # under torchrun only rank 0 prints
@@ -340,20 +382,23 @@ def _train(config: TrainConfig, info: DistInfo, *, resume: bool, handle_signals:
         metrics=metrics, eval_every=c.eval_every,
         evaluate=(lambda at: {"val_loss": _evaluate(raw_model, data, c, world)}) if c.eval_every else None,
         ckpt_every=c.ckpt_every, save=save, on_step=on_step, handle_signals=handle_signals,
-        tokens_per_step=c.batch_size * c.seq_len, desc="train", quiet=quiet, world=world)
+        tokens_per_step=c.batch_size * c.seq_len, desc="train", quiet=quiet, world=world,
+        # a non-finite loss (a NaN or inf in any document of a packed row reaches the whole row's
+        # loss) ends the run at that step: every later step would train on garbage
+        stop_on_nonfinite=True)
     try:
         r = loop.run(micro_loss, start_step=step, checkpoint=existing if resume else None)
     finally:
         if metrics is not None:
             metrics.close()
     last_val = None if r.last_eval is None else r.last_eval["val_loss"]
-    if r.stop_signal is None:
+    if r.stop_signal is None and not r.diverged:
         numbers = "".join(f", {name} {value:.4f}" for name, value in
                           (("loss", r.last_loss), ("val_loss", last_val)) if value is not None)
         say(f"[linattn train] finished at step {r.step}/{c.max_steps}{numbers}; final checkpoint {r.checkpoint}",
             quiet=quiet)
     return TrainResult(step=r.step, stop_signal=r.stop_signal, checkpoint=r.checkpoint, last_loss=r.last_loss,
-                       last_val_loss=last_val, history=r.history)
+                       last_val_loss=last_val, history=r.history, diverged=r.diverged)
 
 
 def _spawned_train(config_dict: dict[str, Any], resume: bool) -> None:
