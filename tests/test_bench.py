@@ -43,6 +43,21 @@ def test_demo_tiny(tmp_path, capsys):
     assert len(errors) == 8 and all(e < 1e-4 for e in errors.values()), errors
     assert set(saved["generate"]["seconds_per_token"]) == {"linear@4", "linear@8", "softmax@4", "softmax@8",
                                                            "softmax-recompute@4", "softmax-recompute@8"}
+    # a verdict of False comes with its one-line reason (the tiny model reads its weights each step too)
+    faster = next(v for k, v in saved["generate"]["claim"].items() if "faster than" in k)
+    assert ("- why not: at batch 1 every decoding step reads all" in md) is (not faster)
+
+
+def test_demo_says_why_linear_is_not_5x_faster_at_its_positions():
+    from linattn.bench.demo import _why_not_faster
+
+    claim = "linear at least 5x faster than softmax (KV cache) at 4096"
+    gen = {"config": {"positions": [100, 4096]}, "weight_bytes": {"linear": 164e6, "softmax": 164e6},
+           "bytes_ratio": {"softmax@100 / linear@100": 1.01, "softmax@4096 / linear@4096": 1.80},
+           "claim": {"softmax@4096 / linear@4096": 1.31, claim: False}}
+    why = _why_not_faster(gen)
+    assert "reads all 164 MB of weights" in why and "near 1.8x, not 5x" in why
+    assert _why_not_faster({**gen, "claim": {claim: True}}) is None
 
 
 class _Load:
@@ -94,6 +109,7 @@ def test_cli_demo_passes_its_options(monkeypatch, tmp_path):
     monkeypatch.setattr(demo, "run_demo", lambda ns, **kw: seen.update(ns=ns, **kw))
     assert main(["demo", "--ns", "8,16", "--out", str(tmp_path)]) == 0
     assert seen == {"ns": (8, 16), "out": str(tmp_path)}
+    monkeypatch.chdir(tmp_path)  # the default --out, report/, is created before any work
     assert main(["demo"]) == 0 and seen["ns"] == demo.DEFAULT_NS and seen["out"] == "report"
 
 
@@ -263,11 +279,12 @@ def test_cli_bench_without_suite_is_the_sweep(monkeypatch, tmp_path):
 
     seen = {}
     monkeypatch.setattr(sweep, "run_sweep", lambda config, **kw: seen.update(config=config, **kw))
+    monkeypatch.chdir(tmp_path)  # the default --out, report/, is created before any work
     assert main(["bench"]) == 0
     assert seen["config"] == sweep.SweepConfig() and seen["out"] == "report"
 
 
-def test_cli_sweep_flags_reach_the_config(monkeypatch):
+def test_cli_sweep_flags_reach_the_config(monkeypatch, tmp_path):
     import linattn.bench.sweep as sweep
     from linattn.nn import LocalConfig
 
@@ -275,16 +292,18 @@ def test_cli_sweep_flags_reach_the_config(monkeypatch):
     monkeypatch.setattr(sweep, "run_sweep", lambda config, **kw: seen.update(config=config, **kw))
     argv = ["bench", "sweep", "--mechanisms", '["linear", {"name": "local", "window": 64}]', "--peers", "none",
             "--ns", "32,64", "--passes", "forward", "--modes", "causal", "--n-heads", "2", "--head-dim", "8",
-            "--time-budget-s", "3", "--memory-budget-gib", "0.5", "--no-measure-memory", "--out", "x"]
+            "--time-budget-s", "3", "--memory-budget-gib", "0.5", "--out", str(tmp_path / "x")]
     assert main(argv) == 0
     config = seen["config"]
     assert config.mechanisms == (MECHANISMS["linear"].default_config(), LocalConfig(window=64))
     assert list(config.contenders()) == ["linear", "local window=64"]  # no peers
     assert (config.ns, config.passes, config.modes, config.n_heads, config.head_dim) == ((32, 64), ("forward",),
                                                                                        ("causal",), 2, 8)
-    assert config.time_budget_s == 3 and config.memory_budget_bytes == 2**29 and config.measure_memory is False
-    assert seen["out"] == "x" and seen["command"].startswith("linattn bench sweep --mechanisms")
+    assert config.time_budget_s == 3 and config.memory_budget_bytes == 2**29 and config.measure_memory is True
+    assert seen["out"] == str(tmp_path / "x") and seen["command"].startswith("linattn bench sweep --mechanisms")
     assert sweep.SweepConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config  # what sweep.json holds
+    assert main(["bench", "sweep", "--no-measure-memory", "--out", str(tmp_path / "x")]) == 0
+    assert seen["config"].measure_memory is False
 
 
 @pytest.mark.parametrize("argv, flag, hint", [

@@ -341,13 +341,14 @@ def test_the_old_convert_spellings_are_gone(capsys):
         assert info.value.code == 2 and capsys.readouterr().err.startswith(usage)
 
 
-def test_fidelity_mechanisms_reach_the_sweep_and_default_to_the_registry(monkeypatch, capsys):
+def test_fidelity_mechanisms_reach_the_sweep_and_default_to_the_registry(monkeypatch, capsys, tmp_path):
     import linattn.convert.fidelity
     from linattn.convert import convertible_mechanisms
     from linattn.convert.fidelity import FIDELITY_CONFIGS, config_label
 
     seen = {}
     monkeypatch.setattr(linattn.convert.fidelity, "run_fidelity", lambda out, **kw: seen.update(out=out, **kw))
+    monkeypatch.chdir(tmp_path)  # the command creates its --out folder before any work
     if importlib.util.find_spec("transformers") is not None:
         assert main(["convert", "fidelity", "--mechanisms", "linear",
                      "--out", "somewhere", "--eval-sentences", "10", "--eval-passages", "0"]) == 0

@@ -45,9 +45,11 @@ from pathlib import Path
 import torch
 
 from .. import progress
+from ..processes import run_process
 from ..models import TransformerConfig, TransformerLM
 from ..nn.gated import GatedDeltaNetConfig
-from .harness import OtherLoad, format_run_loads, machine_info, median, proc_status_kib, spread, write_atomically
+from .harness import (OtherLoad, format_run_loads, machine_info, median, output_folder, proc_status_kib, spread,
+                      write_atomically)
 
 __all__ = ["CommCounter", "model_bytes_per_rank", "run_context_parallel"]
 
@@ -274,12 +276,9 @@ def measure(P: int, n: int, *, model: dict, warmup: int = 1, steps: int = 2, thr
     spec = {"n": n, "model": model, "warmup": warmup, "steps": steps, "threads": threads, "micro": micro}
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        import subprocess
-
         code = ("import json, sys; from linattn.bench.context_parallel import _launch; "
                 "_launch(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]))")
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec), tmp, str(P)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = run_process([sys.executable, "-c", code, json.dumps(spec), tmp, str(P)], env=env, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"context-parallel measurement P = {P}, n = {n} failed (exit {proc.returncode}):\n"
                                f"{proc.stderr[-3000:]}")
@@ -343,12 +342,22 @@ def run_context_parallel(*, out: str | Path = "docs/benchmarks", ranks: tuple[in
                          time_n: int = 32768, runs: int = 3, steps: int = 3, budget_gib: float = 20.0,
                          probes: tuple[int, int] = (32768, 131072), model: dict | None = None,
                          search: bool = True, quiet: bool = False) -> dict:
-    """Measure, write context_parallel.json and .md under ``out``, print the Markdown, return the result."""
+    """Measure, write context_parallel.json and .md under ``out``, print the Markdown, return the result.
+
+    Every argument is checked and ``out`` created before the first measurement (tens of minutes)."""
     say = functools.partial(progress.say, quiet=quiet)
     model = dict(DEFAULT_MODEL if model is None else model)
+    for name, value in (("runs", runs), ("steps", steps), ("time_n", time_n)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"run_context_parallel: {name} must be an integer >= 1, got {value!r}")
+    if not ranks or any(isinstance(P, bool) or not isinstance(P, int) or P < 1 for P in ranks):
+        raise ValueError(f"run_context_parallel: ranks must be rank counts >= 1, got {ranks!r}")
+    if not (isinstance(budget_gib, (int, float)) and math.isfinite(budget_gib) and budget_gib > 0):
+        raise ValueError(f"run_context_parallel: budget_gib must be a finite number of GiB > 0, got {budget_gib!r}")
     for P in ranks:
         if time_n % P or any(n % (1024 * P) for n in probes):
             raise ValueError(f"run_context_parallel: every rank count must divide time_n and probes / 1024, got P = {P}")
+    output_folder(out)
     t0 = time.perf_counter()
     result: dict = {
         "command": (f"linattn bench context-parallel --ranks {','.join(map(str, ranks))} --time-n {time_n} --runs {runs} "

@@ -49,6 +49,7 @@ from .harness import (
     run_repeated,
     spread,
     time_calls,
+    output_folder,
     write_atomically,
 )
 
@@ -108,6 +109,7 @@ def run_core(*, out: str | Path = "docs/benchmarks", n: int = 16384, repeats: in
     memory once, write core.json and core.md, print the Markdown; return the result."""
     if runs < 1:
         raise ValueError(f"run_core: runs must be >= 1, got {runs}")
+    output_folder(out)
     say = functools.partial(progress.say, quiet=quiet)
     have_ft = PEERS["fast_transformers"].available()
     say(f"linattn bench core: N={n}, B=1 H=8 D=64 float32, {runs} runs; fast-transformers "

@@ -48,6 +48,7 @@ from .harness import (
     run_repeated,
     spread,
     time_calls,
+    output_folder,
     write_atomically,
 )
 
@@ -87,6 +88,7 @@ def run_family(*, out: str | Path = "docs/benchmarks", n_local: int = 65536, n_s
         raise ValueError(f"run_family: runs must be >= 1, got {runs}")
     if not isinstance(attention, LocalConfig):
         raise TypeError(f"run_family: attention must be a LocalConfig, got {type(attention).__name__}")
+    output_folder(out)
     # the children read the same variable; set here too so that machine_info records their count
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     say = functools.partial(progress.say, quiet=quiet)

@@ -56,6 +56,7 @@ from .harness import (
     ratio_spreads,
     run_repeated,
     time_calls,
+    output_folder,
     write_atomically,
 )
 
@@ -264,7 +265,7 @@ def run_favor(
         if runs < 1:
             raise ValueError(f"run_favor: runs must be >= 1, got {runs}")
         _require_performer()
-    out = Path(out)
+    out = output_folder(out)
     say = functools.partial(progress.say, quiet=quiet)
     results: dict = {}
     if "approx" in what:

@@ -23,7 +23,7 @@ from pathlib import Path
 from .. import progress
 from ..extras import require_extra
 from .favor import approx_num_features
-from .harness import PEERS, describe_load, format_seconds, write_atomically
+from .harness import PEERS, describe_load, format_seconds, output_folder, write_atomically
 from .sweep import SweepConfig, format_sweep, run_sweep
 
 __all__ = ["format_doc", "run_full"]
@@ -40,6 +40,9 @@ def run_full(*, out: str | Path = "docs/benchmarks/full", doc: str | Path = "doc
     from .generate import as_repeated, run_generate
 
     out_dir, doc = Path(out), Path(doc)
+    output_folder(doc.parent, what="doc's folder")
+    if not doc_only:
+        output_folder(out_dir)
     command = command or f"linattn bench full --out {out_dir} --doc {doc}"
     say = functools.partial(progress.say, quiet=quiet)
     if not doc_only:

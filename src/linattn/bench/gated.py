@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import functional, progress
+from ..processes import run_process
 from ..functional.log_scaled import causal_product_log_scaled
 from .harness import (
     INHERITED_ALLOCATOR,
@@ -50,6 +51,7 @@ from .harness import (
     run_repeated,
     spread,
     time_calls,
+    output_folder,
     write_atomically,
 )
 
@@ -247,10 +249,7 @@ def _memory_child(name: str, n: int) -> dict:
 
 
 def memory(name: str, n: int, *, timeout: float = 1800) -> dict:
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "linattn.bench.gated", "memory", name, str(n)],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = run_process([sys.executable, "-m", "linattn.bench.gated", "memory", name, str(n)], timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"memory measurement of {name} at N = {n} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -266,6 +265,7 @@ def run_gated(*, out: str | Path = "docs/benchmarks", ns: tuple[int, ...] = (409
             raise ValueError(f"run_gated: {name} must be >= {lo}, got {value}")
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"run_gated: ns must be positive sequence lengths, got {ns}")
+    output_folder(out)
     say = functools.partial(progress.say, quiet=quiet)
     have_hf = hf_gated_delta_rule() is not None
     say(f"linattn bench gated: N = {list(ns)}, B=1 H={H} D={D} float32, {runs} runs; transformers' "

@@ -89,6 +89,7 @@ from .harness import (
     machine_info,
     run_repeated,
     spread,
+    output_folder,
     write_atomically,
 )
 
@@ -215,6 +216,7 @@ def run_generate(*, out: str | Path = "docs/benchmarks", positions: tuple[int, .
         raise ValueError(f"run_generate: image_batch must be >= 0, got {image_batch}")
     if runs < 1:
         raise ValueError(f"run_generate: runs must be >= 1, got {runs}")
+    output_folder(out)
     # the children read the same variable; set here too so that machine_info records their count
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     say = functools.partial(progress.say, quiet=quiet)
@@ -430,6 +432,8 @@ def _summarise(result: dict) -> dict:
     seconds = {k: statistics.median(r["seconds_per_token"][k] for r in runs) for k in runs[0]["seconds_per_token"]}
     out = {"seconds_per_token": seconds, "tokens_per_second": {k: 1.0 / s for k, s in seconds.items()},
            "ratios": ratios, "claim": claim}
+    if "bytes_ratio" in runs[0]:  # the same in every run (sizes only); files from before lack it
+        out["bytes_ratio"], out["weight_bytes"] = runs[0]["bytes_ratio"], runs[0]["weight_bytes"]
     if "images" in runs[0]:
         first = runs[0]["images"]
         names = list(first["seconds"])

@@ -11,6 +11,7 @@ mark VmHWM, reset through /proc/self/clear_refs just before the call).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -18,7 +19,7 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
+import tempfile
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -31,6 +32,7 @@ import torch
 import linattn
 
 from ..nn import FavorConfig
+from ..processes import run_process
 from ..nn.registry import (
     AttentionConfig,
     attention_config_from_dict,
@@ -44,7 +46,7 @@ __all__ = ["Case", "INHERITED_ALLOCATOR", "OtherLoad", "PEERS", "Peer", "REFEREN
            "format_run_loads",
            "format_seconds", "format_spread", "format_spread_cells", "forms", "installed_peers", "machine_info",
            "make_inputs", "needs_input", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
-           "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
+           "output_folder", "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -227,6 +229,34 @@ def attention_fn(case: Case) -> Callable:
     return lambda q, k, v: module(q, k, v, causal=case.causal)
 
 
+def output_folder(path: str | Path, *, what: str = "out", keep: bool = True) -> Path:
+    """Create the folder ``path`` (and its parents) if needed and check that a file can be written
+    in it, before a command does any work: a benchmark that finds out at the end that it cannot
+    write loses its whole measurement. ValueError naming ``what`` and the reason otherwise.
+
+    ``keep=False`` only checks: the folders this call created are removed again (a command line
+    checks its folder before the command's own checks, such as a missing extra, which must leave
+    nothing behind). The check writes a file, because permissions alone do not say (root, a
+    read-only or virtual file system)."""
+    path = Path(path)
+    created = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if isinstance(e, FileExistsError) or (path.exists() and not path.is_dir()):
+            reason = "it exists and is not a folder"
+        raise ValueError(f"{what} {str(path)!r}: cannot write there ({reason})") from None
+    finally:
+        if not keep:
+            for p in created:  # deepest first
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+    return path
+
+
 def write_atomically(out_dir: str | Path, files: dict[str, str]) -> Path:
     """Write each ``name -> text`` into ``out_dir``: whole to a temporary file, then renamed, so a
     reader never sees a half-written result."""
@@ -342,8 +372,7 @@ def run_child(module: str, args: list[str], env: dict[str, str], *, timeout: flo
     """Run ``python -m module *args`` in a fresh process with ``env`` added to this one's
     environment (an allocator's settings only take effect at process start) and return the JSON
     object its last line of output prints."""
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=timeout)
+    proc = run_process([sys.executable, "-m", module, *args], env={**os.environ, **env}, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {module} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -403,9 +432,7 @@ def peak_memory(case: Case, *, env: dict[str, str] | None = None, timeout: float
     """Peak memory above the baseline for one call of ``case``, in bytes, from a fresh subprocess:
     resident set size on the CPU, ``torch.cuda.max_memory_allocated`` on a GPU."""
     cmd = [sys.executable, "-m", "linattn.bench.harness", "memory", json.dumps(case.to_dict())]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+    proc = run_process(cmd, timeout=timeout, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         raise RuntimeError(f"memory measurement of {case} failed:\n{proc.stderr[-2000:]}")
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])

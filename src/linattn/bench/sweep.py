@@ -56,6 +56,7 @@ from .harness import (
     peak_memory,
     supports,
     time_calls,
+    output_folder,
     write_atomically,
 )
 
@@ -176,6 +177,7 @@ def run_sweep(config: SweepConfig = SweepConfig(), *, out: str | Path = "report"
     A progress bar on standard error (on a terminal, and not ``quiet``) follows the (mode, pass, N)
     steps; the tables are printed at the end unless ``quiet`` or not ``print_tables``."""
     require_extra("bench", command="linattn bench sweep")
+    output_folder(out)
     contenders = config.contenders()
     rows: list[dict] = []
     history: dict[tuple[str, str, str], _History] = {}

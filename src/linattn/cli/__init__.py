@@ -8,6 +8,7 @@ command pays for its own imports only (transformers for ``convert``, matplotlib 
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 from typing import Sequence
 
@@ -58,8 +59,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = module.build_parser(f"linattn {name}")
     args = parser.parse_args(rest)
     from ..extras import MissingExtraError
+    from ..processes import Terminated, stop_on_sigterm
 
+    # SIGTERM unwinds the stack as SIGINT does, through the clean-ups that stop the command's child
+    # processes (linattn.processes); the exit status is the shell's for a process the signal killed
     try:
-        return module.run(parser, args, argv)
+        with stop_on_sigterm():
+            return module.run(parser, args, argv)
     except MissingExtraError as e:  # checked before any work: a usage error, not a crash
         top.fail(str(e))  # the message names the whole command already
+    except KeyboardInterrupt:
+        print(f"\nlinattn {name}: interrupted (SIGINT); stopped with its child processes", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Terminated:
+        print(f"\nlinattn {name}: terminated (SIGTERM); stopped with its child processes", file=sys.stderr)
+        return Terminated.exit_status

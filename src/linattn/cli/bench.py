@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from pathlib import Path
 from typing import Callable, Sequence
 
 from ..config import did_you_mean
@@ -21,7 +22,9 @@ from .common import (
     command_line,
     int_list,
     non_negative_int,
+    positive_float,
     positive_int,
+    refuse_unused,
     reported,
 )
 
@@ -97,10 +100,10 @@ def build_parser(prog: str) -> CommandParser:
     sweep.add_argument("--device", default="cpu", help="cpu, or a GPU such as cuda (default: cpu).")
     sweep.add_argument("--repeats", type=positive_int, default=3,
                        help="Timed calls per configuration; their median is reported (default: 3).")
-    sweep.add_argument("--time-budget-s", type=float, default=20.0,
+    sweep.add_argument("--time-budget-s", type=positive_float, default=20.0,
                        help="A configuration predicted to take longer per call, in seconds, is skipped and "
                        "marked (default: 20).")
-    sweep.add_argument("--memory-budget-gib", type=float, default=8.0,
+    sweep.add_argument("--memory-budget-gib", type=positive_float, default=None,
                        help="A configuration predicted to need more peak memory, in GiB, is skipped and marked "
                        "(default: 8).")
     sweep.add_argument("--measure-memory", action=argparse.BooleanOptionalAction, default=True,
@@ -127,13 +130,13 @@ def build_parser(prog: str) -> CommandParser:
     favor.add_argument("--num-features", type=int_list, default=None, metavar="M,M",
                        help="Approximation: the numbers of random features m, e.g. 16,64,256 "
                        "(default: 16 to 4096 in powers of 2).")
-    favor.add_argument("--seeds", type=positive_int, default=20,
+    favor.add_argument("--seeds", type=positive_int, default=None,
                        help="Approximation: seeds (inputs and projections) per number of features (default: 20).")
-    favor.add_argument("--attention-num-features", type=positive_int, default=256, metavar="M",
+    favor.add_argument("--attention-num-features", type=positive_int, default=None, metavar="M",
                        help="Speed: the random features of the FAVOR+ config timed, and of performer-pytorch "
                        "beside it (default: 256).")
-    favor.add_argument("--n", type=positive_int, default=4096, help="Speed: sequence length N (default: 4096).")
-    favor.add_argument("--repeats", type=positive_int, default=7,
+    favor.add_argument("--n", type=positive_int, default=None, help="Speed: sequence length N (default: 4096).")
+    favor.add_argument("--repeats", type=positive_int, default=None,
                        help="Speed: interleaved timed calls per run (default: 7).")
     _add_runs(favor)
 
@@ -183,9 +186,9 @@ def build_parser(prog: str) -> CommandParser:
     gen.add_argument("--image-batch", type=non_negative_int, default=8, metavar="B",
                      help="Images of 784 pixels generated at once for images per second; 0 skips that part "
                      "(default: 8).")
-    gen.add_argument("--image-d-model", type=positive_int, default=256,
+    gen.add_argument("--image-d-model", type=positive_int, default=None,
                      help="The pixel model's width d_model (default: 256).")
-    gen.add_argument("--image-n-layers", type=positive_int, default=8, help="The pixel model's layers (default: 8).")
+    gen.add_argument("--image-n-layers", type=positive_int, default=None, help="The pixel model's layers (default: 8).")
     gen.add_argument("--compile", action="store_true",
                      help="Also time each model's compiled decoding step (TransformerLM.compiled_step).")
     _add_runs(gen)
@@ -219,8 +222,8 @@ def build_parser(prog: str) -> CommandParser:
                     help="Rank counts, the first the baseline of the time ratios (default: 1,2,4).")
     cp.add_argument("--time-n", type=positive_int, default=32768, metavar="N",
                     help="Sequence length of the timed steps (default: 32768).")
-    cp.add_argument("--budget-gib", type=float, default=20.0,
-                    help="Memory all ranks together may use, GiB (default: 20, of this machine's 24).")
+    cp.add_argument("--budget-gib", type=positive_float, default=None,
+                    help="Memory all ranks together may use in the search, GiB (default: 20, of this machine's 24).")
     cp.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
                     help="Search the longest sequence within the budget (default: on).")
     _add_runs(cp)
@@ -230,13 +233,44 @@ def build_parser(prog: str) -> CommandParser:
 
 
 def _runs(args: argparse.Namespace) -> dict:
-    return {} if args.runs is None else {"runs": args.runs}
+    return _given(args, "runs")
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict:
+    """``{name: value}`` of the flags (defaults None) that were given: the others keep the defaults of
+    the function called, stated once there."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int:
+    from ..bench.harness import output_folder
+
     if args.suite is None:  # `linattn bench`: the sweep with its defaults
         args = parser.parse_args(["sweep"])
     chosen = args.suite_parser
+    # flags that the chosen work would not read are refused, not ignored
+    if args.suite == "favor":
+        if "speed" not in args.what:
+            refuse_unused(chosen, args, ("--attention-num-features", "--n", "--repeats", "--runs"),
+                          "it sets the speed part, and --what does not include speed")
+        if "approx" not in args.what:
+            refuse_unused(chosen, args, ("--num-features", "--seeds"),
+                          "it sets the approximation part, and --what does not include approx")
+    elif args.suite == "generate" and args.image_batch == 0:
+        refuse_unused(chosen, args, ("--image-d-model", "--image-n-layers"),
+                      "it sets the pixel model, which --image-batch 0 skips")
+    elif args.suite == "sweep" and not args.measure_memory:
+        refuse_unused(chosen, args, ("--memory-budget-gib",),
+                      "memory is predicted from measured peaks, and --no-measure-memory measures none")
+    elif args.suite == "context-parallel" and not args.search:
+        refuse_unused(chosen, args, ("--budget-gib",), "it bounds the search, which --no-search skips")
+    # the output folder is created and checked before any work: a run that finds out at its end that
+    # it cannot write loses its measurement
+    with reported(chosen, ValueError):
+        if args.suite == "full":
+            output_folder(Path(args.doc).parent, what="--doc's folder", keep=False)
+        if not getattr(args, "doc_only", False):
+            output_folder(args.out, what="--out", keep=False)
     if args.suite == "sweep":
         from ..bench.sweep import DEFAULT_NS, SweepConfig, run_sweep
 
@@ -245,7 +279,8 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
                 mechanisms=args.mechanisms, peers=args.peers, ns=args.ns or DEFAULT_NS, passes=args.passes,
                 modes=args.modes, batch_size=args.batch_size, n_heads=args.n_heads, head_dim=args.head_dim, dtype=args.dtype,
                 device=args.device, repeats=args.repeats, time_budget_s=args.time_budget_s,
-                memory_budget_bytes=int(args.memory_budget_gib * 2**30), measure_memory=args.measure_memory,
+                measure_memory=args.measure_memory,
+                **({} if args.memory_budget_gib is None else {"memory_budget_bytes": int(args.memory_budget_gib * 2**30)}),
             )
         run_sweep(config, out=args.out, command=command_line(argv))
     elif args.suite == "core":
@@ -257,9 +292,10 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         from ..nn import FavorConfig
 
         with reported(chosen, ValueError, RuntimeError):
+            attention = _given(args, "attention_num_features")
             run_favor(out=args.out, what=args.what, num_features=args.num_features or APPROX_NUM_FEATURES,
-                      seeds=args.seeds, attention=FavorConfig(num_features=args.attention_num_features), n=args.n,
-                      repeats=args.repeats, **_runs(args))
+                      **({"attention": FavorConfig(num_features=attention["attention_num_features"])} if attention else {}),
+                      **_given(args, "seeds", "n", "repeats", "runs"))
     elif args.suite == "family":
         from ..bench.family import run_family
         from ..nn import LocalConfig
@@ -281,8 +317,8 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         from ..bench.context_parallel import run_context_parallel
 
         with reported(chosen, ValueError):
-            run_context_parallel(out=args.out, ranks=tuple(args.ranks), time_n=args.time_n, budget_gib=args.budget_gib,
-                                 search=args.search, **_runs(args))
+            run_context_parallel(out=args.out, ranks=tuple(args.ranks), time_n=args.time_n, search=args.search,
+                                 **_given(args, "budget_gib", "runs"))
     elif args.suite == "generate":
         from ..bench.generate import check_mechanisms, run_generate
 
@@ -295,6 +331,6 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
             run_generate(out=args.out, positions=args.positions, steps=args.steps, d_model=args.d_model,
                          n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size,
                          mechanisms=args.mechanisms, recompute=args.recompute, image_batch=args.image_batch,
-                         image_d_model=args.image_d_model, image_n_layers=args.image_n_layers,
+                         **_given(args, "image_d_model", "image_n_layers"),
                          compile=args.compile, **_runs(args))
     return 0

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 import shlex
 import sys
@@ -46,7 +47,9 @@ __all__ = [
     "field_help",
     "int_list",
     "non_negative_int",
+    "positive_float",
     "positive_int",
+    "refuse_unused",
     "reported",
 ]
 
@@ -138,6 +141,17 @@ def _int_at_least(lo: int):
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a budget, a timeout): ``-1``, ``0``, ``nan`` and ``inf`` are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -321,6 +335,15 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, *, prefix: 
         flag = "--" + (flag_prefix + f.name).replace("_", "-")
         group.add_argument(flag, dest="field:" + prefix + f.name, default=None, metavar="VALUE",
                            choices=[str(c) for c in choices] if choices else None, help=text.strip())
+
+
+def refuse_unused(parser: CommandParser, args: argparse.Namespace, flags: Iterable[str], why: str) -> None:
+    """Fail naming the first of ``flags`` (``"--n"``; its default must be None, so that giving it
+    shows) that was given although what the command was told to do will not read it: a flag must
+    never be accepted and then ignored. ``why`` completes "... is not used: <why>"."""
+    for flag in flags:
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
+            parser.fail(f"{flag} is not used: {why}")
 
 
 def config_overrides(args: argparse.Namespace) -> list[str]:

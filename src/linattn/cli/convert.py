@@ -20,6 +20,7 @@ import importlib.util
 import json
 import sys
 import typing
+from pathlib import Path
 
 from .common import (
     CommandParser,
@@ -221,6 +222,11 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         import torch
 
         torch.set_num_threads(args.threads)
+    with reported(sub):  # created and checked before any work (a document's folder for report)
+        from ..bench.harness import output_folder
+
+        folder = Path(args.out).parent if args.convert_command == "report" else args.out
+        output_folder(folder, what="--out", keep=False)
 
     if args.convert_command == "fidelity":
         from ..convert.fidelity import run_fidelity

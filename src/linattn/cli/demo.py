@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-from .common import CommandParser, add_out_argument, int_list
+from .common import CommandParser, add_out_argument, int_list, reported
 
 
 def build_parser(prog: str) -> CommandParser:
@@ -22,6 +22,9 @@ def build_parser(prog: str) -> CommandParser:
 
 def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int:
     from ..bench import demo
+    from ..bench.harness import output_folder
 
+    with reported(parser, ValueError):  # created and checked before any work
+        output_folder(args.out, what="--out", keep=False)
     demo.run_demo(args.ns or demo.DEFAULT_NS, out=args.out)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from pathlib import Path
 
 from .common import (
     CommandParser,
@@ -76,8 +77,10 @@ def build_parser(prog: str) -> CommandParser:
                        f"MECHANISM+softmax@-1, in the form of --mechanisms; '' for none ({_defaults(cls, 'hybrids')})")
         add_set_argument(p, example="steps=200")
         p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-        add_config_arguments(p, cls, skip=("mechanisms", "hybrids"),
+        add_config_arguments(p, cls, skip=("mechanisms", "hybrids", *cls.replaced_by),
                              title=f"{cls.__name__} fields (each is --set FIELD=VALUE; defaults are the full run's)")
+        for field in cls.replaced_by:  # not offered; given anyway, the config refuses it naming its replacement
+            p.add_argument("--" + field.replace("_", "-"), dest="field:" + field, default=None, help=argparse.SUPPRESS)
         p.set_defaults(command_parser=p)
     report = sub.add_parser("report", prog=f"{prog} report", help="write docs/results.md from the runs' files",
                             usage="%(prog)s [-h] [--runs DIR] [--out FILE] [--convert-runs DIR]",
@@ -96,10 +99,14 @@ def build_parser(prog: str) -> CommandParser:
 def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int:
     from ..progress import say
 
+    from ..bench.harness import output_folder
+
     sub = args.command_parser
     if args.name == "report":
         from ..experiments.report import write_report
 
+        with reported(sub, ValueError):  # the document's folder, before any work
+            output_folder(Path(args.out).parent, what="--out's folder", keep=False)
         with reported(sub, FileNotFoundError):
             path = write_report(runs=args.runs, out=args.out, convert_runs=args.convert_runs)
         say(f"wrote {path}")
@@ -108,8 +115,14 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
     overrides = ([] if args.hybrids is None else [f"hybrids={args.hybrids}"]) + config_overrides(args)
     with reported(sub):
         config = cls.resolve(quick=args.quick, mechanisms=args.mechanisms, overrides=overrides)
+        if not args.print_config:
+            config.check_runs()
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
+    with reported(sub, ValueError):  # the run folder, created and checked before any work
+        from ..experiments.common import run_path
+
+        output_folder(run_path(args.name, config), what="--out", keep=False)
     run_experiment(config, quick=args.quick, command=command_line(argv))
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 
 from ..bench.harness import proc_status_kib
 from ..nn.registry import AttentionConfig, attention_config, attention_config_to_dict
+from ..processes import run_process
 from .linearize import POSITION_METHODS
 
 __all__ = ["LONG_MODELS", "run_long"]
@@ -128,9 +128,8 @@ def run_long(out_dir: str | Path, *, ns: Sequence[int] = (512, 2048, 8192), mode
             spec = {**base, "n": n, "threads": threads, "repeats": repeats, "position_method": position_method}
             res, error = {}, None
             for mode, env in (("time", {}), ("memory", MEMORY_MALLOC_ENV)):
-                proc = subprocess.run([sys.executable, "-m", "linattn.convert.long", json.dumps({**spec, "mode": mode})],
-                                      capture_output=True, text=True,
-                                      env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+                proc = run_process([sys.executable, "-m", "linattn.convert.long", json.dumps({**spec, "mode": mode})],
+                                   env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
                 if proc.returncode != 0:
                     error = proc.stderr.strip().splitlines()[-1:]
                     break

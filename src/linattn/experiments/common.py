@@ -51,6 +51,7 @@ __all__ = [
     "metrics_file_name",
     "plot_curves",
     "read_metrics",
+    "run_path",
     "train_mechanism",
 ]
 
@@ -138,6 +139,11 @@ class ExperimentConfig(Config):
     }
     # the changes --quick makes to a class's defaults: tiny settings that finish in about a minute
     quick_settings: ClassVar[dict[str, Any]] = {}
+    # shared fields an experiment sets itself, from its own fields, in every run it trains (MQAR's grid
+    # sets d_model from widths): {field: the field that sets it}. Such a field is no setting of the
+    # experiment: giving it (a flag, --set, a config file) is refused naming the field to use instead,
+    # and to_dict leaves it out, so config.json never shows a value that no run used.
+    replaced_by: ClassVar[dict[str, str]] = {}
 
     mechanisms: tuple[AttentionConfig, ...] = (attention_config("softmax"), attention_config("linear"))
     hybrids: tuple[AttentionConfig, ...] = ()
@@ -160,6 +166,10 @@ class ExperimentConfig(Config):
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key in self.replaced_by:
+            if getattr(self, key) != defaults[key]:
+                raise ValueError(self._replaced_message(key))
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
             if f.type in ("int", int) and (isinstance(val, bool) or not isinstance(val, int)):
@@ -198,6 +208,30 @@ class ExperimentConfig(Config):
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if twice:
             raise ValueError(f"{name}: mechanisms and hybrids give {twice} twice")
+
+    def check_runs(self) -> None:
+        """Raise ValueError naming the run when a model the experiment would train cannot take its
+        inputs, before the first run starts (an experiment that finds out mid-way loses the runs
+        before). Here: nothing beyond the fields' own checks; an experiment whose runs vary their
+        models or lengths overrides it."""
+
+    @classmethod
+    def _replaced_message(cls, key: str) -> str:
+        by = cls.replaced_by[key]
+        return (f"{cls.__name__}: {key} (--{key.replace('_', '-')}) is not a setting of this experiment: every run "
+                f"sets it from {by}; use --{by.replace('_', '-')}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        """:meth:`Config.from_dict`, refusing the fields of :attr:`replaced_by` by name."""
+        for key in cls.replaced_by:
+            if isinstance(d, Mapping) and key in d:
+                raise ValueError(cls._replaced_message(key))
+        return super().from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """:meth:`Config.to_dict` without the fields of :attr:`replaced_by`."""
+        return {k: v for k, v in super().to_dict().items() if k not in self.replaced_by}
 
     @staticmethod
     def causal_names() -> list[str]:
@@ -416,13 +450,18 @@ def plot_curves(run: RunFolder, labels: Iterable[str], *, title: str, ylabel: st
     return path
 
 
+def run_path(name: str, config: ExperimentConfig) -> str:
+    """The run folder of experiment ``name``: ``config.out``, or runs/NAME when it is empty."""
+    return config.out or f"runs/{name}"
+
+
 def start_run(name: str, config: ExperimentConfig, *, quick: bool, command: str) -> tuple[RunFolder, OtherLoad, float]:
     """Set the thread count, create the run folder and write config.json; return the folder, the
     whole run's load meter and its start time. Every experiment plots its curves at the end: the
     plotting library is checked first, before the folder exists or any training starts."""
     require_extra("experiments", command=f"linattn experiment {name}")
     torch.set_num_threads(config.threads)
-    run = RunFolder(config.out or f"runs/{name}")
+    run = RunFolder(run_path(name, config))
     run.write_json("config.json", {"experiment": name, "quick": quick, "command": command,
                                    "config": config.to_dict(), "machine": machine_info()})
     return run, OtherLoad(), time.perf_counter()

@@ -74,7 +74,6 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -82,6 +81,7 @@ import numpy as np
 import torch
 
 from ..functional.feature_maps import FEATURE_MAPS
+from ..models import TransformerLM
 from ..nn.registry import AttentionConfig, attention_config, spec_for
 from ..progress import say as print_line
 from ..train.data import mix_seed, splitmix64
@@ -205,8 +205,9 @@ class MqarConfig(ExperimentConfig):
     """MQAR's options (see :class:`ExperimentConfig` for the shared ones). Every cell of the grid
     (mechanism x width x task) trains once per learning rate with everything else equal.
 
-    ``d_model`` and ``d_ff`` are replaced in each cell by the cell's width and ``ff_ratio`` times
-    it, and ``lr`` by each of ``lrs``: config.json keeps them only as the base they replace.
+    ``d_model``, ``d_ff`` and ``lr`` are not settings of MQAR: each cell sets them from ``widths``,
+    ``ff_ratio`` times the width and each of ``lrs`` (:attr:`replaced_by`), so giving one is refused
+    and config.json leaves them out.
 
     Attributes:
         widths: the model widths d_model of the grid (each must be divisible by n_heads).
@@ -228,6 +229,7 @@ class MqarConfig(ExperimentConfig):
         hybrids=(attention_config("linear"),), widths=(16, 32), num_kv_pairs=(2, 4), seq_lens=(16, 32),
         lrs=(3e-3, 1e-2), vocab_size=32, steps=24, batch_size=8, warmup_steps=2, log_every=4, eval_examples=32,
         workers=1)
+    replaced_by: ClassVar[dict[str, str]] = {"d_model": "widths", "d_ff": "ff_ratio", "lr": "lrs"}
 
     mechanisms: tuple[AttentionConfig, ...] = (
         attention_config("softmax"), attention_config("linear"), attention_config("favor", num_features=64),
@@ -245,7 +247,6 @@ class MqarConfig(ExperimentConfig):
     short_conv: int = 4
     steps: int = 1500
     batch_size: int = 32
-    lr: float = 1e-2
     warmup_steps: int = 150
     weight_decay: float = 0.1
     log_every: int = 50
@@ -285,9 +286,28 @@ class MqarConfig(ExperimentConfig):
         """``[(P, N), ...]``: the number of pairs and sequence length of each task."""
         return list(zip(self.num_kv_pairs, self.seq_lens))
 
-    def cell_config(self, width: int, lr: float) -> "MqarConfig":
-        """This config with d_model = ``width``, d_ff = ff_ratio * width and lr = ``lr``."""
-        return dataclasses.replace(self, d_model=width, d_ff=self.ff_ratio * width, lr=lr)
+    def check_runs(self) -> None:
+        """Build the model of every cell (mechanism x width x task) and run it once on one example of
+        its task, without gradients: a mechanism option that does not fit a task (an LSH bucket size
+        that does not divide N) is refused naming the cell before the first run trains."""
+        for P, N in self.tasks:
+            ids = mqar_batch(batch_size=1, seq_len=N, num_kv_pairs=P, vocab_size=self.vocab_size, seed=self.seed)[0]
+            for width in self.widths:
+                cell = self.cell_config(width, self.lrs[0])
+                for label in self.labels:
+                    try:
+                        model = TransformerLM(cell.model_config(label, vocab_size=self.vocab_size, max_len=N))
+                        with torch.no_grad():
+                            model(ids)
+                    except (ValueError, TypeError) as e:
+                        raise ValueError(f"{type(self).__name__}: the cell {label}, d_model {width}, {P} pairs, "
+                                         f"N = {N} cannot run: {e}") from None
+
+    def cell_config(self, width: int, lr: float) -> ExperimentConfig:
+        """The shared fields of this config with d_model = ``width``, d_ff = ff_ratio * width and
+        lr = ``lr``: what one training run of the grid reads."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(ExperimentConfig)}
+        return ExperimentConfig(**{**shared, "d_model": width, "d_ff": self.ff_ratio * width, "lr": lr})
 
 
 def _held_out(config: MqarConfig, P: int, N: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -332,6 +352,14 @@ def _train_run(config: MqarConfig, label: str, P: int, N: int, width: int, lr: f
     _, rec = train_mechanism(_run_label(label, P, N, width, lr), mc, cc, batches, RunFolder(metrics_dir),
                              evaluate=evaluate, say=lambda *a, **k: None, quiet=True)
     return rec
+
+
+def _train_job(job: tuple[MqarConfig, tuple[int, int, int, str, float], str]) -> tuple[tuple, dict[str, Any]]:
+    """``(key, record)`` of the run ``key = (P, N, width, label, lr)``: :func:`_train_run` in the
+    form a pool maps."""
+    config, key, metrics_dir = job
+    P, N, width, label, lr = key
+    return key, _train_run(config, label, P, N, width, lr, metrics_dir)
 
 
 def _run_label(label: str, P: int, N: int, width: int, lr: float) -> str:
@@ -430,6 +458,7 @@ def run_mqar(config: MqarConfig, *, quick: bool = False, command: str = "", say=
     """Train every cell of the grid at every learning rate; write the run folder (summary.json,
     results.md, one accuracy plot per task, metrics/ with one file per training run) and return
     the summary."""
+    config.check_runs()  # every cell, before the run folder exists or any run trains
     run, load, t0 = start_run("mqar", config, quick=quick, command=command)
     metrics = RunFolder(run.path / "metrics")
     n_runs = len(config.tasks) * len(config.widths) * len(config.labels) * len(config.lrs)
@@ -438,16 +467,17 @@ def run_mqar(config: MqarConfig, *, quick: bool = False, command: str = "", say=
     runs = [(P, N, width, label, lr) for P, N in config.tasks for width in config.widths
             for label in config.labels for lr in config.lrs]
     records = {}
+    jobs = [(config, key, str(metrics.path)) for key in runs]
     with contextlib.ExitStack() as stack:
         if config.workers > 1:
-            # spawn, not fork: a forked child would inherit this process's torch thread pools
-            pool = stack.enter_context(ProcessPoolExecutor(config.workers, mp_context=mp.get_context("spawn")))
-            futures = {pool.submit(_train_run, config, label, P, N, width, lr, str(metrics.path)): (P, N, width, label, lr)
-                       for P, N, width, label, lr in runs}
-            done = ((futures[f], f.result()) for f in as_completed(futures))  # a run's failure raises here
+            # spawn, not fork: a forked child would inherit this process's torch thread pools. A
+            # multiprocessing Pool, not a ProcessPoolExecutor: leaving its block by any exception (a
+            # run's failure, Ctrl-C, SIGTERM) terminates the workers, where the executor would wait
+            # for the runs in progress to finish.
+            pool = stack.enter_context(mp.get_context("spawn").Pool(config.workers))
+            done = pool.imap_unordered(_train_job, jobs)  # a run's failure raises here
         else:
-            done = ((key, _train_run(config, key[3], key[0], key[1], key[2], key[4], str(metrics.path)))
-                    for key in runs)
+            done = map(_train_job, jobs)
         for (P, N, width, label, lr), rec in done:
             records[(P, N, width, label, lr)] = rec
             say(f"  {_run_label(label, P, N, width, lr)}: held-out accuracy {rec['eval']['accuracy']:.3f}, loss "

@@ -7,6 +7,7 @@ text beside them. An experiment without a run folder gets a line saying so, not 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
@@ -222,6 +223,19 @@ _ADDED_FIELDS = {"short_conv": 0}
 _NOT_SETTINGS = {"out", "contenders", "mechanisms", "hybrids", "favor_features", "speed_contexts", "threads"}
 
 
+def _replaced(s: dict) -> set[str]:
+    """The fields the summary's experiment sets itself in every run (``ExperimentConfig.replaced_by``,
+    MQAR's d_model, d_ff and lr): no setting of a run, though runs from before they were left out of
+    config.json still hold them."""
+    from .common import ExperimentConfig
+
+    if s.get("experiment") not in EXPERIMENTS:
+        return set()
+    module = importlib.import_module(f"{__package__}.{s['experiment']}")
+    return {k for v in vars(module).values() if isinstance(v, type) and issubclass(v, ExperimentConfig)
+            for k in v.replaced_by}
+
+
 def _siblings(s: dict, runs: Path) -> list[tuple[str, dict, str]]:
     """``[(folder name, summary, settings that differ from this run), ...]``: this run first, then
     the sibling runs ``<name>_<variant>/`` beside it (the same experiment with other mechanisms or
@@ -229,11 +243,12 @@ def _siblings(s: dict, runs: Path) -> list[tuple[str, dict, str]]:
     found = sorted(p for p in runs.parent.glob(f"{runs.name}_*/summary.json") if p.is_file())
     # runs from before a field existed ran with its neutral value (short_conv: no convolution)
     main = {**_ADDED_FIELDS, **s["config"]}
+    ignored = _NOT_SETTINGS | _replaced(s)
     out = []
     for label, r in [(runs.name, s)] + [(p.parent.name, json.loads(p.read_text())) for p in found]:
         c = {**_ADDED_FIELDS, **r["config"]}
         diff = ", ".join(f"{k} {c.get(k)}" for k in sorted(set(c) | set(main))
-                         if k not in _NOT_SETTINGS and c.get(k) != main.get(k)) or "-"
+                         if k not in ignored and c.get(k) != main.get(k)) or "-"
         out.append((label, r, diff))
     return out
 

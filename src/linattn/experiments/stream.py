@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from ..models import TransformerConfig, TransformerLM
+from ..processes import run_process
 from ..progress import say as print_line
 from .common import ExperimentConfig, PeakRSS, RunFolder, masked_cross_entropy, plot_curves, train_mechanism
 
@@ -210,8 +210,7 @@ def measure_steps(make_config: Callable[[int], TransformerConfig], contexts: tup
 
 def _step_in_child(job: dict) -> dict[str, float]:
     """Run :func:`_measure_step` in a child process; ``{"seconds", "peak_rss_bytes"}``."""
-    proc = subprocess.run([sys.executable, "-m", __name__, json.dumps(job)], capture_output=True, text=True,
-                          timeout=1800)
+    proc = run_process([sys.executable, "-m", __name__, json.dumps(job)], timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"step measurement (batch {job['batch']}, N = {job['model']['max_len']}) failed:\n"
                            f"{proc.stderr[-2000:]}")

@@ -1,0 +1,166 @@
+"""Child processes never outlive the command that started them (linattn.processes): SIGTERM and
+SIGINT to a benchmark or an experiment stop its measurement children, pool workers and ranks, and
+the command exits 143 / 130.
+
+Linux only (the descendants are read from /proc)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from linattn.processes import Terminated, run_process, stop_on_sigterm
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc (Linux)")
+
+LINATTN = [sys.executable, "-m", "linattn"]
+
+
+def _parents() -> dict[int, int]:
+    """``{pid: parent pid}`` of every process now."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            out[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    parents, found, frontier = _parents(), set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has stopped
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _stop_command(args: list[str], *, at_least: int, sig: signal.Signals, tmp_path: Path) -> tuple[int, set[int], str]:
+    """Start ``linattn *args``, wait until it has ``at_least`` descendants (its children at work),
+    send ``sig`` to it alone, and return its exit status, the descendants seen, its stderr."""
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as fh:
+        proc = subprocess.Popen([*LINATTN, *args], stdout=subprocess.DEVNULL, stderr=fh, cwd=tmp_path)
+    try:
+        def working() -> set[int] | None:
+            found = _descendants(proc.pid)
+            return found if len(found) >= at_least else None
+
+        seen = _wait_for(working, 180, f"{at_least} child processes of linattn {' '.join(args)}")
+        time.sleep(1.0)  # let them get into their work
+        seen |= _descendants(proc.pid)
+        proc.send_signal(sig)
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return status, seen, err.read_text()
+
+
+def _assert_all_stopped(seen: set[int]) -> None:
+    # a multiprocessing resource tracker ends once its pipe closes: give the leftovers a moment
+    _wait_for(lambda: not any(_alive(p) for p in seen), 20, f"the children {sorted(seen)} to stop")
+
+
+def test_sigterm_stops_a_benchmarks_measurement_child(tmp_path):
+    status, seen, err = _stop_command(["bench", "gated", "--ns", "65536", "--repeats", "1", "--hf-repeats", "1",
+                                       "--memory-n", "0", "--runs", "1", "--out", "out"],
+                                      at_least=1, sig=signal.SIGTERM, tmp_path=tmp_path)
+    assert status == 143, err
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    _assert_all_stopped(seen)
+    assert not (tmp_path / "out" / "gated.json").exists()
+
+
+def test_sigint_stops_a_benchmarks_measurement_child(tmp_path):
+    status, seen, err = _stop_command(["bench", "gated", "--ns", "65536", "--repeats", "1", "--hf-repeats", "1",
+                                       "--memory-n", "0", "--runs", "1", "--out", "out"],
+                                      at_least=1, sig=signal.SIGINT, tmp_path=tmp_path)
+    assert status == 130, err
+    assert "interrupted (SIGINT)" in err and "Traceback" not in err
+    _assert_all_stopped(seen)
+
+
+def test_sigterm_stops_mqar_workers(tmp_path):
+    # two spawned workers (and the resource tracker multiprocessing starts beside them)
+    status, seen, err = _stop_command(["experiment", "mqar", "--quick", "--workers", "2", "--steps", "100000",
+                                       "--out", "out"], at_least=2, sig=signal.SIGTERM, tmp_path=tmp_path)
+    assert status == 143, err
+    _assert_all_stopped(seen)
+
+
+def test_sigterm_stops_context_parallel_ranks(tmp_path):
+    # the measurement's launcher process, its two gloo ranks (and their resource tracker)
+    status, seen, err = _stop_command(["bench", "context-parallel", "--ranks", "2", "--time-n", "262144", "--runs", "1",
+                                       "--no-search", "--out", "out"], at_least=3, sig=signal.SIGTERM,
+                                      tmp_path=tmp_path)
+    assert status == 143, err
+    _assert_all_stopped(seen)
+
+
+def _sleeper_with_grandchild(pid_file: Path) -> list[str]:
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    return [sys.executable, "-c", code]
+
+
+def test_run_process_kills_the_whole_group_on_a_timeout(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_process(_sleeper_with_grandchild(pid_file), timeout=3)
+    assert time.monotonic() - t0 < 30
+    grandchild = int(pid_file.read_text())
+    _wait_for(lambda: not _alive(grandchild), 10, "the grandchild to stop")
+
+
+def test_run_process_kills_the_whole_group_when_terminated(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+
+    def term_soon(signum, frame):  # SIGALRM stands in for a SIGTERM from outside
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    previous = signal.signal(signal.SIGALRM, term_soon)
+    try:
+        with stop_on_sigterm(), pytest.raises(Terminated):
+            signal.alarm(3)
+            run_process(_sleeper_with_grandchild(pid_file))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before  # the block restores the handler
+    grandchild = int(pid_file.read_text())
+    _wait_for(lambda: not _alive(grandchild), 10, "the grandchild to stop")
+
+
+def test_run_process_returns_what_subprocess_run_does(tmp_path):
+    cmd = [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"]
+    got, want = run_process(cmd), subprocess.run(cmd, capture_output=True, text=True)
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr) == (3, "out\n", "err\n")
