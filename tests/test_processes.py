@@ -88,23 +88,16 @@ def _assert_all_stopped(seen: set[int]) -> None:
     _wait_for(lambda: not any(_alive(p) for p in seen), 20, f"the children {sorted(seen)} to stop")
 
 
-def test_sigterm_stops_a_benchmarks_measurement_child(tmp_path):
-    status, seen, err = _stop_command(["bench", "gated", "--ns", "65536", "--repeats", "1", "--hf-repeats", "1",
-                                       "--memory-n", "0", "--runs", "1", "--out", "out"],
-                                      at_least=1, sig=signal.SIGTERM, tmp_path=tmp_path)
-    assert status == 143, err
-    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+@pytest.mark.parametrize("sig, status, said", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                               (signal.SIGINT, 130, "interrupted (SIGINT)")])
+def test_a_signal_stops_a_benchmarks_measurement_child(sig, status, said, tmp_path):
+    got, seen, err = _stop_command(["bench", "gated", "--ns", "65536", "--repeats", "1", "--hf-repeats", "1",
+                                    "--memory-n", "0", "--runs", "1", "--out", "out"],
+                                   at_least=1, sig=sig, tmp_path=tmp_path)
+    assert got == status, err
+    assert said in err and "Traceback" not in err
     _assert_all_stopped(seen)
     assert not (tmp_path / "out" / "gated.json").exists()
-
-
-def test_sigint_stops_a_benchmarks_measurement_child(tmp_path):
-    status, seen, err = _stop_command(["bench", "gated", "--ns", "65536", "--repeats", "1", "--hf-repeats", "1",
-                                       "--memory-n", "0", "--runs", "1", "--out", "out"],
-                                      at_least=1, sig=signal.SIGINT, tmp_path=tmp_path)
-    assert status == 130, err
-    assert "interrupted (SIGINT)" in err and "Traceback" not in err
-    _assert_all_stopped(seen)
 
 
 def test_sigterm_stops_mqar_workers(tmp_path):
