@@ -1,0 +1,42 @@
+"""The dispatch probe (tests/probes.py) that the portability work measures with, and the fast forms
+that are already portable: no float64 op and no host read in a float32 forward+backward. A form
+that starts using either fails here (issue 29 extends the list as the others are made portable)."""
+
+import torch
+import torch.nn.functional as F
+
+import linattn
+from probes import OpProbe
+
+
+def test_the_probe_sees_host_reads_and_float64():
+    x = torch.randn(4, 4)
+    with OpProbe() as p:
+        y = (x @ x).sum()
+        assert p.n_host_reads == 0 and not p.float64_ops
+        float(y)  # a host read
+        bool((x > 0).any())  # another
+        x.double().sum()  # float64 ops
+    assert p.n_host_reads == 2
+    assert sum(p.float64_ops.values()) >= 2 and p.ops["aten.mm.default"] == 1
+
+
+def _probe(fn, *inputs):
+    with OpProbe() as p:
+        fn(*inputs).sum().backward()
+    return p
+
+
+def test_causal_linear_attention_is_portable():
+    q, k, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(3))
+    p = _probe(lambda q, k, v: linattn.linear_attention(q, k, v, causal=True), q, k, v)
+    assert not p.float64_ops and p.n_host_reads == 0, (p.float64_ops, p.host_reads)
+    assert all(t.grad is not None for t in (q, k, v))
+
+
+def test_delta_rule_without_decay_computes_in_float32():
+    q, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(2))
+    k = F.normalize(torch.randn(1, 2, 300, 16), dim=-1).requires_grad_()
+    beta = torch.rand(1, 2, 300).requires_grad_()
+    p = _probe(lambda q, k, v, b: linattn.delta_rule_attention(q, k, v, b), q, k, v, beta)
+    assert not p.float64_ops, p.float64_ops
