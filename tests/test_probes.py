@@ -2,6 +2,7 @@
 that are already portable: no float64 op and no host read in a float32 forward+backward. A form
 that starts using either fails here (issue 29 extends the list as the others are made portable)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -40,3 +41,24 @@ def test_delta_rule_without_decay_computes_in_float32():
     beta = torch.rand(1, 2, 300).requires_grad_()
     p = _probe(lambda q, k, v, b: linattn.delta_rule_attention(q, k, v, b), q, k, v, beta)
     assert not p.float64_ops, p.float64_ops
+
+
+def test_gate_value_checks_read_nothing_from_the_host():
+    """log_decay <= 0 and beta in [0, 2] are checked on every call without a host read (a device-side
+    assertion; on the CPU it raises at once, as the ValueError naming the value)."""
+    q, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(2))
+    k = F.normalize(torch.randn(1, 2, 300, 16), dim=-1).requires_grad_()
+    beta = torch.rand(1, 2, 300).requires_grad_()
+    head = F.logsigmoid(torch.randn(1, 2, 300) + 3).requires_grad_()
+    channel = F.logsigmoid(torch.randn(1, 2, 300, 16) + 3).requires_grad_()
+    for name, fn in (("gated per head", lambda: linattn.gated_linear_attention(q, k, v, head)),
+                     ("gated per channel", lambda: linattn.gated_linear_attention(q, k, v, channel)),
+                     ("gated delta rule", lambda: linattn.delta_rule_attention(q, k, v, beta, log_decay=head))):
+        p = _probe(fn)
+        assert p.n_host_reads == 0, (name, p.host_reads)
+    bad = head.detach().clone()
+    bad[0, 1, 7] = 0.5
+    with pytest.raises(ValueError, match=r"log_decay must be <= 0 .* got 0\.5"):
+        linattn.gated_linear_attention(q, k, v, bad)
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\] .* got nan"):
+        linattn.delta_rule_attention(q, k, v, torch.full_like(beta, float("nan")))

@@ -23,12 +23,30 @@ __all__ = [
     "check_qkv",
     "check_recurrent_args",
     "check_scale",
+    "check_values",
     "compute_dtype",
     "finite_max",
     "no_autocast",
     "sanitize_padded",
     "shape_str",
 ]
+
+
+def check_values(ok: Tensor, message) -> None:
+    """Raise ``ValueError(message())`` unless every entry of the bool tensor ``ok`` is True, with
+    no host read when they are (a read of a tensor's value stalls a GPU until its queue drains;
+    a fast form checks its gates' values on every call).
+
+    The check is ``torch._assert_async`` (documented in torch, underscore and all): on a CPU it
+    raises at once, turned here into the ValueError, whose ``message`` may read the offending
+    value (only a failure pays for that read); on an accelerator it is a device-side assertion
+    that fails the stream when it runs instead of stalling it now, and the error then surfaces
+    later as the device's own (written for CUDA and MPS, tested on the CPU only). Traceable by
+    ``torch.compile``."""
+    try:
+        torch._assert_async(ok.all(), "linattn: a value check failed (see the function's argument contract)")
+    except RuntimeError:
+        raise ValueError(message()) from None
 
 
 def shape_str(t: Tensor) -> str:

@@ -63,6 +63,7 @@ from .checks import (
     check_positive_int,
     check_qkv,
     check_scale,
+    check_values,
     compute_dtype,
     no_autocast,
     sanitize_padded,
@@ -121,19 +122,17 @@ def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_stat
     if real is not None:
         beta = torch.where(real, beta, beta.new_zeros(()))
     with torch.no_grad():
-        if not bool(((beta >= 0) & (beta <= 2)).all()):
-            bad = beta[~((beta >= 0) & (beta <= 2))][0].item()
-            raise ValueError(f"{fn}: beta must lie in [0, 2] at every real position "
-                             f"(|I - beta k k^T| <= 1 for unit keys), got {bad}")
+        ok = (beta >= 0) & (beta <= 2)  # False where outside or NaN
+        check_values(ok, lambda: f"{fn}: beta must lie in [0, 2] at every real position "
+                     f"(|I - beta k k^T| <= 1 for unit keys), got {beta[~ok][0].item()}")
     if log_decay is not None:
         log_decay = log_decay.to(dt)
         if real is not None:
             log_decay = torch.where(real, log_decay, log_decay.new_zeros(()))
         with torch.no_grad():
-            if not bool((log_decay <= 0).all()):
-                bad = log_decay[~(log_decay <= 0)][0].item()
-                raise ValueError(f"{fn}: log_decay must be <= 0 (a decay exp(g) in [0, 1]) at every real "
-                                 f"position, got {bad}")
+            ok = log_decay <= 0
+            check_values(ok, lambda: f"{fn}: log_decay must be <= 0 (a decay exp(g) in [0, 1]) at every real "
+                         f"position, got {log_decay[~ok][0].item()}")
     k = sanitize_padded(k, key_padding_mask).to(dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
     return dt, scale, beta, log_decay, k, v

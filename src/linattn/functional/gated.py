@@ -28,6 +28,7 @@ from .checks import (
     check_positive_int,
     check_qkv,
     check_scale,
+    check_values,
     compute_dtype,
     no_autocast,
     shape_str,
@@ -67,10 +68,9 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
     if key_padding_mask is not None:
         g = torch.where(key_padding_mask[:, None, :, None], g, g.new_zeros(()))
     with torch.no_grad():
-        bad = ~(g <= 0)  # positive or NaN
-        if bool(bad.any()):
-            raise ValueError(f"{fn}: log_decay must be <= 0 (a decay exp(log_decay) in [0, 1]; -inf is a decay "
-                             f"of 0) at every real position, got {g[bad][0].item():.6g}")
+        ok = g <= 0  # False where positive or NaN
+        check_values(ok, lambda: f"{fn}: log_decay must be <= 0 (a decay exp(log_decay) in [0, 1]; -inf is a "
+                     f"decay of 0) at every real position, got {g[~ok][0].item():.6g}")
     return g
 
 
