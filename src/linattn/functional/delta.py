@@ -558,11 +558,9 @@ def delta_rule_attention(
             prefix, to resume from (None: zeros). Gradients flow into it.
         return_state: also return the state after the last position.
         chunk_size: a tuning knob, the chunk length C of the chunked form. Any C >= 1 gives the same
-            result up to rounding. The default 32 was measured faster than 64 at D = 64 (forward
-            and backward, B = 1, H = 8, 2 CPU threads, interleaved, median of 5: 0.63-0.70x the
-            time of C = 64 at N = 4096 and 0.81-0.82x at N = 16384, with and without log_decay):
-            the C x C products and the triangular inverses cost C per position, the sequential
-            loop over chunks and the saved states N / C; at C = 32 the first still dominates.
+            result up to rounding. Default 32: the C x C products and the triangular inverses cost C
+            per position, the sequential loop over chunks and the saved states N / C, and at
+            C = 32 the first still dominates (the timings: docs/benchmarks/README.md, History).
         cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document

@@ -186,12 +186,11 @@ def gated_linear_attention_reference(
 _LOG_DECAY_FLOOR = -1000.0
 
 # Sub-chunk length of the per-channel intra-chunk product (the largest divisor of C up to this);
-# any value gives the same result. Measured forward+backward at N = 16384, B = 1, H = 8, D = 64,
-# 2 threads, C = 32: 4 is faster than 8, and 16 much slower (the explicit pairs grow as c per
-# position, the factored products as C / c).
+# any value gives the same result: the explicit pairs grow as c per position, the factored
+# products as C / c (the timings behind 4: docs/benchmarks/README.md, History).
 _SUB_CHUNK = 4
 # Default chunk length per gate width: one per head (A is (q k^T) times a C x C decay matrix) and
-# one per key channel (sub-chunks, see above), where C = 32 was measured faster than 64 and 16.
+# one per key channel (sub-chunks, see above), each the fastest measured (docs/benchmarks, History).
 _CHUNK_HEAD, _CHUNK_CHANNEL = 64, 32
 # About how many positions (all B*H rows together) one tile of chunks holds: temporaries stay a few
 # MiB, recycled by malloc and in cache, instead of tensors over the whole sequence.
@@ -495,8 +494,8 @@ def gated_linear_attention(
             zeros).
         return_state: also return the :class:`DecayedState` after the last position.
         chunk_size: a tuning knob, the chunk length C of the algorithm; any C >= 1 gives the
-            same result. None: 64 for a per-head gate, 32 for a per-channel one (the faster of
-            16, 32 and 64 for each, measured at D = 64 on a CPU).
+            same result. None: 64 for a per-head gate, 32 for a per-channel one (why:
+            docs/benchmarks/README.md, History).
         cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
