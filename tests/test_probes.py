@@ -62,3 +62,15 @@ def test_gate_value_checks_read_nothing_from_the_host():
         linattn.gated_linear_attention(q, k, v, bad)
     with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\] .* got nan"):
         linattn.delta_rule_attention(q, k, v, torch.full_like(beta, float("nan")))
+
+
+def test_linear_attention_refuses_tile_positions_with_packed_documents():
+    """The packed form runs on the gated engine, which has no tiles: the knob is refused, not ignored."""
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    cu = torch.tensor([0, 10, 40])
+    with pytest.raises(ValueError, match="tile_positions is not used with cu_seqlens"):
+        linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu, tile_positions=512)
+    packed = linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu)
+    tiled = linattn.linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], causal=True, tile_positions=16,
+                                     chunk_size=4)
+    torch.testing.assert_close(packed[:, :, 10:], tiled)

@@ -638,7 +638,7 @@ def linear_attention(
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     chunk_size: int = 64,
-    tile_positions: int = 4096,
+    tile_positions: int | None = None,
     cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Kernel attention ``out_i = phi(q_i) S / phi(q_i) z`` (Katharopoulos et al., arXiv 2006.16236).
@@ -661,7 +661,8 @@ def linear_attention(
             C positions is one chunk, computed directly.
         tile_positions: causal only, a tuning knob: about how many positions the chunked
             algorithm works on at a time (as in :func:`causal_linear_product`); any value >= 1
-            gives the same result.
+            gives the same result. None: 4096. Refused with ``cu_seqlens``, whose engine does not
+            read it.
         cu_seqlens: causal only (ValueError with ``causal=False``). None, or int64 ``(n + 1,)``
             offsets ``[0, c_1, ..., T]`` of n documents packed along N (non-decreasing; empty
             documents allowed), flash-attention's varlen convention. Then B must be 1 (inputs
@@ -670,7 +671,7 @@ def linear_attention(
             ``z (n, H, F)``: the result equals one call per document (outputs, gradients,
             states). The numerator runs on :func:`~linattn.functional.gated.gated_linear_attention`'s
             engine (zero decays, a reset at each document's start; ``chunk_size`` is its chunk
-            length, ``tile_positions`` is not used), the normaliser is a per-document running sum
+            length; ``tile_positions`` is refused: that engine has no such knob), the normaliser is a per-document running sum
             of the key features (``linattn.functional.varlen``), guarded as in every other form.
             The isolation holds for finite inputs; a NaN or inf can cross into the documents that
             share its chunk (and, through the normaliser's prefix sums, later ones): see
@@ -686,8 +687,12 @@ def linear_attention(
     check_key_padding_mask(fn, key_padding_mask, k)
     check_recurrent_args(fn, causal, initial_state, return_state)
     check_positive_int(fn, "chunk_size", chunk_size)
-    check_positive_int(fn, "tile_positions", tile_positions)
+    if tile_positions is not None:
+        check_positive_int(fn, "tile_positions", tile_positions)
     if cu_seqlens is not None:
+        if tile_positions is not None:  # an option is refused, never accepted and ignored
+            raise ValueError(f"{fn}: tile_positions is not used with cu_seqlens: packed documents run on "
+                             "gated_linear_attention's engine, whose only knob is chunk_size")
         if not causal:
             raise ValueError(f"{fn}: cu_seqlens (packed documents) needs causal=True: the bidirectional form has "
                              "no packed variant")
@@ -696,7 +701,7 @@ def linear_attention(
                                   chunk_size, cu_seqlens)
     with no_autocast(q.device.type):
         return _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state,
-                                 chunk_size, tile_positions)
+                                 chunk_size, 4096 if tile_positions is None else tile_positions)
 
 
 def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state,
