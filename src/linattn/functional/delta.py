@@ -37,8 +37,9 @@ Everything but the state is computed for many chunks at once in batched matrix p
 W, P, and afterwards O from the states); what is left sequential is a loop over chunks, never over
 positions, with two ``(R, C|D, D) x (R, D, Dv)`` products per chunk: ``U = Uv - W S`` and
 ``S <- gamma_C S + Kd^T U``. Every ratio ``gamma_t / gamma_i`` is ``exp(G_t - G_i)`` with the
-difference taken first (in float64: in float32 a large decay early in a chunk would drown the
-digits of the small ones after it) and clamped to <= 0 before the exp, the entries above the
+difference taken first (G held as small decays plus a count of resets, so that a large decay early
+in a chunk does not drown the digits of the small ones after it without float64: log_decays.py)
+and clamped to <= 0 before the exp, the entries above the
 diagonal then zeroed: nothing exponentiated is ever above 0, so nothing overflows, even for decays
 near -inf. For half inputs all of this runs in float32 (the state, the cumulative decays, the
 inverses), and the output is cast back.
@@ -70,6 +71,7 @@ from .checks import (
     shape_str,
 )
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
+from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
 from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
@@ -171,12 +173,6 @@ class _Locals(NamedTuple):
     GQ: Tensor
 
 
-# A log decay below this is taken as this inside the chunked form: exp(-1000) is 0 in float64
-# already, and so is every product of decays that contains it, and every gradient with respect
-# to it (each carries such a factor), so nothing changes; but -inf would make the differences
-# G_t - G_i NaN, and huge finite values would drown the small decays beside them in G.
-_LOG_DECAY_FLOOR = -1000.0
-
 
 # Diagonal blocks up to this size are inverted by torch.linalg.solve_triangular, larger ones by
 # halves (see _unit_lower_inverse). It does not change the result beyond rounding.
@@ -212,14 +208,15 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Lo
     dt = k.dtype
     E = gam = delta = gC = None
     if g is not None:
-        G = g.to(torch.float64).clamp(min=_LOG_DECAY_FLOOR).cumsum(-1)  # (m, C)
-        # The difference is taken in float64: in float32, G_t - G_i after a large decay earlier in
-        # the chunk would keep few of the small decays' digits. G does not increase, so the
-        # differences are <= 0 on and below the diagonal; clamping those above it to 0 before the
-        # exp (then zeroing them) keeps every exponentiated number <= 0.
-        E = (G[:, :, None] - G[:, None, :]).to(dt).clamp_(max=0).exp_().tril_()  # (m, C, C)
-        gam = G.exp().to(dt)
-        delta = (G[:, -1:] - G).exp_().to(dt)
+        # G (m, C) in the compute dtype, as small decays plus a count of resets (log decays below
+        # -40), so that G_t - G_i after a large decay earlier in the chunk keeps the small decays'
+        # digits without float64 (log_decays.py). G does not increase, so the differences are <= 0
+        # on and below the diagonal; clamping those above it to 0 before the exp (then zeroing
+        # them) keeps every exponentiated number <= 0.
+        G = CumulativeLogDecay.of(g, -1)
+        E = (G[:, :, None] - G[:, None, :]).clamp_(max=0).exp_().tril_()  # (m, C, C)
+        gam = G.exp()
+        delta = (G[:, -1:] - G).exp_()
         gC = gam[:, -1]
     KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
     bcol = b[:, :, None]
@@ -399,7 +396,8 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g):
             dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
             dgC = torch.linalg.vecdot(S.flatten(1), dSn.flatten(1), dim=-1)  # (m,)
             dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC, x.gC)
-            dg = dG.flip(-1).cumsum_(-1).flip(-1)  # G = cumsum(g)
+            # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
+            dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
     return dq, dk, dv, db, dg
 

@@ -34,6 +34,7 @@ from .checks import (
     shape_str,
 )
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
+from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
 from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_reference"]
@@ -146,8 +147,8 @@ def gated_linear_attention_reference(
 #
 # Every exponent above is <= 0 once the entries with s > t are clamped to 0 before the exp (and
 # zeroed after it): no exp(+large) anywhere, so huge decays give exact zeros rather than inf * 0 =
-# NaN. Log decays are floored at -1000 (-inf allowed), b is accumulated in float64 and every
-# difference of its entries is taken in float64 before the cast and the exp. Across
+# NaN. b is held in the compute dtype as small decays plus a count of resets (log decays below
+# -40, -inf included: log_decays.py), so its differences keep their digits without float64. Across
 # chunks, S_end = exp(b_C) * S_0 + U is a loop over chunks (never over positions) of one addcmul.
 #
 # A per-head gate (G = 1) makes exp(b_t - b_s) one number per (t, s): A is (q k^T) * exp(masked
@@ -178,13 +179,6 @@ def gated_linear_attention_reference(
 # a sum of N terms instead of C.
 # ---------------------------------------------------------------------------------------------
 
-# A log decay below this is taken as this inside the chunked form (its gradient is 0 there):
-# exp(-1000) is 0 in every float
-# dtype (float64's smallest subnormal is about exp(-745)), and so is every product of decays that
-# contains it and every gradient with respect to it (each carries such a factor), so the result is
-# unchanged; but -inf would make the differences of cumulative log decays -inf - (-inf) = NaN.
-_LOG_DECAY_FLOOR = -1000.0
-
 # Sub-chunk length of the per-channel intra-chunk product (the largest divisor of C up to this);
 # any value gives the same result: the explicit pairs grow as c per position, the factored
 # products as C / c (the timings behind 4: docs/benchmarks/README.md, History).
@@ -214,15 +208,15 @@ def _exp_masked(x: Tensor, dtype: torch.dtype, upper: Tensor) -> Tensor:
     return x.to(dtype).clamp_(max=0).exp_().masked_fill_(upper, 0)
 
 
-def _intra_head(q: Tensor, k: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` float64 -> ``A (M, C, C)`` and the masked
+def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay) -> tuple[Tensor, Tensor]:
+    """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` -> ``A (M, C, C)`` and the masked
     decays ``E = exp(b_t - b_s)`` ``(M, C, C)`` (0 above the diagonal)."""
     E = _exp_masked(b - b.transpose(1, 2), q.dtype, _strict_upper(b.shape[1], b.device))  # exp(b_t - b_s)
     return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
 
 
-def _intra_channel(q: Tensor, k: Tensor, b: Tensor, c: int):
-    """Per-channel gate: ``q, k (M, C, D)``, ``b (M, C, D)`` float64 -> ``A (M, C, C)`` and what the
+def _intra_channel(q: Tensor, k: Tensor, b: CumulativeLogDecay, c: int):
+    """Per-channel gate: ``q, k (M, C, D)``, ``b (M, C, D)`` -> ``A (M, C, C)`` and what the
     backward needs (sub-chunks of length ``c``, as described at the top of this section)."""
     M, C, D = q.shape
     n, P = C // c, C - c
@@ -231,7 +225,7 @@ def _intra_channel(q: Tensor, k: Tensor, b: Tensor, c: int):
     # Diagonal blocks, the pairs s < t of one sub-chunk only (p = c (c - 1) / 2 of them; s = t has
     # a decay of 1): E (M, n, p, D) = exp(b_t - b_s).
     ti, si = torch.tril_indices(c, c, -1, device=q.device)
-    E = (bs[:, :, ti] - bs[:, :, si]).to(q.dtype).exp_()
+    E = (bs[:, :, ti] - bs[:, :, si]).exp_()
     Ad = q.new_zeros(M, n, c * c)
     Ad.index_copy_(2, ti * c + si, (qs[:, :, ti] * E).mul_(ks[:, :, si]).sum(-1))
     Ad = Ad.view(M, n, c, c)
@@ -243,8 +237,8 @@ def _intra_channel(q: Tensor, k: Tensor, b: Tensor, c: int):
         # exponent <= 0. Only the first and last factors are per position (one exp each); the
         # middle one is per pair of sub-chunks, 0 for j >= i.
         r = bs[:, :, -1:]  # (M, n, 1, D)
-        eq = (bs[:, 1:] - r[:, :-1]).to(q.dtype).exp_()  # (M, n-1, c, D): exp(b_t - r_{i-1})
-        ek = (r[:, :-1] - bs[:, :-1]).to(q.dtype).exp_()  # (M, n-1, c, D): exp(r_j - b_s)
+        eq = (bs[:, 1:] - r[:, :-1]).exp_()  # (M, n-1, c, D): exp(b_t - r_{i-1})
+        ek = (r[:, :-1] - bs[:, :-1]).exp_()  # (M, n-1, c, D): exp(r_j - b_s)
         # (M, n-1 (i), n-1 (j), D): exp(r_{i-1} - r_j), 0 for j >= i
         mid = _exp_masked(r[:, :-1] - r[:, :-1].transpose(1, 2), q.dtype, _strict_upper(n - 1, q.device)[:, :, None])
         qt = qs[:, 1:] * eq  # (M, n-1, c, D)
@@ -309,15 +303,12 @@ def _tiles(Nc: int, R: int, C: int) -> list[slice]:
     return [slice(j, min(j + m, Nc)) for j in range(0, Nc, m)]
 
 
-def _tile_decays(g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)`` in float64, ``exp(b) (m, R, C, G)`` and
-    ``exp(b_C - b) (m, R, C, G)`` in g's dtype; every exponent <= 0.
-
-    b is float64, and every difference of its entries is taken in float64 before it is cast back
-    and exponentiated: in float32, b_t - b_s after a large decay earlier in the chunk (down to the
-    floor, -1000) would keep few of the digits of the small decays between s and t."""
-    b = g.to(torch.float64).clamp(min=_LOG_DECAY_FLOOR).cumsum(2)
-    return b, b.to(g.dtype, copy=True).exp_(), (b[:, :, -1:] - b).to(g.dtype).exp_()
+def _tile_decays(g: Tensor) -> tuple[CumulativeLogDecay, Tensor, Tensor]:
+    """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)``, ``exp(b) (m, R, C, G)`` and
+    ``exp(b_C - b) (m, R, C, G)``, all in g's dtype; every exponent <= 0. b keeps the digits of
+    small decays after a large one (a reset) without float64: see log_decays.py."""
+    b = CumulativeLogDecay.of(g, 2)
+    return b, b.exp(), (b[:, :, -1:] - b).exp_()
 
 
 def _g_sum(x: Tensor, G: int) -> Tensor:
@@ -419,9 +410,9 @@ class _GatedChunked(torch.autograd.Function):
                 # Decay of the state through the whole chunk: (m, R, 1, G), the same for every position.
                 whole = _g_sum((a * s_ * t_).sum(-1), G).unsqueeze(2)
                 dg = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
-                # 0 at the floor (and below it, -inf included): each term carries exp(-1000) = 0,
-                # but the cumulative sums above leave rounding noise there
-                dg3[sl] = dg.masked_fill_(g_ <= _LOG_DECAY_FLOOR, 0)
+                # 0 at a reset (a log decay below -40, -inf included): each term carries a decay of
+                # exactly 0 there, but the cumulative sums above leave rounding noise
+                dg3[sl] = dg.masked_fill_(g_ < RESET_LOG_DECAY, 0)
                 dq3[sl], dk3[sl] = dq.add_(dqi).mul_(scale), dk + dki  # dq: the tile saw scale * q
             ds0 = T[0].reshape(B, H, D, Dv) if ctx.has_s0 else None
             return (_unchunked(dq3, B, H, N), _unchunked(dk3, B, H, N), _unchunked(dv3, B, H, N),
@@ -481,11 +472,11 @@ def gated_linear_attention(
         log_decay: ``(B, H, N)``, one gate per head and position (RetNet, Mamba-2, simple GLA), or
             ``(B, H, N, D)``, one per key channel, scaling the rows of S (GLA). Entries must be
             <= 0 (ValueError for a positive or NaN entry); -inf is a decay of 0, a full reset.
-            Inside the chunked form entries below -1000 are taken as -1000: exp(-1000) is 0 in
-            every float dtype, so the result (and the gradient, 0 there) is unchanged, while -inf
-            itself would make differences of cumulative log decays NaN. The cumulative log decays
-            of a chunk are float64 (their differences cast back before the exp), so a huge decay
-            early in a chunk does not drown the digits of small ones after it. Any floating dtype.
+            Inside the chunked form an entry below -40 is a reset, a decay of exactly 0 (exp(-40)
+            is 4e-18; its gradient is taken as 0), and the cumulative log decays of a chunk are
+            held as small decays plus a count of resets in the compute dtype (no float64), so a
+            huge decay early in a chunk does not drown the digits of small ones after it
+            (``linattn.functional.log_decays``). Any floating dtype.
         scale: the factor of the readout; None is ``1/sqrt(D)``.
         key_padding_mask: bool ``(B, N)``, True = a real position, False = padding. A padded
             position is an identity step (no decay, no write; its content, even NaN, is never

@@ -10,11 +10,11 @@ their batch dimension: ``(n, H, D, Dv)``.
 How the engines run it, without a loop over documents (the cost grows with T, not with n times the
 longest document). Every engine here (``gated_linear_attention``, ``delta_rule_attention``, and
 ``linear_attention`` through the first) already handles a reset: a log decay of -inf at a position
-zeroes the state before that position's write, and the chunked forms take differences of
-cumulative log decays inside a chunk in float64 with -inf floored at -1000 (exp(-1000) is 0 in
-every float dtype), so a chunk that spans documents stays exact: every product across a boundary
-is exactly 0, and within a document the decays keep float64's digits (each reset earlier in the
-chunk adds -1000 to the cumulative sum, which costs a few of its 16 digits, not float32's). So:
+zeroes the state before that position's write, and the chunked forms hold the cumulative log
+decays of a chunk as small decays plus a count of resets (``linattn.functional.log_decays``), so a
+chunk that spans documents stays exact: every product across a boundary is exactly 0, and within
+a document the decays keep their digits in the compute dtype, a reset earlier in the chunk costing
+none of them. So:
 
 - a document boundary is a log decay of -inf at the document's first position (the engine then
   sees one sequence, and its chunk loop, tiling and backward are unchanged);

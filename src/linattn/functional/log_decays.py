@@ -1,0 +1,86 @@
+"""Cumulative log decays within a chunk, in the compute dtype (float32 for float32 and half inputs):
+the one representation, and the one reset threshold, of every chunked form that decays its state
+(``gated_linear_attention``, ``delta_rule_attention``).
+
+A chunked form needs ``exp(b_t - b_s)`` for positions s <= t of a chunk, with ``b`` the cumulative
+sum of the log decays from the chunk's start. Summed plainly in float32, one large decay early in
+a chunk (a document boundary is -inf; gates reach -1e4) would leave ``b_t - b_s`` of the positions
+after it as the difference of two large numbers, and the small decays between them would keep few
+of their digits. So the sum is held in two parts, ``b = small + RESET_STEP * resets``:
+
+- a log decay below :data:`RESET_LOG_DECAY` (-40: exp(-40) = 4e-18, far below any dtype's
+  rounding of the state it multiplies) is a *reset*, a decay of exactly 0; ``resets`` counts the
+  resets up to each position (small integers, exact in any float dtype);
+- ``small`` sums the other log decays, each >= -40, so it stays moderate and its differences
+  keep their digits.
+
+A difference of two positions is then ``(small_t - small_s) + RESET_STEP * (resets_t - resets_s)``:
+exactly the small decays between them when no reset lies between, and at most
+``RESET_STEP + 40 * C`` (far below exp's range, so exp gives 0) when one does. No float64, so
+the forms run as they are on devices without it (MPS) or slow at it (consumer GPUs), and no -inf
+ever enters a difference (-inf - -inf would be NaN). The gradient with respect to a reset's log
+decay is taken as 0 (its true value carries the factor exp(g) < 4e-18).
+
+Dimension legend: any leading dimensions, C positions of a chunk along ``dim``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["RESET_LOG_DECAY", "RESET_STEP", "CumulativeLogDecay"]
+
+# A log decay below this is a reset (a decay of exactly 0) inside the chunked forms.
+RESET_LOG_DECAY = -40.0
+# What each reset adds to a cumulative log decay: any difference across a reset is at most this
+# plus 40 per position of a chunk (C <= 256 keeps it below -5000), and exp of it is exactly 0.
+RESET_STEP = -1.0e4
+
+
+class CumulativeLogDecay:
+    """``b = small + RESET_STEP * resets`` of a chunk's log decays (see the module docstring).
+
+    Indexing, ``view``, ``reshape`` and ``transpose`` apply to both parts alike, so code written
+    for a tensor of cumulative log decays reads the same; ``a - b`` is the difference as a tensor
+    and :meth:`exp` is ``exp(b)`` (``b`` relative to the chunk's start, where it is 0). The parts
+    are two tensors: stacked in one, the strided reads measured slower.
+    """
+
+    __slots__ = ("small", "resets")
+
+    def __init__(self, small: Tensor, resets: Tensor) -> None:
+        self.small, self.resets = small, resets
+
+    @staticmethod
+    def of(g: Tensor, dim: int) -> "CumulativeLogDecay":
+        """The cumulative sums along ``dim`` of the log decays ``g`` (<= 0, -inf allowed), in g's dtype."""
+        reset = g < RESET_LOG_DECAY
+        return CumulativeLogDecay(g.masked_fill(reset, 0).cumsum(dim), reset.to(g.dtype).cumsum(dim))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.small.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.small.device
+
+    def __getitem__(self, index) -> "CumulativeLogDecay":
+        return CumulativeLogDecay(self.small[index], self.resets[index])
+
+    def view(self, *shape) -> "CumulativeLogDecay":
+        return CumulativeLogDecay(self.small.view(*shape), self.resets.view(*shape))
+
+    def reshape(self, *shape) -> "CumulativeLogDecay":
+        return CumulativeLogDecay(self.small.reshape(*shape), self.resets.reshape(*shape))
+
+    def transpose(self, a: int, b: int) -> "CumulativeLogDecay":
+        return CumulativeLogDecay(self.small.transpose(a, b), self.resets.transpose(a, b))
+
+    def __sub__(self, other: "CumulativeLogDecay") -> Tensor:
+        return (self.small - other.small).add_(self.resets - other.resets, alpha=RESET_STEP)
+
+    def exp(self) -> Tensor:
+        """``exp(b)``: the decay from the chunk's start to each position."""
+        return torch.add(self.small, self.resets, alpha=RESET_STEP).exp_()

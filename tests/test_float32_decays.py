@@ -1,0 +1,88 @@
+"""Cumulative log decays in float32 (functional/log_decays.py): the gated and delta-rule chunked
+forms compute without float64, forward and backward, and stay within 1e-5 (relative to the
+output's largest entry) of float64 at decays near 0, at -1e4, with -inf resets, just above the
+reset threshold (-39: the hardest case for the digits of the small decays after it), packed, and
+at N = 65536 (there against the float64 chunked form, which the reference checks at smaller N)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn.functional.delta import delta_rule_attention_reference
+from linattn.functional.gated import gated_linear_attention_reference
+from probes import OpProbe
+
+KINDS = ("near 0", "-1e4", "-inf", "-39")
+
+
+def _gates(kind, shape, g):
+    base = F.logsigmoid(torch.randn(shape, generator=g, dtype=torch.float64) + 6)  # about -0.0025
+    if kind == "near 0":
+        return base
+    value = {"-1e4": -1e4, "-inf": float("-inf"), "-39": -39.0}[kind]
+    return base.masked_fill(torch.rand(shape, generator=g, dtype=torch.float64) < 0.05, value)
+
+
+def _rel(a, b):
+    return float((a.double() - b).abs().max() / b.abs().max())
+
+
+def _inputs(N, seed=1, B=1, H=2, D=16):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
+    beta = torch.sigmoid(torch.randn(B, H, N, generator=g, dtype=torch.float64))
+    return g, q, F.normalize(k, dim=-1), v, beta
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("N, exact", [(2000, True), (65536, False)])
+def test_float32_within_1e5_of_float64(kind, N, exact):
+    g, q, k, v, beta = _inputs(N)
+    gated64 = gated_linear_attention_reference if exact else linattn.gated_linear_attention
+    delta64 = delta_rule_attention_reference if exact else linattn.delta_rule_attention
+    for log_decay in (_gates(kind, q.shape[:3], g), _gates(kind, q.shape, g)):  # per head, per channel
+        o64, s64 = gated64(q, k, v, log_decay, return_state=True)
+        o32, s32 = linattn.gated_linear_attention(q.float(), k.float(), v.float(), log_decay.float(),
+                                                  return_state=True)
+        assert _rel(o32, o64) < 1e-5 and _rel(s32.s, s64.s) < 1e-5, (kind, log_decay.dim())
+    log_decay = _gates(kind, q.shape[:3], g)
+    o64, s64 = delta64(q, k, v, beta, log_decay=log_decay, return_state=True)
+    o32, s32 = linattn.delta_rule_attention(q.float(), k.float(), v.float(), beta.float(),
+                                            log_decay=log_decay.float(), return_state=True)
+    assert _rel(o32, o64) < 1e-5 and _rel(s32.s, s64.s) < 1e-5, kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_packed_documents_within_1e5(kind):
+    g, q, k, v, beta = _inputs(700)
+    cu = torch.tensor([0, 3, 3, 100, 101, 460, 700])
+    log_decay = _gates(kind, q.shape[:3], g)
+    o64 = gated_linear_attention_reference(q, k, v, log_decay)  # documents alone, below
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    alone = torch.cat([gated_linear_attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], log_decay[:, :, a:b])
+                       for a, b in bounds], dim=2)
+    o32 = linattn.gated_linear_attention(q.float(), k.float(), v.float(), log_decay.float(), cu_seqlens=cu)
+    assert _rel(o32, alone) < 1e-5
+    d64 = torch.cat([delta_rule_attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], beta[:, :, a:b],
+                                                    log_decay=log_decay[:, :, a:b]) for a, b in bounds], dim=2)
+    d32 = linattn.delta_rule_attention(q.float(), k.float(), v.float(), beta.float(), log_decay=log_decay.float(),
+                                       cu_seqlens=cu)
+    assert _rel(d32, d64) < 1e-5
+    assert o64.shape == o32.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_and_delta_forms_run_no_float64(dtype):
+    _, q, k, v, beta = _inputs(300)
+    q, k, v, beta = (t.to(dtype).requires_grad_() for t in (q, k, v, beta))
+    head = F.logsigmoid(torch.randn(1, 2, 300) + 3).masked_fill(torch.rand(1, 2, 300) < 0.05, float("-inf"))
+    channel = F.logsigmoid(torch.randn(1, 2, 300, 16) + 3)
+    head, channel = head.to(dtype).requires_grad_(), channel.to(dtype).requires_grad_()
+    for name, fn in (("gated per head", lambda: linattn.gated_linear_attention(q, k, v, head)),
+                     ("gated per channel", lambda: linattn.gated_linear_attention(q, k, v, channel)),
+                     ("delta rule", lambda: linattn.delta_rule_attention(q, k, v, beta)),
+                     ("gated delta rule", lambda: linattn.delta_rule_attention(q, k, v, beta, log_decay=head))):
+        with OpProbe() as p:
+            fn().float().sum().backward()
+        assert not p.float64_ops, (name, dict(p.float64_ops))
