@@ -86,3 +86,31 @@ def test_gated_and_delta_forms_run_no_float64(dtype):
         with OpProbe() as p:
             fn().float().sum().backward()
         assert not p.float64_ops, (name, dict(p.float64_ops))
+
+
+def test_favor_document_major_key_orders_by_document_then_value():
+    from linattn.functional.favor import _document_major_key
+
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(1, 2, 200, generator=g) * torch.logspace(-30, 30, 200)  # every magnitude
+    c[0, :, ::7] = float("-inf")
+    c[0, 0, 5], c[0, 0, 6], c[0, 1, 9] = -0.0, 0.0, torch.finfo(torch.float32).max
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([50, 1, 100, 49]))
+    key = _document_major_key(doc, c)
+    assert key.dtype == torch.int64
+    for h in range(2):
+        want = sorted(range(200), key=lambda t: (int(doc[t]), float(c[0, h, t])))
+        got = sorted(range(200), key=lambda t: int(key[0, h, t]))
+        assert [(int(doc[t]), float(c[0, h, t])) for t in got] == [(int(doc[t]), float(c[0, h, t])) for t in want]
+
+
+def test_packed_kernel_forms_run_no_float64():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 120, 16, generator=g).requires_grad_() for _ in range(3))
+    W = linattn.favor_projection(32, 16, generator=g)
+    cu = torch.tensor([0, 7, 7, 60, 120])
+    for name, fn in (("linear", lambda: linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu)),
+                     ("favor", lambda: linattn.favor_attention(q, k, v, W, causal=True, cu_seqlens=cu))):
+        with OpProbe() as p:
+            fn().sum().backward()
+        assert not p.float64_ops, (name, dict(p.float64_ops))

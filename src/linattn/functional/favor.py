@@ -505,6 +505,24 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     return out, _state(s_final, dv, final_scale)
 
 
+def _document_major_key(doc: Tensor, c: Tensor) -> Tensor:
+    """``(1, H, T)`` keys ordered by document first, then by ``c (1, H, T)`` (-inf allowed, no NaN):
+    their cumulative maximum's positions are each document's running arg-max of c.
+
+    For float32 c (the compute dtype of float32 and half inputs) an exact integer key, without
+    float64 or a host read: c's bits mapped to an unsigned order-preserving 32-bit integer (a
+    negative float's bits flipped whole, a positive one's sign bit set), below the document index
+    shifted by 32 bits, in int64. For float64 c (float64 inputs) the key is float64 too:
+    ``doc * spread + c`` with ``spread`` wider than c's range (read from the host)."""
+    if c.dtype == torch.float32:
+        u = c.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # the bits, unsigned
+        order = torch.where(u >= 0x80000000, 0xFFFFFFFF - u, u + 0x80000000)  # monotone in c
+        return (doc.to(torch.int64) << 32) + order
+    finite = torch.isfinite(c)
+    span = (c[finite].max() - c[finite].min()).item() if bool(finite.any()) else 0.0
+    return doc.to(torch.float64) * (2.0 * span + 1.0) + c.to(torch.float64)  # -inf stays -inf
+
+
 def _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay: VarlenLayout, cu_seqlens, dv, features,
                            out_dtype, floor, chunk_size, return_state):
     """The causal softmax-kernel path of packed documents: ``qf (1, H, T, F)``, key log-magnitudes
@@ -512,20 +530,16 @@ def _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay: VarlenLa
     ``s0 (n, H, F, E)`` and ``log_scale0 (n, H)`` (or None) -> the output and, with
     ``return_state``, the per-document states.
 
-    Every document gets its own running maximum, exactly as alone: a cumulative maximum of
-    ``doc * spread + c`` over the packed sequence (``spread`` wider than the range of c, in float64,
-    so that a later document's keys outrank every earlier one's) whose arg-max positions are then
+    Every document gets its own running maximum, exactly as alone: a cumulative maximum of a key
+    ordered by document, then by c (:func:`_document_major_key`), over the packed sequence (so that
+    a later document's keys outrank every earlier one's) whose arg-max positions are then
     read back in c itself, so the scale is a key's own log-magnitude, never a rounded sum; an
     arg-max in an earlier document means the document has no real key yet. The rescale between
     consecutive positions of a document is its log decay (0 at a document's start, where the state
     is reset, its initial state first brought to the scale of its first position).
     """
     doc = lay.doc  # (T,)
-    finite = torch.isfinite(c)
-    span = (c[finite].max() - c[finite].min()).item() if bool(finite.any()) else 0.0
-    spread = 2.0 * span + 1.0
-    key = doc.to(torch.float64) * spread + c.to(torch.float64)  # (1, H, T); -inf stays -inf
-    arg = torch.cummax(key, dim=-1).indices  # (1, H, T)
+    arg = torch.cummax(_document_major_key(doc, c), dim=-1).indices  # (1, H, T)
     run = torch.where(doc[arg] == doc, c.gather(-1, arg), c.new_full((), float("-inf")))
     if log_scale0 is not None:
         run = torch.maximum(run, log_scale0.t()[None].index_select(2, doc))  # (1, H, T)

@@ -674,7 +674,7 @@ def linear_attention(
             length; ``tile_positions`` is refused: that engine has no such knob), the normaliser is a per-document running sum
             of the key features (``linattn.functional.varlen``), guarded as in every other form.
             The isolation holds for finite inputs; a NaN or inf can cross into the documents that
-            share its chunk (and, through the normaliser's prefix sums, later ones): see
+            share its chunk (and, through the normaliser's running sums, later ones): see
             ``linattn.functional.varlen``.
 
     Returns:

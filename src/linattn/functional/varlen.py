@@ -38,16 +38,17 @@ gradient) would need a second product per chunk in every engine's forward and ba
 positions reuse the tested engines as they are.
 
 Kernel attention's normaliser (``linear_attention``) is a per-document running sum of key features
-and needs no state insertion: :func:`segment_cumsum` and :func:`segment_sum` give it from one
-prefix sum over the packed sequence, accumulated in float64 (a document's sum is the difference
-of two prefix sums: float64 keeps that difference far more exact than float32 would, and the cost is
-a few elementwise passes over ``(H, T, F)``).
+and needs no state insertion: :func:`segment_cumsum` and :func:`segment_sum` give it in the input's
+dtype, adding only a document's own terms (blocks of masked sums and a carry from block to block,
+never the difference of two prefix sums over the packed sequence, which in float32 would lose the
+digits of a short document late in a long pack).
 
 Where the isolation stops: everything above holds for finite inputs. A NaN or inf in a real
 position's q, k or v can reach earlier outputs of its chunk (0 * inf is NaN in the blocked
-products; SDPA's blocks do the same), and so the documents that share that chunk; the prefix sums
-of the normaliser carry a non-finite key feature into every later document. Guarding against it
-would cost every call; the training loop stops at the first non-finite loss instead.
+products; SDPA's blocks do the same), and so the documents that share that chunk; the running
+sums of the normaliser carry a non-finite key feature into its block and, through the carry from
+block to block (0 * inf is NaN there too), into later documents. Guarding against it would cost
+every call; the training loop stops at the first non-finite loss instead.
 
 Dimension legend: H heads, T packed positions, n documents, Tx expanded positions (T plus the
 inserted ones), D width of a state's rows (key or feature width), Dv value width, G gate width (1
@@ -217,23 +218,49 @@ def _doc_rows(initial: Tensor, layout: VarlenLayout) -> Tensor:
     return initial.transpose(0, 1).index_select(1, layout.doc).unsqueeze(0)
 
 
+# Block length of segment_cumsum: each block's sums are one masked (C x C) product, so a running
+# sum never subtracts one large prefix from another (rounding relative to the document's own sum).
+_SEGMENT_BLOCK = 64
+
+
 def segment_cumsum(x: Tensor, layout: VarlenLayout, *, initial: Tensor | None = None) -> Tensor:
     """Running sum within each document: ``y_t = initial_j + sum_{c_j <= s <= t} x_s`` for t in
     document j. ``x (1, H, T, X)``, ``initial (n, H, X)`` or None (zeros) -> ``(1, H, T, X)`` in
     x's dtype, differentiable in both.
 
-    One prefix sum over the packed sequence in float64, minus its value before each document: the
-    rounding is that of a sum of up to T terms (not of the document's own), ~T * 1e-16 relative
-    to the packed prefix: far below float32's resolution, but for float64 inputs somewhat coarser
-    than a per-document sum would be.
+    In x's dtype, and without the cancellation of one prefix sum minus another: the sequence is cut
+    into blocks of C positions; within a block every running sum is one product with a mask of the
+    same-document pairs s <= t (only a document's own terms are ever added), and what a document
+    carries into the next block is a loop over blocks of one ``(H, X)`` addition (T / C of them,
+    no host read). The rounding is then that of a sum of the document's own terms.
     """
-    H, X = x.shape[1], x.shape[-1]
-    cs = x.to(torch.float64).cumsum(2)  # (1, H, T, X)
-    before = torch.cat([cs.new_zeros(1, H, 1, X), cs], dim=2).index_select(2, layout.starts)  # (1, H, n, X)
-    y = cs - before.index_select(2, layout.doc)  # (1, H, T, X)
+    H, T, X = x.shape[1], x.shape[2], x.shape[-1]
+    C = max(1, min(_SEGMENT_BLOCK, T))
+    Tb = -(-T // C)
+    fill = Tb * C - T
+    doc = layout.doc
+    if fill:  # fill positions join no document (id -1): nothing adds to them or reads them
+        x = torch.nn.functional.pad(x, (0, 0, 0, fill))
+        doc = torch.cat([doc, doc.new_full((fill,), -1)])
+    xb = x.view(H, Tb, C, X)  # (H, Tb, C, X)
+    db = doc.view(Tb, C)  # (Tb, C)
+    same = (db[:, :, None] == db[:, None, :]).tril_()  # (Tb, C_t, C_s): s <= t in t's document
+    local = torch.matmul(same.to(x.dtype), xb)  # (H, Tb, C, X): the sums since the block's start
+    # What the document at each block's start brings from the blocks before: carry[b] (H, X).
+    first, last = db[:, 0], db[:, -1]  # (Tb,)
+    cont = torch.zeros(Tb, dtype=x.dtype, device=x.device)
+    cont[1:] = (first[1:] == last[:-1]).to(x.dtype)  # block b's first document began before it
+    whole = (first == last).to(x.dtype)  # the block holds one document only
+    ends = local[:, :, -1]  # (H, Tb, X): each block's sum of its last document's terms
+    carries = [x.new_zeros(H, X)]
+    for b in range(1, Tb):  # the only sequential part: one (H, X) multiply-add a block
+        carries.append(torch.addcmul(ends[:, b - 1], carries[-1], whole[b - 1]) * cont[b])
+    carry = torch.stack(carries, dim=1)  # (H, Tb, X)
+    in_first = (db == first[:, None]).to(x.dtype)  # (Tb, C): the position is in the block's first document
+    y = (local + carry[:, :, None, :] * in_first[None, :, :, None]).view(1, H, Tb * C, X)[:, :, :T]
     if initial is not None:
-        y = y + _doc_rows(initial.to(torch.float64), layout)
-    return y.to(x.dtype)
+        y = y + _doc_rows(initial.to(x.dtype), layout)
+    return y
 
 
 def segment_sum(x: Tensor, layout: VarlenLayout, *, initial: Tensor | None = None) -> Tensor:
