@@ -547,7 +547,9 @@ def delta_rule_attention(
             0 leaves the state as it is, 1 replaces the value stored under k by v, 2 reflects it.
         log_decay: None (DeltaNet), or ``(B, H, N)``: the log of the decay ``exp(g_t)`` applied to
             the whole state before the write (Gated DeltaNet, arXiv 2412.06464); entries <= 0 (-inf
-            is a decay of 0; a positive entry raises ValueError).
+            is a decay of 0; a positive entry raises ValueError). Inside the chunked form an entry
+            below -40 is a reset, a decay of exactly 0 (exp(-40) is 4e-18; its gradient is taken as
+            0): see ``linattn.functional.log_decays``.
         scale: multiplies the read-out; None means ``1/sqrt(D)``.
         key_padding_mask: bool ``(B, N)``, True = a real position, False = padding. A padded
             position is an identity step (no decay, no write: its beta and log_decay are taken as 0,
