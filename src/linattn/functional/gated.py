@@ -161,7 +161,9 @@ def gated_linear_attention_reference(
 # <= 0 since s <= (end of i-1) < t, which makes it one bmm; only the c x c diagonal blocks are
 # formed explicitly, and of them only the c (c - 1) / 2 pairs s < t (s = t has a decay of 1), D
 # values each. The factor exp(r_{i-1} - b_s) is itself split at the end of the key's sub-chunk (see
-# _intra_channel), so that exps per position are about ((c - 1) / 2 + 2) * D.
+# _intra_channel). Every factor within one sub-chunk (the diagonal pairs, and the factors to and from
+# its ends) is a product of at most c decays exp(g) rather than an exp of a difference: one exp per
+# position and channel, and no digit lost however large the decays before.
 #
 # Backward: the per-chunk states S_0 are saved (N/C of them, (D, Dv) each: O(N) memory), the chunk-
 # local products are recomputed. The log decays need no product of their own. A term of an output
@@ -215,17 +217,35 @@ def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay) -> tuple[Tensor, Te
     return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
 
 
-def _intra_channel(q: Tensor, k: Tensor, b: CumulativeLogDecay, c: int):
-    """Per-channel gate: ``q, k (M, C, D)``, ``b (M, C, D)`` -> ``A (M, C, C)`` and what the
-    backward needs (sub-chunks of length ``c``, as described at the top of this section)."""
+def _sub_chunk_pairs(a: Tensor) -> Tensor:
+    """``a (M, n, c, D)`` per-position decays -> ``E (M, n, p, D)``: for every pair s < t of a
+    sub-chunk, in ``torch.tril_indices(c, c, -1)`` order, the product ``a_{s+1} ... a_t`` =
+    ``exp(b_t - b_s)``. Products of at most c - 1 factors in [0, 1]: no difference of sums, so no
+    digit is lost and a reset (a = 0) gives an exact 0."""
+    M, n, c, D = a.shape
+    if c == 1:
+        return a.new_empty(M, n, 0, D)
+    runs = [None, a[:, :, 1:]]  # runs[d][:, :, t - d]: the product over (t - d, t], for t >= d
+    for d in range(2, c):
+        runs.append(runs[d - 1][:, :, 1:] * a[:, :, 1:c - d + 1])
+    return torch.stack([runs[t - s][:, :, s] for t in range(1, c) for s in range(t)], dim=2)
+
+
+def _intra_channel(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
+    """Per-channel gate: ``q, k (M, C, D)``, log decays ``g (M, C, D)`` and their cumulative sums
+    ``b (M, C, D)`` -> ``A (M, C, C)`` and what the backward needs (sub-chunks of length ``c``, as
+    described at the top of this section)."""
     M, C, D = q.shape
     n, P = C // c, C - c
     qs, ks, bs = (t.view(M, n, c, D) for t in (q, k, b))
+    # the decays themselves, a reset an exact 0 (log_decays.py); clamped first, as exp of far
+    # below its range takes a slow path on CPUs
+    a = g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(g < RESET_LOG_DECAY, 0).view(M, n, c, D)
     A = q.new_zeros(M, C, C)
     # Diagonal blocks, the pairs s < t of one sub-chunk only (p = c (c - 1) / 2 of them; s = t has
-    # a decay of 1): E (M, n, p, D) = exp(b_t - b_s).
+    # a decay of 1): E (M, n, p, D) = exp(b_t - b_s), as products of the decays between.
     ti, si = torch.tril_indices(c, c, -1, device=q.device)
-    E = (bs[:, :, ti] - bs[:, :, si]).exp_()
+    E = _sub_chunk_pairs(a)
     Ad = q.new_zeros(M, n, c * c)
     Ad.index_copy_(2, ti * c + si, (qs[:, :, ti] * E).mul_(ks[:, :, si]).sum(-1))
     Ad = Ad.view(M, n, c, c)
@@ -237,8 +257,10 @@ def _intra_channel(q: Tensor, k: Tensor, b: CumulativeLogDecay, c: int):
         # exponent <= 0. Only the first and last factors are per position (one exp each); the
         # middle one is per pair of sub-chunks, 0 for j >= i.
         r = bs[:, :, -1:]  # (M, n, 1, D)
-        eq = (bs[:, 1:] - r[:, :-1]).exp_()  # (M, n-1, c, D): exp(b_t - r_{i-1})
-        ek = (r[:, :-1] - bs[:, :-1]).exp_()  # (M, n-1, c, D): exp(r_j - b_s)
+        # the per-position factors as products within a sub-chunk: exp(b_t - r_{i-1}) is
+        # a_1 ... a_t of sub-chunk i (M, n-1, c, D), exp(r_j - b_s) is a_{s+1} ... a_c of sub-chunk j
+        eq = a[:, 1:].cumprod(2)
+        ek = torch.cat([a[:, :-1, 1:].flip(2).cumprod(2).flip(2), a.new_ones(M, n - 1, 1, D)], dim=2)
         # (M, n-1 (i), n-1 (j), D): exp(r_{i-1} - r_j), 0 for j >= i
         mid = _exp_masked(r[:, :-1] - r[:, :-1].transpose(1, 2), q.dtype, _strict_upper(n - 1, q.device)[:, :, None])
         qt = qs[:, 1:] * eq  # (M, n-1, c, D)
@@ -316,14 +338,15 @@ def _g_sum(x: Tensor, G: int) -> Tensor:
     return x.sum(-1, keepdim=True) if G == 1 else x
 
 
-def _tile_intra(q: Tensor, k: Tensor, b: Tensor, c: int):
-    """``A (m, R, C, C)`` of a tile and what its backward needs."""
+def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
+    """``A (m, R, C, C)`` of a tile and what its backward needs, from its log decays ``g`` and
+    their cumulative sums ``b`` ``(m, R, C, G)``."""
     m, R, C, D = q.shape
-    q2, k2, b2 = (t.reshape(m * R, C, t.shape[-1]) for t in (q, k, b))
+    q2, k2, g2, b2 = (t.reshape(m * R, C, t.shape[-1]) for t in (q, k, g, b))
     if b.shape[-1] == 1:
         A, saved = _intra_head(q2, k2, b2)
     else:
-        A, saved = _intra_channel(q2, k2, b2, c)
+        A, saved = _intra_channel(q2, k2, g2, b2, c)
     return A.view(m, R, C, C), saved
 
 
@@ -357,7 +380,7 @@ class _GatedChunked(torch.autograd.Function):
                 a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
                 for j in range(sl.stop - sl.start):
                     torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
-                A, _ = _tile_intra(q_, k_, b, c)
+                A, _ = _tile_intra(q_, k_, g_, b, c)
                 o[sl] = (q_ * eb) @ states[sl] + A @ v_
             ctx.save_for_backward(q3, k3, v3, g3, states)
             ctx.shape, ctx.has_s0, ctx.scale = (B, H, N, C), s0 is not None, scale
@@ -391,7 +414,7 @@ class _GatedChunked(torch.autograd.Function):
                 for j in reversed(range(sl.stop - sl.start)):
                     torch.addcmul(gs[j], a[j], T[sl.start + j + 1], out=T[sl.start + j])
                 s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
-                A, saved = _tile_intra(q_, k_, b, c)
+                A, saved = _tile_intra(q_, k_, g_, b, c)
                 dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
                 dv3[sl] = (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_
                 dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
