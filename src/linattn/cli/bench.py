@@ -232,10 +232,6 @@ def build_parser(prog: str) -> CommandParser:
     return parser
 
 
-def _runs(args: argparse.Namespace) -> dict:
-    return _given(args, "runs")
-
-
 def _given(args: argparse.Namespace, *names: str) -> dict:
     """``{name: value}`` of the flags (defaults None) that were given: the others keep the defaults of
     the function called, stated once there."""
@@ -286,22 +282,22 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
     elif args.suite == "core":
         from ..bench.core import run_core
 
-        run_core(out=args.out, n=args.n, repeats=args.repeats, **_runs(args))
+        run_core(out=args.out, n=args.n, repeats=args.repeats, **_given(args, "runs"))
     elif args.suite == "favor":
         from ..bench.favor import APPROX_NUM_FEATURES, run_favor
         from ..nn import FavorConfig
 
         with reported(chosen, ValueError, RuntimeError):
-            attention = _given(args, "attention_num_features")
+            m = args.attention_num_features
             run_favor(out=args.out, what=args.what, num_features=args.num_features or APPROX_NUM_FEATURES,
-                      **({"attention": FavorConfig(num_features=attention["attention_num_features"])} if attention else {}),
+                      **({} if m is None else {"attention": FavorConfig(num_features=m)}),
                       **_given(args, "seeds", "n", "repeats", "runs"))
     elif args.suite == "family":
         from ..bench.family import run_family
         from ..nn import LocalConfig
 
         run_family(out=args.out, n_local=args.n_local, n_softmax=args.n_softmax,
-                   attention=LocalConfig(window=args.attention_window), repeats=args.repeats, **_runs(args))
+                   attention=LocalConfig(window=args.attention_window), repeats=args.repeats, **_given(args, "runs"))
     elif args.suite == "full":
         from ..bench.full import run_full
 
@@ -312,7 +308,7 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
 
         # the flags' types already hold run_gated's preconditions: an error from here on is a failure
         run_gated(out=args.out, ns=args.ns, repeats=args.repeats, hf_repeats=args.hf_repeats,
-                  memory_n=args.memory_n, **_runs(args))
+                  memory_n=args.memory_n, **_given(args, "runs"))
     elif args.suite == "context-parallel":
         from ..bench.context_parallel import run_context_parallel
 
@@ -332,5 +328,5 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
                          n_layers=args.n_layers, n_heads=args.n_heads, vocab_size=args.vocab_size,
                          mechanisms=args.mechanisms, recompute=args.recompute, image_batch=args.image_batch,
                          **_given(args, "image_d_model", "image_n_layers"),
-                         compile=args.compile, **_runs(args))
+                         compile=args.compile, **_given(args, "runs"))
     return 0

@@ -115,14 +115,13 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
     overrides = ([] if args.hybrids is None else [f"hybrids={args.hybrids}"]) + config_overrides(args)
     with reported(sub):
         config = cls.resolve(quick=args.quick, mechanisms=args.mechanisms, overrides=overrides)
-        if not args.print_config:
-            config.check_runs()
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
-    with reported(sub, ValueError):  # the run folder, created and checked before any work
-        from ..experiments.common import run_path
+    from ..experiments.common import CannotRunError, run_path
 
+    with reported(sub, ValueError):  # the run folder, created and checked before any work
         output_folder(run_path(args.name, config), what="--out", keep=False)
-    run_experiment(config, quick=args.quick, command=command_line(argv))
+    with reported(sub, CannotRunError):  # a run its config cannot start, found before any trains
+        run_experiment(config, quick=args.quick, command=command_line(argv))
     return 0

@@ -41,6 +41,7 @@ from ..progress import say as print_line
 from ..train.loop import CosineSchedule, MetricsLog, TrainingLoop, decay_groups
 
 __all__ = [
+    "CannotRunError",
     "ExperimentConfig",
     "HYBRID_SUFFIX",
     "PeakRSS",
@@ -99,6 +100,11 @@ def mechanism_labels(configs: Iterable[AttentionConfig]) -> list[str]:
 def metrics_file_name(label: str) -> str:
     """``metrics_<label>.jsonl``, spaces in the label written as underscores."""
     return f"metrics_{label.replace(' ', '_')}.jsonl"
+
+
+class CannotRunError(ValueError):
+    """A run of an experiment cannot start with its config (:meth:`ExperimentConfig.check_runs`):
+    found before any run trains, so ``linattn experiment`` reports it in one line."""
 
 
 @dataclass(frozen=True)
@@ -210,10 +216,10 @@ class ExperimentConfig(Config):
             raise ValueError(f"{name}: mechanisms and hybrids give {twice} twice")
 
     def check_runs(self) -> None:
-        """Raise ValueError naming the run when a model the experiment would train cannot take its
-        inputs, before the first run starts (an experiment that finds out mid-way loses the runs
-        before). Here: nothing beyond the fields' own checks; an experiment whose runs vary their
-        models or lengths overrides it."""
+        """Raise :class:`CannotRunError` naming the run when a model the experiment would train
+        cannot take its inputs; :func:`start_run` calls it before the run folder exists (an
+        experiment that finds out mid-way loses the runs before). Here: nothing beyond the fields'
+        own checks; an experiment whose runs vary their models or lengths overrides it."""
 
     @classmethod
     def _replaced_message(cls, key: str) -> str:
@@ -456,11 +462,13 @@ def run_path(name: str, config: ExperimentConfig) -> str:
 
 
 def start_run(name: str, config: ExperimentConfig, *, quick: bool, command: str) -> tuple[RunFolder, OtherLoad, float]:
-    """Set the thread count, create the run folder and write config.json; return the folder, the
-    whole run's load meter and its start time. Every experiment plots its curves at the end: the
-    plotting library is checked first, before the folder exists or any training starts."""
+    """Set the thread count, check every run (:meth:`ExperimentConfig.check_runs`), create the run
+    folder and write config.json; return the folder, the whole run's load meter and its start time.
+    Every experiment plots its curves at the end: the plotting library is checked first, before
+    the folder exists or any training starts."""
     require_extra("experiments", command=f"linattn experiment {name}")
     torch.set_num_threads(config.threads)
+    config.check_runs()
     run = RunFolder(run_path(name, config))
     run.write_json("config.json", {"experiment": name, "quick": quick, "command": command,
                                    "config": config.to_dict(), "machine": machine_info()})

@@ -85,7 +85,8 @@ from ..models import TransformerLM
 from ..nn.registry import AttentionConfig, attention_config, spec_for
 from ..progress import say as print_line
 from ..train.data import mix_seed, splitmix64
-from .common import ExperimentConfig, RunFolder, finish_run, masked_cross_entropy, start_run, train_mechanism
+from .common import (CannotRunError, ExperimentConfig, RunFolder, finish_run, masked_cross_entropy, start_run,
+                     train_mechanism)
 
 __all__ = ["MqarConfig", "markdown_tables", "mqar_batch", "run_mqar", "state_bytes"]
 
@@ -300,7 +301,7 @@ class MqarConfig(ExperimentConfig):
                         with torch.no_grad():
                             model(ids)
                     except (ValueError, TypeError) as e:
-                        raise ValueError(f"{type(self).__name__}: the cell {label}, d_model {width}, {P} pairs, "
+                        raise CannotRunError(f"{type(self).__name__}: the cell {label}, d_model {width}, {P} pairs, "
                                          f"N = {N} cannot run: {e}") from None
 
     def cell_config(self, width: int, lr: float) -> ExperimentConfig:
@@ -458,7 +459,6 @@ def run_mqar(config: MqarConfig, *, quick: bool = False, command: str = "", say=
     """Train every cell of the grid at every learning rate; write the run folder (summary.json,
     results.md, one accuracy plot per task, metrics/ with one file per training run) and return
     the summary."""
-    config.check_runs()  # every cell, before the run folder exists or any run trains
     run, load, t0 = start_run("mqar", config, quick=quick, command=command)
     metrics = RunFolder(run.path / "metrics")
     n_runs = len(config.tasks) * len(config.widths) * len(config.labels) * len(config.lrs)

@@ -202,18 +202,18 @@ def _strict_upper(n: int, device) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
 
 
-def _exp_masked(x: Tensor, dtype: torch.dtype, upper: Tensor) -> Tensor:
-    """``exp(x)`` in ``dtype`` with the entries where ``upper`` is True set to 0. Those (a key
-    after the query) are positive and are clamped to 0 before the exp, not masked to -inf: exp
-    of -inf (and of any result below the normal range) takes a slow path on CPUs, several times
-    the cost of an ordinary one."""
-    return x.to(dtype).clamp_(max=0).exp_().masked_fill_(upper, 0)
+def _exp_masked(x: Tensor, upper: Tensor) -> Tensor:
+    """``exp(x)``, in place in the temporary ``x``, with the entries where ``upper`` is True set to
+    0. Those (a key after the query) are positive and are clamped to 0 before the exp, not masked
+    to -inf: exp of -inf (and of any result below the normal range) takes a slow path on CPUs,
+    several times the cost of an ordinary one."""
+    return x.clamp_(max=0).exp_().masked_fill_(upper, 0)
 
 
 def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay) -> tuple[Tensor, Tensor]:
     """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` -> ``A (M, C, C)`` and the masked
     decays ``E = exp(b_t - b_s)`` ``(M, C, C)`` (0 above the diagonal)."""
-    E = _exp_masked(b - b.transpose(1, 2), q.dtype, _strict_upper(b.shape[1], b.device))  # exp(b_t - b_s)
+    E = _exp_masked(b - b.transpose(1, 2), _strict_upper(b.shape[1], b.device))  # exp(b_t - b_s)
     return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
 
 
@@ -262,7 +262,7 @@ def _intra_channel(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: in
         eq = a[:, 1:].cumprod(2)
         ek = torch.cat([a[:, :-1, 1:].flip(2).cumprod(2).flip(2), a.new_ones(M, n - 1, 1, D)], dim=2)
         # (M, n-1 (i), n-1 (j), D): exp(r_{i-1} - r_j), 0 for j >= i
-        mid = _exp_masked(r[:, :-1] - r[:, :-1].transpose(1, 2), q.dtype, _strict_upper(n - 1, q.device)[:, :, None])
+        mid = _exp_masked(r[:, :-1] - r[:, :-1].transpose(1, 2), _strict_upper(n - 1, q.device)[:, :, None])
         qt = qs[:, 1:] * eq  # (M, n-1, c, D)
         kj = ks[:, :-1] * ek  # (M, n-1, c, D)
         kt = (mid.unsqueeze(3) * kj.unsqueeze(1)).view(M, n - 1, P, D)  # (M, n-1 (i), P, D)
