@@ -150,40 +150,36 @@ def _legacy(state: dict, d_model: int) -> dict:
     return out
 
 
-def test_state_dicts_from_before_the_fused_projection_load(tmp_path):
+def test_state_dicts_from_before_the_fused_projection_are_refused_with_a_way_out(tmp_path):
+    """linattn 0.2 merged the separate q/k/v projections of older state dicts on load; 0.3 does
+    not (issue 29): a strict load fails naming the keys, and a checkpoint folder says what to do."""
     import hashlib
 
     from safetensors.torch import save_file
 
-    from linattn import LSHConfig
-
     lm = _lm()
     old = _legacy(lm.state_dict(), SMALL["d_model"])
     assert "blocks.0.attn.q_proj.weight" in old and not any("in_proj" in k for k in old)
-    fresh = _lm(init_std=0.05)
-    fresh.load_state_dict(old)  # strict: every legacy key is consumed, every in_proj key filled
-    ids = _ids()
-    with torch.no_grad():
-        assert torch.equal(fresh(ids), lm(ids))
-    # an LSH layer's shared query-key projection
-    torch.manual_seed(0)
-    enc = TransformerEncoder(TransformerConfig(**SMALL, attention=LSHConfig(bucket_size=4, n_hashes=1)))
-    old = _legacy(enc.state_dict(), SMALL["d_model"])
-    assert "blocks.0.attn.qk_proj.weight" in old
-    enc2 = TransformerEncoder(TransformerConfig(**SMALL, attention=LSHConfig(bucket_size=4, n_hashes=1)))
-    enc2.load_state_dict(old)
-    assert all(torch.equal(a, b) for a, b in zip(enc.state_dict().values(), enc2.state_dict().values()))
-    # a checkpoint folder written with the old names
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: .*q_proj\.weight"):
+        _lm().load_state_dict(old)
     lm.save_pretrained(tmp_path)
     meta = json.loads((tmp_path / CONFIG_FILE).read_text())
-    tensors = {k: v for k, v in _legacy(lm.state_dict(), SMALL["d_model"]).items()
-               if k not in meta["aliases"] and isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in old.items() if k not in meta["aliases"] and isinstance(v, torch.Tensor)}
     save_file(tensors, str(tmp_path / WEIGHTS_FILE))
     meta["weights_sha256"] = hashlib.sha256((tmp_path / WEIGHTS_FILE).read_bytes()).hexdigest()
     _write_sealed(tmp_path, meta)
-    loaded = TransformerLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(loaded(ids), lm(ids))
+    with pytest.raises(ValueError, match=r"from linattn before 0\.2: load it and save it once with linattn 0\.2"):
+        TransformerLM.from_pretrained(tmp_path)
+
+
+def test_the_version_is_one_number():
+    import tomllib
+    from pathlib import Path
+
+    import linattn
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert linattn.__version__ == pyproject["project"]["version"]
 
 
 @pytest.mark.parametrize("edit", ["feature_map", "attention_name", "layer_attention", "dtype", "aliases",

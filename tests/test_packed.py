@@ -80,8 +80,8 @@ def test_no_document_sees_another(name):
 
 
 def test_document_positions_restart_at_every_document():
-    assert document_positions(_cu([3, 0, 1, 2])).tolist() == [0, 1, 2, 0, 0, 1]
-    assert document_positions(_cu([0])).tolist() == []
+    assert document_positions(_cu([3, 0, 1, 2]), 6).tolist() == [0, 1, 2, 0, 0, 1]
+    assert document_positions(_cu([0]), 0).tolist() == []
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
@@ -92,12 +92,12 @@ def test_short_conv_does_not_reach_across_documents(K):
     lengths = [2, 1, 7, 3]
     cu = _cu(lengths)
     x = torch.randn(1, sum(lengths), 6, dtype=torch.float64)
-    y = conv(x, positions=document_positions(cu))
+    y = conv(x, positions=document_positions(cu, x.shape[1]))
     want = torch.cat([short_conv_reference(x[:, a:b], conv.weight) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())],
                      dim=1)
     torch.testing.assert_close(y, want)
     with pytest.raises(ValueError, match="positions must be"):
-        conv(x, positions=document_positions(cu)[:-1])
+        conv(x, positions=document_positions(cu, x.shape[1])[:-1])
 
 
 def test_layer_and_model_errors():

@@ -57,7 +57,7 @@ from .nn import (
     get_mechanism,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AttentionState",

@@ -76,13 +76,6 @@ from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 
-# The chunked form works on blocks of this many chunks at a time (all rows together): the batched
-# per-chunk temporaries (C x C scores, D x D transitions) then exist for one block only, which keeps
-# them small whatever N is and the memory O(N) in the inputs and saved states alone. It does not
-# change the result (tests run several blocks with small chunk sizes).
-_CHUNKS_PER_BLOCK = 32
-
-
 # ---------------------------------------------------------------------------------------------
 # Argument checks shared by both forms
 # ---------------------------------------------------------------------------------------------
@@ -174,36 +167,32 @@ class _Locals(NamedTuple):
 
 
 
-# Diagonal blocks up to this size are inverted by torch.linalg.solve_triangular, larger ones by
-# halves (see _unit_lower_inverse). It does not change the result beyond rounding.
-_SOLVE_BLOCK = 16
-
-
-def _unit_lower_inverse(A: Tensor) -> Tensor:
+def _unit_lower_inverse(A: Tensor, solve_block: int) -> Tensor:
     """``(I + A)^-1`` ``(m, C, C)`` for strictly lower-triangular ``A (m, C, C)`` (its diagonal and
     upper part are not read).
 
     By halves, ``[[L11, 0], [L21, L22]]^-1 = [[T11, 0], [-T22 L21 T11, T22]]``, down to diagonal
-    blocks of at most ``_SOLVE_BLOCK`` rows, which ``torch.linalg.solve_triangular`` inverts, all
+    blocks of at most ``solve_block`` rows, which ``torch.linalg.solve_triangular`` inverts, all
     chunks at once. The off-diagonal blocks are then batched matrix products, which run markedly
     faster on CPUs than one triangular solve of the whole C x C matrix (LAPACK's small trsm).
     """
     m, C, _ = A.shape
-    if C <= _SOLVE_BLOCK:
+    if C <= solve_block:
         eye = torch.eye(C, dtype=A.dtype, device=A.device).expand(m, C, C)
         return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
     h = C // 2
     T = A.new_zeros(m, C, C)
-    T11 = _unit_lower_inverse(A[:, :h, :h])
-    T22 = _unit_lower_inverse(A[:, h:, h:])
+    T11 = _unit_lower_inverse(A[:, :h, :h], solve_block)
+    T22 = _unit_lower_inverse(A[:, h:, h:], solve_block)
     T[:, :h, :h] = T11
     T[:, h:, h:] = T22
     T[:, h:, :h] = torch.bmm(T22, torch.bmm(A[:, h:, :h], T11)).neg_()
     return T
 
 
-def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Locals:
-    """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b, g (m, C)`` -> :class:`_Locals`."""
+def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_block: int) -> _Locals:
+    """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b, g (m, C)`` -> :class:`_Locals`
+    (``solve_block``: see :func:`_unit_lower_inverse`)."""
     m, C, D = k.shape
     dt = k.dtype
     E = gam = delta = gC = None
@@ -221,7 +210,7 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Lo
     KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
     bcol = b[:, :, None]
     A = (KK.tril(-1) if E is None else (KK * E).tril_(-1)).mul_(bcol)  # the unit diagonal is implicit
-    Tinv = _unit_lower_inverse(A)  # (I + A)^-1
+    Tinv = _unit_lower_inverse(A, solve_block)  # (I + A)^-1
     kb = k * bcol if gam is None else k * (b * gam)[:, :, None]
     X = torch.bmm(Tinv, torch.cat([v * bcol, kb], dim=-1))  # [Uv, W], (m, C, Dv + D)
     P = torch.bmm(q, k.transpose(1, 2))  # (m, C, C)
@@ -233,7 +222,10 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None) -> _Lo
 
 class _Layout(NamedTuple):
     """``R`` rows of ``N`` positions cut into ``Nc`` chunks of ``C`` (the last filled with zero
-    positions, which are identity steps), handled in blocks of ``_CHUNKS_PER_BLOCK`` chunks.
+    positions, which are identity steps), handled in blocks of ``per_block`` chunks (all rows
+    together: the batched per-chunk temporaries, C x C scores and D x D transitions, then exist for
+    one block only, small whatever N is) with diagonal blocks of the triangular inverses of up to
+    ``solve_block`` rows (:func:`_unit_lower_inverse`). Neither changes the result beyond rounding.
 
     A block's inputs are copied chunk-major, ``(n*R, C, X)`` with the R rows of one chunk side by
     side, so that the sequential loop over a block's chunks reads and writes contiguous
@@ -244,11 +236,13 @@ class _Layout(NamedTuple):
     N: int
     C: int
     Nc: int
+    per_block: int
+    solve_block: int
 
     @staticmethod
-    def of(N: int, R: int, chunk_size: int) -> "_Layout":
+    def of(N: int, R: int, chunk_size: int, chunks_per_block: int, solve_block: int) -> "_Layout":
         C = min(chunk_size, N)
-        return _Layout(R, N, C, -(-N // C))
+        return _Layout(R, N, C, -(-N // C), chunks_per_block, solve_block)
 
     def chunked(self, x: Tensor) -> Tensor:
         """``(R, N, ...)`` -> ``(R, Nc, C, ...)``, zero-filled at the end."""
@@ -258,7 +252,7 @@ class _Layout(NamedTuple):
         return x.reshape(self.R, self.Nc, self.C, *x.shape[2:])
 
     def blocks(self) -> list[slice]:
-        return [slice(c, min(c + _CHUNKS_PER_BLOCK, self.Nc)) for c in range(0, self.Nc, _CHUNKS_PER_BLOCK)]
+        return [slice(c, min(c + self.per_block, self.Nc)) for c in range(0, self.Nc, self.per_block)]
 
     @staticmethod
     def take(x: Tensor | None, blk: slice) -> Tensor | None:
@@ -271,7 +265,7 @@ class _Layout(NamedTuple):
         dst[:, blk].copy_(src.view(-1, dst.shape[0], *dst.shape[2:]).transpose(0, 1))
 
 
-def _block_forward(q, k, v, b, g, st):
+def _block_forward(q, k, v, b, g, st, solve_block):
     """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``,
     ``v (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``st (n + 1, R, D, Dv)`` holds the state
     before the block in ``st[0]`` and receives the state after each chunk in ``st[1:]``.
@@ -283,7 +277,7 @@ def _block_forward(q, k, v, b, g, st):
     m, C, D = q.shape
     n, R, _, Dv = st.shape
     n -= 1
-    x = _locals(q, k, v, b, g)
+    x = _locals(q, k, v, b, g, solve_block)
     Uv, W = x.X[..., :Dv].view(n, R, C, Dv), x.X[..., Dv:].view(n, R, C, D)
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
     gC = None if x.gC is None else x.gC.view(n, R, 1, 1)
@@ -297,12 +291,12 @@ def _block_forward(q, k, v, b, g, st):
     return torch.bmm(x.P, U.view(m, C, Dv)).baddbmm_(x.GQ, st[:n].reshape(m, D, Dv))
 
 
-def _chunked_forward(q, k, v, b, g, s0, scale, chunk_size):
+def _chunked_forward(q, k, v, b, g, s0, scale, lay):
     """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
-    ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``."""
+    ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``,
+    on the :class:`_Layout` ``lay``."""
     R, N, D = q.shape
     Dv = v.shape[-1]
-    lay = _Layout.of(N, R, chunk_size)
     qc, kc, vc, bc = (lay.chunked(t) for t in (q, k, v, b))
     gc = None if g is None else lay.chunked(g)
     o = v.new_empty(R, lay.Nc, lay.C, Dv)
@@ -310,12 +304,12 @@ def _chunked_forward(q, k, v, b, g, s0, scale, chunk_size):
     states[0] = s0
     for blk in lay.blocks():
         ob = _block_forward(lay.take(qc, blk) * scale, *(lay.take(t, blk) for t in (kc, vc, bc, gc)),
-                            states[blk.start:blk.stop + 1])
+                            states[blk.start:blk.stop + 1], lay.solve_block)
         lay.put(o, blk, ob)
     return o.view(R, -1, Dv)[:, :N], states
 
 
-def _block_backward(q, k, v, b, g, st, do, dst, need_g):
+def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, C, Dv)``, the states ``st (n + 1, R, D, Dv)`` before each chunk and after the last,
     and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of the state after the block;
@@ -341,7 +335,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g):
     m, C, D = q.shape
     n, R, _, Dv = st.shape
     n -= 1
-    x = _locals(q, k, v, b, g)
+    x = _locals(q, k, v, b, g, solve_block)
     W = x.X[..., Dv:]
     PtdO = torch.bmm(x.P.transpose(1, 2), do).view(n, R, C, Dv)  # P^T dO
     QtdO = torch.bmm(x.GQ.transpose(1, 2), do).view(n, R, D, Dv)  # (diag(gamma) Q)^T dO
@@ -402,12 +396,11 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g):
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chunk_size, need_g):
+def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, need_g):
     """Gradients of :func:`_chunked_forward`: ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
     ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards."""
     R, N, D = q.shape
     Dv = v.shape[-1]
-    lay = _Layout.of(N, R, chunk_size)
     qc, kc, vc, bc, doc = (lay.chunked(t) for t in (q, k, v, b, do))
     gc = None if g is None else lay.chunked(g)
     dq, dk = q.new_empty(R, lay.Nc, lay.C, D), q.new_empty(R, lay.Nc, lay.C, D)
@@ -419,7 +412,8 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chunk_size, ne
         dst = ds.new_empty(blk.stop - blk.start + 1, R, D, Dv)
         dst[-1] = ds
         parts = list(_block_backward(lay.take(qc, blk) * scale, *(lay.take(t, blk) for t in (kc, vc, bc, gc)),
-                                     states[blk.start:blk.stop + 1], lay.take(doc, blk), dst, need_g))
+                                     states[blk.start:blk.stop + 1], lay.take(doc, blk), dst, need_g,
+                                     lay.solve_block))
         parts[0].mul_(scale)  # the block saw scale * q
         for dst_all, part in zip((dq, dk, dv, db, dg), parts):
             if part is not None:
@@ -432,39 +426,75 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chunk_size, ne
     return crop(dq), crop(dk), crop(dv), crop(db), crop(dg), ds
 
 
-class _DeltaRule(torch.autograd.Function):
-    """``(q, k, v, beta, g, s0, scale, chunk_size) -> (o, s_final)`` of the chunked form, on rows
-    ``(R, N, ...)``.
+# The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
+# op with a shape function (no chunk loop to unroll, so a model compiles in seconds and whole), and
+# eager autograd runs the same two functions. On rows ``(R, N, ...)``; g may be None (no decay); s0
+# is a tensor (zeros when there was no initial state). Saves the inputs and the states before every
+# chunk and after the last, ``(Nc + 1, R, D, Dv)`` (as large as v when C = Dv), and recomputes the
+# chunk-local products in the backward.
+@torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
+                                "int chunk_size, int chunks_per_block, int solve_block) -> (Tensor, Tensor, Tensor)")
+def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block):
+    """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)`` and the saved states."""
+    with no_autocast(q.device.type):
+        lay = _Layout.of(q.shape[1], q.shape[0], chunk_size, chunks_per_block, solve_block)
+        o, states = _chunked_forward(q, k, v, b, g, s0, scale, lay)
+    return o.contiguous(), states[-1].clone(), states
 
-    q is scaled block by block (a scaled copy of the whole q would be one more saved tensor); g may
-    be None (no decay); s0 is a tensor (zeros when there was no initial state). Saves the inputs and
-    the state before every chunk and after the last, ``(Nc + 1, R, D, Dv)`` (as large as v when
-    C = Dv), and recomputes the chunk-local products in the backward.
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, b, g, s0, scale, chunk_size):
-        with no_autocast(q.device.type):
-            o, states = _chunked_forward(q, k, v, b, g, s0, scale, chunk_size)
-        ctx.device_type, ctx.scale, ctx.chunk_size = q.device.type, scale, chunk_size
-        ctx.save_for_backward(q, k, v, b, g, states)
-        return o, states[-1].clone()
+@_delta_rule_chunked.register_fake
+def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block):
+    R, N, D = q.shape
+    Dv = v.shape[-1]
+    Nc = -(-N // min(chunk_size, N))
+    return v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), v.new_empty(Nc + 1, R, D, Dv)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, ds_final):
-        q, k, v, b, g, states = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(v)
-        if ds_final is None:
-            ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
-        need_g = g is not None and ctx.needs_input_grad[4]
-        with no_autocast(ctx.device_type):
-            # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
-            # the reshapes and make every batched product copy its matrices one by one
-            dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final,
-                                                        ctx.scale, ctx.chunk_size, need_g)
-        return dq, dk, dv, db, dg, ds0, None, None
+
+@torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor do, "
+                                "Tensor ds_final, float scale, int chunk_size, int chunks_per_block, int solve_block, "
+                                "bool need_g) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _delta_rule_chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chunk_size, chunks_per_block,
+                                 solve_block, need_g):
+    """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
+    with no_autocast(q.device.type):
+        lay = _Layout.of(q.shape[1], q.shape[0], chunk_size, chunks_per_block, solve_block)
+        # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
+        # the reshapes and make every batched product copy its matrices one by one
+        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final, scale, lay,
+                                                    need_g)
+    dg = b.new_empty(0) if dg is None else dg.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), db.contiguous(), dg, ds0.contiguous()
+
+
+@_delta_rule_chunked_backward.register_fake
+def _(q, k, v, b, g, states, do, ds_final, scale, chunk_size, chunks_per_block, solve_block, need_g):
+    dg = b.new_empty(b.shape) if need_g else b.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), b.new_empty(b.shape), dg, \
+        ds_final.new_empty(ds_final.shape)
+
+
+def _delta_rule_setup(ctx, inputs, output):
+    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block = inputs
+    ctx.save_for_backward(q, k, v, b, g, output[2])
+    ctx.knobs = (scale, chunk_size, chunks_per_block, solve_block)
+    ctx.mark_non_differentiable(output[2])
+
+
+def _delta_rule_autograd(ctx, do, ds_final, _dstates):
+    q, k, v, b, g, states = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    if ds_final is None:
+        ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
+    need_g = g is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, do, ds_final, *ctx.knobs,
+                                                           need_g)
+    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None
+
+
+_delta_rule_chunked.register_autograd(_delta_rule_autograd, setup_context=_delta_rule_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,7 +514,7 @@ def _step(q, k, v, beta, log_decay, scale, s0):
     return scale * (q @ s), s
 
 
-def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size):
+def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size, knobs):
     """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
     ``beta, log_decay (1, H, T)`` (log_decay or None), ``s0 (n, H, D, Dv)`` or None, prepared ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
@@ -493,7 +523,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     with beta = 1 replacing the rows of each initial state, D with beta = 0 reading each final one.
     T, H >= 1: delta_rule_attention answers inputs without a position itself."""
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
-    lay = varlen_layout(cu_seqlens, D, write_states=s0 is not None, read_states=return_state)
+    lay = varlen_layout(cu_seqlens, q.shape[2], D, write_states=s0 is not None, read_states=return_state)
     g = beta.new_zeros(beta.shape) if log_decay is None else log_decay
     b, g = beta.unsqueeze(-1), g.unsqueeze(-1)  # (1, H, T, 1)
     if lay.gather is not None:
@@ -505,8 +535,8 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
         g = lay.expand(g, lay.zeros(g), lay.zeros(g))
     g = lay.with_resets(g)
     Tx = lay.total
-    o, _ = _DeltaRule.apply(q[0], k[0], v[0], b.view(H, Tx), g.view(H, Tx), q.new_zeros(H, D, Dv), scale,
-                            chunk_size)  # rows (H, Tx, *): B = 1
+    o, _, _ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g.view(H, Tx), q.new_zeros(H, D, Dv), scale,
+                                  chunk_size, *knobs)  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
     return lay.packed(o), (lay.states(o) if return_state else None)
 
@@ -523,6 +553,8 @@ def delta_rule_attention(
     initial_state: DecayedState | None = None,
     return_state: bool = False,
     chunk_size: int = 32,
+    chunks_per_block: int = 32,
+    solve_block: int = 16,
     cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Causal delta-rule attention (DeltaNet, Gated DeltaNet), chunked, O(N) memory:
@@ -561,6 +593,13 @@ def delta_rule_attention(
             result up to rounding. Default 32: the C x C products and the triangular inverses cost C
             per position, the sequential loop over chunks and the saved states N / C, and at
             C = 32 the first still dominates (the timings: docs/benchmarks/README.md, History).
+        chunks_per_block: a tuning knob, how many chunks (all rows together) the chunked form
+            works on at a time; any value >= 1 gives the same result. The batched per-chunk
+            temporaries (C x C scores, D x D transitions) then exist for one block only.
+        solve_block: a tuning knob, the largest diagonal block of a chunk's triangular inverse
+            that ``torch.linalg.solve_triangular`` inverts directly (larger ones by halves, as
+            batched products, which CPUs run faster); any value >= 1 gives the same result up to
+            rounding.
         cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
@@ -589,6 +628,8 @@ def delta_rule_attention(
     """
     fn = "delta_rule_attention"
     check_positive_int(fn, "chunk_size", chunk_size)
+    check_positive_int(fn, "chunks_per_block", chunks_per_block)
+    check_positive_int(fn, "solve_block", solve_block)
     with no_autocast(q.device.type):
         dt, scale, beta, log_decay, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
                                                       initial_state, cu_seqlens)
@@ -604,7 +645,8 @@ def delta_rule_attention(
             gates = (beta,) if log_decay is None else (beta, log_decay)
             out, s = result_without_positions((qx, kx, vx, *gates), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
-            out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size)
+            out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size,
+                             (chunks_per_block, solve_block))
         elif N == 1 and s0 is not None:  # the recurrent step
             out, s = _step(qx, kx, vx, beta, log_decay, scale, s0)
         else:
@@ -612,8 +654,9 @@ def delta_rule_attention(
                 return t.reshape(B * H, N, *t.shape[3:])
 
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
-            o, s = _DeltaRule.apply(rows(qx), rows(kx), rows(vx), rows(beta),
-                                    None if log_decay is None else rows(log_decay), s0r, scale, chunk_size)
+            o, s, _ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
+                                          None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
+                                          chunks_per_block, solve_block)
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
         out = _zero_padded_outputs(out, key_padding_mask).to(q.dtype)
     return (out, DecayedState(s)) if return_state else out

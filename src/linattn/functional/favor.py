@@ -166,6 +166,8 @@ def _exp_features(u: Tensor, shift: Tensor, c: float) -> Tensor:
     """:class:`_ExpFeatures` (overwriting ``u``); without a graph to build (decoding) the same
     arithmetic without the Function, whose per-call cost shows at decoding sizes and whose
     ``mark_dirty`` torch.compile cannot trace."""
+    if torch.compiler.is_compiling():  # the compiler fuses the expression itself; it cannot trace mark_dirty
+        return torch.exp(u - (shift - math.log(c)))
     if torch.is_grad_enabled() and (u.requires_grad or shift.requires_grad):
         return _ExpFeatures.apply(u, shift, c)
     return u.sub_(shift - math.log(c)).exp_()
@@ -403,7 +405,9 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, Nk, E): [v, 1]
     real = None if mask is None else mask[:, None, :]  # (B, 1, Nk)
 
-    lay = None if cu_seqlens is None else varlen_layout(cu_seqlens, 0, write_states=False, read_states=False)
+    lay = None
+    if cu_seqlens is not None:
+        lay = varlen_layout(cu_seqlens, k.shape[2], 0, write_states=False, read_states=False)
     n_states = B if lay is None else lay.n  # one state per document when packed
     s0 = log_scale0 = None
     if initial_state is not None:
@@ -552,7 +556,7 @@ def _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay: VarlenLa
         first = torch.where(nonempty[:, None], first, log_scale0)
         s0 = s0 * torch.exp(log_scale0 - first)[..., None, None]  # each document's at its first position's scale
     log_decay = torch.cat([run[..., :1].new_zeros(run[..., :1].shape), run[..., :-1] - run[..., 1:]], dim=-1)
-    log_decay = log_decay.index_fill(2, starts[nonempty], 0.0)  # the reset replaces it there
+    log_decay = log_decay.masked_fill(lay.resets[:, 0], 0.0)  # the reset replaces it there (T = Tx here)
     o, st = gated_linear_attention(qf, kf, w, log_decay, scale=1.0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                    initial_state=None if s0 is None else DecayedState(s0), return_state=True)
     out = _finish(o, dv, features, out_dtype, floor)

@@ -181,20 +181,15 @@ def gated_linear_attention_reference(
 # a sum of N terms instead of C.
 # ---------------------------------------------------------------------------------------------
 
-# Sub-chunk length of the per-channel intra-chunk product (the largest divisor of C up to this);
-# any value gives the same result: the explicit pairs grow as c per position, the factored
-# products as C / c (the timings behind 4: docs/benchmarks/README.md, History).
-_SUB_CHUNK = 4
 # Default chunk length per gate width: one per head (A is (q k^T) times a C x C decay matrix) and
 # one per key channel (sub-chunks, see above), each the fastest measured (docs/benchmarks, History).
-_CHUNK_HEAD, _CHUNK_CHANNEL = 64, 32
-# About how many positions (all B*H rows together) one tile of chunks holds: temporaries stay a few
-# MiB, recycled by malloc and in cache, instead of tensors over the whole sequence.
-_TILE_POSITIONS = 4096
+# The other knobs' defaults are in gated_linear_attention's signature.
+_CHUNK_SIZES = {"head": 64, "channel": 32}
 
 
-def _sub_length(C: int) -> int:
-    return max(d for d in range(1, min(C, _SUB_CHUNK) + 1) if C % d == 0)
+def _sub_length(C: int, sub_chunk_size: int) -> int:
+    """The sub-chunk length c: the largest divisor of C up to ``sub_chunk_size``."""
+    return max(d for d in range(1, min(C, sub_chunk_size) + 1) if C % d == 0)
 
 
 def _strict_upper(n: int, device) -> Tensor:
@@ -249,7 +244,8 @@ def _intra_channel(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: in
     Ad = q.new_zeros(M, n, c * c)
     Ad.index_copy_(2, ti * c + si, (qs[:, :, ti] * E).mul_(ks[:, :, si]).sum(-1))
     Ad = Ad.view(M, n, c, c)
-    torch.linalg.vecdot(qs, ks, out=Ad.diagonal(dim1=2, dim2=3))
+    # (M, n, c); copied rather than written with out= into the strided view, which torch.compile refuses
+    Ad.diagonal(dim1=2, dim2=3).copy_(torch.linalg.vecdot(qs, ks))
     off = None
     if n > 1:
         # Queries of sub-chunk i >= 1 against keys s of sub-chunk j < i, with r_j = b at the end of
@@ -320,8 +316,9 @@ def _unchunked(x: Tensor, B: int, H: int, N: int) -> Tensor:
     return x.transpose(0, 1).reshape(B * H, -1, x.shape[-1])[:, :N].reshape(B, H, N, x.shape[-1])
 
 
-def _tiles(Nc: int, R: int, C: int) -> list[slice]:
-    m = max(1, _TILE_POSITIONS // (R * C))
+def _tiles(Nc: int, R: int, C: int, tile_positions: int) -> list[slice]:
+    """Consecutive chunks in tiles of about ``tile_positions`` positions (all R rows together)."""
+    m = max(1, tile_positions // (R * C))
     return [slice(j, min(j + m, Nc)) for j in range(0, Nc, m)]
 
 
@@ -350,96 +347,146 @@ def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
     return A.view(m, R, C, C), saved
 
 
-class _GatedChunked(torch.autograd.Function):
-    """``(q, k, v, g, s0, chunk_size, scale) -> (o, s_final)`` of the chunked form; ``q`` is scaled
-    tile by tile (a scaled copy of the whole q would be one more full-size tensor, and saved).
+def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None, chunk_size: int, scale: float,
+                   sub_chunk_size: int, tile_positions: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked form: ``q, k (B, H, N, D)``, ``v (B, H, N, Dv)``, ``g (B, H, N, G)``,
+    ``s0 (B, H, D, Dv)`` or None, all in one (compute) dtype -> ``o (B, H, N, Dv)``, the final
+    state ``(B, H, D, Dv)`` and the states before every chunk and after the last,
+    ``(Nc + 1, B*H, D, Dv)`` (what the backward needs besides the inputs). ``q`` is scaled tile
+    by tile (a scaled copy of the whole q would be one more full-size tensor)."""
+    B, H, N, D = q.shape
+    Dv = v.shape[-1]
+    C = min(chunk_size, N)
+    q3, k3, v3, g3 = (_chunked(t, C) for t in (q, k, v, g))  # (Nc, R, C, *)
+    Nc, R = q3.shape[:2]
+    states = q3.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
+    if s0 is None:
+        states[0].zero_()
+    else:
+        states[0] = s0.reshape(R, D, Dv)
+    o = _chunked_empty(q3, Nc, R, C, Dv)
+    c = _sub_length(C, sub_chunk_size)
+    for sl in _tiles(Nc, R, C, tile_positions):
+        q_, k_, v_, g_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous(), g3[sl].contiguous()
+        b, eb, ek = _tile_decays(g_)
+        u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
+        a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
+        for j in range(sl.stop - sl.start):
+            torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
+        A, _ = _tile_intra(q_, k_, g_, b, c)
+        o[sl] = (q_ * eb) @ states[sl] + A @ v_
+    return _unchunked(o, B, H, N).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
 
-    Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, g ``(B, H, N, G)``, s0 ``(B, H, D, Dv)`` or
-    None; o ``(B, H, N, Dv)``, s_final ``(B, H, D, Dv)``. All in one (compute) dtype.
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, s0, chunk_size, scale):
-        with no_autocast(q.device.type):
-            B, H, N, D = q.shape
-            Dv = v.shape[-1]
-            C = min(chunk_size, N)
-            q3, k3, v3, g3 = (_chunked(t, C) for t in (q, k, v, g))  # (Nc, R, C, *)
-            Nc, R = q3.shape[:2]
-            states = q3.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
-            if s0 is None:
-                states[0].zero_()
-            else:
-                states[0] = s0.reshape(R, D, Dv)
-            o = _chunked_empty(q3, Nc, R, C, Dv)
-            c = _sub_length(C)
-            for sl in _tiles(Nc, R, C):
-                q_, k_, v_, g_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous(), g3[sl].contiguous()
-                b, eb, ek = _tile_decays(g_)
-                u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
-                a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
-                for j in range(sl.stop - sl.start):
-                    torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
-                A, _ = _tile_intra(q_, k_, g_, b, c)
-                o[sl] = (q_ * eb) @ states[sl] + A @ v_
-            ctx.save_for_backward(q3, k3, v3, g3, states)
-            ctx.shape, ctx.has_s0, ctx.scale = (B, H, N, C), s0 is not None, scale
-            return _unchunked(o, B, H, N), states[Nc].reshape(B, H, D, Dv).clone()
+def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, do: Tensor, ds_final: Tensor,
+                    has_s0: bool, chunk_size: int, scale: float, sub_chunk_size: int,
+                    tile_positions: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_gated_forward` given ``do (B, H, N, Dv)`` and ``ds_final (B, H, D, Dv)``:
+    ``dq, dk, dv, dg`` shaped as their inputs and ``ds0 (B, H, D, Dv)`` (``(0,)`` without
+    ``has_s0``). The chunk-local products are recomputed from the inputs and the saved states."""
+    B, H, N, D = q.shape
+    C = min(chunk_size, N)
+    q3, k3, v3, g3, do3 = (_chunked(t, C) for t in (q, k, v, g, do))
+    Nc, R = q3.shape[:2]
+    Dv, G = v3.shape[-1], g3.shape[-1]
+    T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
+    T[Nc] = ds_final.reshape(R, D, Dv)
+    dq3, dk3 = _chunked_empty(q3, Nc, R, C, D), _chunked_empty(q3, Nc, R, C, D)
+    dv3, dg3 = _chunked_empty(q3, Nc, R, C, Dv), _chunked_empty(q3, Nc, R, C, G)
+    c = _sub_length(C, sub_chunk_size)
+    for sl in reversed(_tiles(Nc, R, C, tile_positions)):
+        q_, k_, v_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous()
+        g_, do_ = g3[sl].contiguous(), do3[sl].contiguous()
+        b, eb, ek = _tile_decays(g_)
+        qd = q_ * eb
+        gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
+        a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
+        for j in reversed(range(sl.stop - sl.start)):
+            torch.addcmul(gs[j], a[j], T[sl.start + j + 1], out=T[sl.start + j])
+        s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
+        A, saved = _tile_intra(q_, k_, g_, b, c)
+        dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
+        dv3[sl] = (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_
+        dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
+        dk = (v_ @ t_.transpose(-1, -2)).mul_(ek)  # through the state after it
+        y, z = _g_sum(q_ * dq, G), _g_sum(k_ * dk, G)  # (m, R, C, G)
+        M = R * (sl.stop - sl.start)
+        if G == 1:
+            dP = dA.view(M, C, C).mul_(saved)  # saved: the masked decays E
+            dqi = torch.bmm(dP, k_.reshape(M, C, D))
+            dki = torch.bmm(dP.transpose(1, 2), q_.reshape(M, C, D))
+        else:
+            dqi, dki = _intra_channel_backward(q_.reshape(M, C, D), k_.reshape(M, C, D), c, saved,
+                                               dA.view(M, C, C))
+        dqi, dki = dqi.view_as(q_), dki.view_as(k_)
+        x = _g_sum(q_ * dqi - k_ * dki, G)
+        # Decay of the state through the whole chunk: (m, R, 1, G), the same for every position.
+        whole = _g_sum((a * s_ * t_).sum(-1), G).unsqueeze(2)
+        dg = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
+        # 0 at a reset (a log decay below -40, -inf included): each term carries a decay of
+        # exactly 0 there, but the cumulative sums above leave rounding noise
+        dg3[sl] = dg.masked_fill_(g_ < RESET_LOG_DECAY, 0)
+        dq3[sl], dk3[sl] = dq.add_(dqi).mul_(scale), dk + dki  # dq: the tile saw scale * q
+    ds0 = T[0].reshape(B, H, D, Dv) if has_s0 else T.new_empty(0)
+    return (_unchunked(dq3, B, H, N).contiguous(), _unchunked(dk3, B, H, N).contiguous(),
+            _unchunked(dv3, B, H, N).contiguous(), _unchunked(dg3, B, H, N).contiguous(), ds0)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, ds_final):
-        q3, k3, v3, g3, states = ctx.saved_tensors
-        B, H, N, C = ctx.shape
-        scale = ctx.scale
-        Nc, R, _, D = q3.shape
-        Dv, G = v3.shape[-1], g3.shape[-1]
-        with no_autocast(q3.device.type):
-            do3 = torch.zeros_like(v3) if do is None else _chunked(do.to(v3.dtype), C)
-            T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
-            if ds_final is None:
-                T[Nc].zero_()
-            else:
-                T[Nc] = ds_final.reshape(R, D, Dv)
-            dq3, dk3 = _chunked_empty(q3, Nc, R, C, D), _chunked_empty(q3, Nc, R, C, D)
-            dv3, dg3 = _chunked_empty(q3, Nc, R, C, Dv), _chunked_empty(q3, Nc, R, C, G)
-            c = _sub_length(C)
-            for sl in reversed(_tiles(Nc, R, C)):
-                q_, k_, v_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous()
-                g_, do_ = g3[sl].contiguous(), do3[sl].contiguous()
-                b, eb, ek = _tile_decays(g_)
-                qd = q_ * eb
-                gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
-                a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
-                for j in reversed(range(sl.stop - sl.start)):
-                    torch.addcmul(gs[j], a[j], T[sl.start + j + 1], out=T[sl.start + j])
-                s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
-                A, saved = _tile_intra(q_, k_, g_, b, c)
-                dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
-                dv3[sl] = (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_
-                dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
-                dk = (v_ @ t_.transpose(-1, -2)).mul_(ek)  # through the state after it
-                y, z = _g_sum(q_ * dq, G), _g_sum(k_ * dk, G)  # (m, R, C, G)
-                M = R * (sl.stop - sl.start)
-                if G == 1:
-                    dP = dA.view(M, C, C).mul_(saved)  # saved: the masked decays E
-                    dqi = torch.bmm(dP, k_.reshape(M, C, D))
-                    dki = torch.bmm(dP.transpose(1, 2), q_.reshape(M, C, D))
-                else:
-                    dqi, dki = _intra_channel_backward(q_.reshape(M, C, D), k_.reshape(M, C, D), c, saved,
-                                                       dA.view(M, C, C))
-                dqi, dki = dqi.view_as(q_), dki.view_as(k_)
-                x = _g_sum(q_ * dqi - k_ * dki, G)
-                # Decay of the state through the whole chunk: (m, R, 1, G), the same for every position.
-                whole = _g_sum((a * s_ * t_).sum(-1), G).unsqueeze(2)
-                dg = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
-                # 0 at a reset (a log decay below -40, -inf included): each term carries a decay of
-                # exactly 0 there, but the cumulative sums above leave rounding noise
-                dg3[sl] = dg.masked_fill_(g_ < RESET_LOG_DECAY, 0)
-                dq3[sl], dk3[sl] = dq.add_(dqi).mul_(scale), dk + dki  # dq: the tile saw scale * q
-            ds0 = T[0].reshape(B, H, D, Dv) if ctx.has_s0 else None
-            return (_unchunked(dq3, B, H, N), _unchunked(dk3, B, H, N), _unchunked(dv3, B, H, N),
-                    _unchunked(dg3, B, H, N), ds0, None, None)
+
+# The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
+# op with a shape function (no chunk loop to unroll and no engine internals to trace, so a model
+# compiles in seconds and whole), and eager autograd runs the same two functions.
+@torch.library.custom_op("linattn::gated_chunked", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? s0, int chunk_size, float scale, "
+                                "int sub_chunk_size, int tile_positions) -> (Tensor, Tensor, Tensor)")
+def _gated_chunked(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions):
+    with no_autocast(q.device.type):
+        return _gated_forward(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions)
+
+
+@_gated_chunked.register_fake
+def _(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions):
+    B, H, N, D = q.shape
+    Dv = v.shape[-1]
+    Nc = -(-N // min(chunk_size, N))
+    return q.new_empty(B, H, N, Dv), q.new_empty(B, H, D, Dv), q.new_empty(Nc + 1, B * H, D, Dv)
+
+
+@torch.library.custom_op("linattn::gated_chunked_backward", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor states, Tensor do, Tensor ds_final, "
+                                "bool has_s0, int chunk_size, float scale, int sub_chunk_size, int tile_positions) "
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _gated_chunked_backward(q, k, v, g, states, do, ds_final, has_s0, chunk_size, scale, sub_chunk_size,
+                            tile_positions):
+    with no_autocast(q.device.type):
+        return _gated_backward(q, k, v, g, states, do, ds_final, has_s0, chunk_size, scale, sub_chunk_size,
+                               tile_positions)
+
+
+@_gated_chunked_backward.register_fake
+def _(q, k, v, g, states, do, ds_final, has_s0, chunk_size, scale, sub_chunk_size, tile_positions):
+    B, H, _, D = q.shape
+    ds0 = q.new_empty(B, H, D, v.shape[-1]) if has_s0 else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), ds0
+
+
+def _gated_setup(ctx, inputs, output):
+    q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions = inputs
+    ctx.save_for_backward(q, k, v, g, output[2])
+    ctx.knobs = (s0 is not None, chunk_size, scale, sub_chunk_size, tile_positions)
+    ctx.mark_non_differentiable(output[2])
+
+
+def _gated_autograd(ctx, do, ds_final, _dstates):
+    q, k, v, g, states = ctx.saved_tensors
+    has_s0 = ctx.knobs[0]
+    do = torch.zeros_like(v) if do is None else do.to(v.dtype)
+    if ds_final is None:
+        ds_final = q.new_zeros(*q.shape[:2], *states.shape[2:])  # (B, H, D, Dv)
+    dq, dk, dv, dg, ds0 = _gated_chunked_backward(q, k, v, g, states, do, ds_final, *ctx.knobs)
+    return dq, dk, dv, dg, ds0 if has_s0 else None, None, None, None, None
+
+
+_gated_chunked.register_autograd(_gated_autograd, setup_context=_gated_setup)
 
 
 def _recurrent_step(q, k, v, g, s0):
@@ -447,7 +494,7 @@ def _recurrent_step(q, k, v, g, s0):
     s = torch.addcmul(k.transpose(-1, -2) * v, torch.exp(g).transpose(-1, -2), s0)  # (B, H, D, Dv)
     return q @ s, s
 
-def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size):
+def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs):
     """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
     ``g (1, H, T, G)``, ``s0 (n, H, D, Dv)`` or None, prepared (compute dtype, padding zeroed) ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
@@ -455,7 +502,7 @@ def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size):
     documents' starts, D positions writing each initial state and D reading each final one.
     T, H >= 1: gated_linear_attention answers inputs without a position itself."""
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
-    lay = varlen_layout(cu_seqlens, D, write_states=s0 is not None, read_states=return_state)
+    lay = varlen_layout(cu_seqlens, q.shape[2], D, write_states=s0 is not None, read_states=return_state)
     if lay.gather is not None:
         # inserted positions read and write with scale 1: scale the real queries here instead
         q = lay.expand(q * scale, lay.zeros(q), lay.basis(q))
@@ -463,7 +510,7 @@ def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size):
         v = lay.expand(v, None if s0 is None else lay.state_rows(s0), lay.zeros(v))
         g = lay.expand(g, lay.zeros(g), lay.zeros(g))
         scale = 1.0
-    out, _ = _GatedChunked.apply(q, k, v, lay.with_resets(g), None, chunk_size, scale)
+    out, _, _ = _gated_chunked(q, k, v, lay.with_resets(g), None, chunk_size, scale, *knobs)
     return lay.packed(out), (lay.states(out) if return_state else None)
 
 
@@ -478,6 +525,8 @@ def gated_linear_attention(
     initial_state: DecayedState | None = None,
     return_state: bool = False,
     chunk_size: int | None = None,
+    sub_chunk_size: int = 4,
+    tile_positions: int = 4096,
     cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Gated linear attention ``S_t = exp(log_decay_t) * S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``.
@@ -510,6 +559,12 @@ def gated_linear_attention(
         chunk_size: a tuning knob, the chunk length C of the algorithm; any C >= 1 gives the
             same result. None: 64 for a per-head gate, 32 for a per-channel one (why:
             docs/benchmarks/README.md, History).
+        sub_chunk_size: a tuning knob of the per-channel gate, the sub-chunk length c (the largest
+            divisor of C up to it); any value >= 1 gives the same result. The explicit pairs of a
+            sub-chunk grow as c per position, the factored products between sub-chunks as C / c.
+        tile_positions: a tuning knob, about how many positions (all B*H rows together) one tile
+            of chunks holds; any value >= 1 gives the same result. Temporaries stay a few MiB,
+            recycled and in cache, instead of tensors over the whole sequence.
         cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
@@ -537,6 +592,8 @@ def gated_linear_attention(
     fn = "gated_linear_attention"
     if chunk_size is not None:
         check_positive_int(fn, "chunk_size", chunk_size)
+    check_positive_int(fn, "sub_chunk_size", sub_chunk_size)
+    check_positive_int(fn, "tile_positions", tile_positions)
     in_dtype = q.dtype
     with no_autocast(q.device.type):
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
@@ -544,7 +601,7 @@ def gated_linear_attention(
         B, H, N, D = q.shape
         Dv = v.shape[-1]
         if chunk_size is None:
-            chunk_size = _CHUNK_HEAD if g.shape[-1] == 1 else _CHUNK_CHANNEL
+            chunk_size = _CHUNK_SIZES["head" if g.shape[-1] == 1 else "channel"]
         if B * H * N == 0:
             # No position in any sequence, in every form (packed too: T = 0 or H = 0). The chunked
             # engine cannot lay out zero rows or positions in chunks; the result is the state
@@ -552,10 +609,11 @@ def gated_linear_attention(
             n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
             out, s = result_without_positions((q, k, v, g), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
-            out, s = _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size)
+            out, s = _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size,
+                             (sub_chunk_size, tile_positions))
         elif N == 1 and s0 is not None:
             out, s = _recurrent_step(q * scale, k, v, g, s0)
         else:
-            out, s = _GatedChunked.apply(q, k, v, g, s0, chunk_size, scale)
+            out, s, _ = _gated_chunked(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out

@@ -774,7 +774,7 @@ def _linear_varlen(fn, q, k, v, feature_map, key_padding_mask, initial_state, re
                                  initial_state=None if S0 is None else DecayedState(S0),
                                  return_state=return_state, chunk_size=chunk_size)
     num, S = res if return_state else (res, None)
-    lay = varlen_layout(cu, Fd, write_states=False, read_states=False)
+    lay = varlen_layout(cu, q.shape[2], Fd, write_states=False, read_states=False)
     z_seen = segment_cumsum(kf, lay, initial=z0)  # (1, H, T, F): the normaliser state each query sees
     den = torch.linalg.vecdot(qf, z_seen).unsqueeze(-1)  # (1, H, T, 1)
     out = divide_by_normaliser(num, den, normaliser_floor(qf, z_seen)).to(q.dtype)

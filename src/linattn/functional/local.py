@@ -227,14 +227,16 @@ class _Windows(torch.autograd.Function):
 
 
 def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int, *,
-             window: int, causal: bool, scale: float, doc: Tensor | None = None,
+             window: int, causal: bool, scale: float, valid_queries: bool, doc: Tensor | None = None,
              longest: int | None = None) -> Tensor:
     """Query i (position ``offset + i`` of the key sequence) attends the valid keys within
     ``window`` positions. ``q (B,H,N,D)``, ``keys (B,H,L,D)``, ``values (B,H,L,Dv)``,
     ``valid (B,L)`` -> ``(B,H,N,Dv)``; zeros for a query with no valid key in its band.
 
     ``doc``: int64 ``(B, L)`` document id of each key position; query i then sees only the keys
-    with ``doc == doc[:, offset + i]``. ``longest``: the longest document's length (with ``doc``).
+    with ``doc == doc[:, offset + i]``. ``longest``: the longest document's length (with ``doc``),
+    or None (blocks then sized by the window). ``valid_queries``: every query's own key position is
+    valid (no padding mask), so every query has a key.
     """
     B, H, N, D = q.shape
     L, Dv = keys.shape[2], values.shape[-1]
@@ -266,9 +268,12 @@ def _blocked(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, offset: int
         doc_k = F.pad(doc, (front, back), value=-1).unfold(1, K, C)  # (B, Nb, K)
         doc_q = doc_k[:, :, M * C:M * C + C]  # (B, Nb, C): query ii of a block is its key M C + ii
         allowed = allowed & (doc_q[:, :, :, None] == doc_k[:, :, None, :])
-    has_key = allowed.any(-1, keepdim=True)  # (B, Nb, C, 1)
-    every_query_has_key = bool(has_key.all())
+    # Every query sees its own key unless it is padding (whatever the window, documents or a
+    # state), so only a padding mask or the fill of the last block leaves one without a key: known
+    # without a host read.
+    every_query_has_key = valid_queries and nb * C == N
     if not every_query_has_key:
+        has_key = allowed.any(-1, keepdim=True)  # (B, Nb, C, 1)
         # A query with no valid key would be softmax over nothing (NaN): let it see every (zeroed)
         # key of its window and zero its output below, so forward and gradients stay finite.
         allowed = allowed | ~has_key
@@ -453,8 +458,8 @@ def local_attention(
             out = (q @ k.transpose(-1, -2)) @ v  # (B, H, 0, Dv), attached to the graph
         else:
             dt = compute_dtype(q.dtype)
-            out = _blocked(q.to(dt), keys.to(dt), values.to(dt), valid, offset,
-                           window=window, causal=causal, scale=scale).to(q.dtype)
+            out = _blocked(q.to(dt), keys.to(dt), values.to(dt), valid, offset, window=window, causal=causal,
+                           scale=scale, valid_queries=key_padding_mask is None).to(q.dtype)
         if return_state:
             pos = (initial_state.pos if initial_state is not None else 0) + N
             return out, _next_state(keys, values, valid, window, pos)
@@ -466,8 +471,10 @@ def _packed_local(q, k, v, key_padding_mask, initial_state, cu_seqlens, *, windo
     """:func:`local_attention` on packed documents (arguments checked): the blocked pass with a
     document mask, then the heads of the documents against their states (see the module docstring)."""
     N = q.shape[2]
-    cu = cu_seqlens.tolist()
-    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    cu = longest = None
+    if initial_state is not None or return_state:  # a state's rings and positions are per document
+        cu = cu_seqlens.tolist()
+        longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
     keys, values, valid, _ = _key_sequence(k, v, key_padding_mask, None)
     if N == 0:
         out = (q @ k.transpose(-1, -2)) @ v  # (1, H, 0, Dv), attached to the graph
@@ -475,7 +482,10 @@ def _packed_local(q, k, v, key_padding_mask, initial_state, cu_seqlens, *, windo
         dt = compute_dtype(q.dtype)
         qc, kc, vc = q.to(dt), keys.to(dt), values.to(dt)
         doc = _document_ids(cu_seqlens, N)[None]  # (1, N)
-        out = _blocked(qc, kc, vc, valid, 0, window=window, causal=causal, scale=scale, doc=doc, longest=longest)
+        # Without a state nothing is read from cu_seqlens on the host: the blocks are then sized by
+        # the window rather than by the longest document (the document mask is exact either way).
+        out = _blocked(qc, kc, vc, valid, 0, window=window, causal=causal, scale=scale,
+                       valid_queries=key_padding_mask is None, doc=doc, longest=longest)
         if initial_state is not None:
             out = _state_heads(out, qc, kc, vc, valid, initial_state, cu, window=window, scale=scale)
         out = out.to(q.dtype)

@@ -92,7 +92,10 @@ class _Normalise(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         out, inv, active = ctx.saved_tensors
         do = torch.empty(*out.shape[:-1], out.shape[-1] + 1, dtype=out.dtype, device=out.device)
-        torch.mul(g, inv, out=do[..., :-1])
+        if torch.compiler.is_compiling():  # it refuses out= a strided view
+            do[..., :-1] = g * inv
+        else:
+            torch.mul(g, inv, out=do[..., :-1])
         # d out_e / d den = -out_e / den where den was used; 0 where the floor stood in for it
         do[..., -1:] = torch.linalg.vecdot(g, out, dim=-1).unsqueeze(-1).mul_(inv).neg_().mul_(active)
         return do, None, None

@@ -140,7 +140,7 @@ def softmax_attention_reference(
     doc = None
     if cu_seqlens is not None:
         _check_packed(fn, q, k, cu_seqlens)
-        doc = varlen_layout(cu_seqlens, 0, write_states=False, read_states=False).doc  # (N,)
+        doc = varlen_layout(cu_seqlens, k.shape[2], 0, write_states=False, read_states=False).doc  # (N,)
     k = sanitize_padded(k, key_padding_mask)
     v = sanitize_padded(v, key_padding_mask)
     dt = compute_dtype(q.dtype)

@@ -62,7 +62,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .checks import shape_str
+from .checks import check_values, shape_str
 
 __all__ = [
     "VarlenLayout",
@@ -95,16 +95,19 @@ def check_cu_seqlens(fn: str, cu_seqlens, q: Tensor) -> Tensor:
     if cu_seqlens.device != q.device:
         raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
     T = q.shape[2]
-    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
-    if first != 0:
-        raise ValueError(f"{fn}: cu_seqlens must start at 0, got {first}")
-    if last != T:
-        raise ValueError(f"{fn}: cu_seqlens must end at T = {T} (the packed length of q {shape_str(q)}), got {last}")
+    # The values are checked on the device (check_values): a host read of cu_seqlens in every layer
+    # and engine would stall a GPU each time; only a failed check reads the offending value.
     steps = cu_seqlens[1:] - cu_seqlens[:-1]
-    if bool((steps < 0).any()):
+    check_values(cu_seqlens[0] == 0, lambda: f"{fn}: cu_seqlens must start at 0, got {int(cu_seqlens[0])}")
+    check_values(cu_seqlens[-1] == T, lambda: f"{fn}: cu_seqlens must end at T = {T} (the packed length of q "
+                                              f"{shape_str(q)}), got {int(cu_seqlens[-1])}")
+
+    def decreasing() -> str:
         i = int(torch.nonzero(steps < 0)[0])
-        raise ValueError(f"{fn}: cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {int(cu_seqlens[i])} > "
-                         f"cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}")
+        return (f"{fn}: cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {int(cu_seqlens[i])} > "
+                f"cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}")
+
+    check_values(steps >= 0, decreasing)
     return cu_seqlens
 
 
@@ -122,8 +125,9 @@ class VarlenLayout(NamedTuple):
         write: ``(n*D,)`` int64, the positions writing the initial states (document-major, row i of
             document j at ``j*D + i``), or None.
         read: ``(n*D,)`` int64, the positions reading the final states (same order), or None.
-        resets: ``(r,)`` int64, the first expanded position of every document that has one (where
-            the log decay is -inf).
+        resets: ``(Tx, 1)`` bool, True at the first expanded position of every document that has
+            one (where the log decay is -inf); a mask, not indices, so that building it reads
+            nothing on the host.
         gather: ``(Tx,)`` int64 index into ``cat([packed, written, read], positions)``, or None when
             nothing is inserted (the expanded sequence is the packed one).
     """
@@ -182,16 +186,19 @@ class VarlenLayout(NamedTuple):
         """Expanded log decays ``g (1, H, Tx, G)`` with -inf at every document's first position
         (out of place; the gradient there is 0: the state it would decay is the previous
         document's, or the zeros a document without initial state starts from)."""
-        return g.index_fill(2, self.resets, float("-inf"))
+        return g.masked_fill(self.resets, float("-inf"))
 
 
-def varlen_layout(cu_seqlens: Tensor, width: int, *, write_states: bool, read_states: bool) -> VarlenLayout:
-    """The :class:`VarlenLayout` of checked ``cu_seqlens`` (:func:`check_cu_seqlens`) with ``width``
-    (D) writing positions before each document when ``write_states``, and D reading positions
-    after it when ``read_states``. Index arithmetic only, no loop over documents."""
+def varlen_layout(cu_seqlens: Tensor, T: int, width: int, *, write_states: bool,
+                  read_states: bool) -> VarlenLayout:
+    """The :class:`VarlenLayout` of checked ``cu_seqlens`` (:func:`check_cu_seqlens`) over ``T``
+    packed positions (the inputs' length, so that nothing is read from ``cu_seqlens`` on the host)
+    with ``width`` (D) writing positions before each document when ``write_states``, and D reading
+    positions after it when ``read_states``. Index arithmetic only, no loop over documents and no
+    host read."""
     cu = cu_seqlens
     dev = cu.device
-    n, T = cu.shape[0] - 1, int(cu[-1])
+    n = cu.shape[0] - 1
     L = cu[1:] - cu[:-1]  # (n,) document lengths
     a = width if write_states else 0
     b = width if read_states else 0
@@ -209,7 +216,11 @@ def varlen_layout(cu_seqlens: Tensor, width: int, *, write_states: bool, read_st
         gather = torch.empty(total, dtype=torch.int64, device=dev)
         at = torch.cat([p for p in (real, write, read) if p is not None])
         gather[at] = torch.arange(total, device=dev)
-    resets = ecu[:-1][(L + (a + b)) > 0]
+    # A document's first expanded position; an empty one without inserted positions shares it with
+    # the next document (a reset there anyway) or, last, with the end (the spare entry, dropped).
+    resets = torch.zeros(total + 1, dtype=torch.bool, device=dev)
+    resets[ecu[:-1]] = True
+    resets = resets[:total, None]  # (Tx, 1)
     return VarlenLayout(n, T, width, total, cu[:-1], doc, real, write, read, resets, gather)
 
 

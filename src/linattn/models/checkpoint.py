@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.attention import merge_legacy_projections
 from .config import TransformerConfig
 
 __all__ = ["CONFIG_FILE", "FORMAT_VERSION", "WEIGHTS_FILE", "check_sha256", "config_digest", "fsync_dir",
@@ -204,12 +203,14 @@ def load_checkpoint(cls, path: str | Path, *, device: str | torch.device = "cpu"
         if name not in tensors:
             raise ValueError(f"corrupted checkpoint: alias {alias!r} points at missing tensor {name!r}")
         tensors[alias] = tensors[name]
-    merge_legacy_projections(tensors)  # checkpoints from before the fused q/k/v projection
     expected = {k for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
+        legacy = any(key.endswith(("q_proj.weight", "qk_proj.weight")) for key in unexpected)
         raise ValueError(
             f"checkpoint {path} does not match its config: missing tensors {missing}, unexpected {unexpected}"
+            + ("; its separate q/k/v projections are from linattn before 0.2: load it and save it once with "
+               "linattn 0.2 (which merges them into in_proj) to use it here" if legacy else "")
         )
     result = model.load_state_dict(tensors, strict=False)  # strict=False: FAVOR extra state is not saved
     assert not result.unexpected_keys, result.unexpected_keys

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..distributed import ContextParallel, check_context_parallel
+from ..functional.checks import check_values
 from ..functional.varlen import check_cu_seqlens
 from ..nn.attention import AttentionState, MultiHeadAttention
 from ..nn.positional import document_positions, sinusoidal_table
@@ -262,10 +263,11 @@ class TransformerLM(_Transformer):
         else:
             self._check_ids(ids[:, :0], 0, "forward")  # the type and rank; lengths are the documents'
             check_cu_seqlens("TransformerLM.forward", cu_seqlens, ids[:, None, :, None])  # ids as (1, 1, N, 1)
-            positions = document_positions(cu_seqlens)  # (N,)
-            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            if longest > self.config.max_len:
-                raise ValueError(f"TransformerLM.forward: a document of {longest} tokens exceeds max_len = "
+            positions = document_positions(cu_seqlens, ids.shape[1])  # (N,)
+            # a document's positions run 0..length-1: checked on the device, no host read
+            check_values(positions < self.config.max_len,
+                         lambda: f"TransformerLM.forward: a document of "
+                                 f"{int((cu_seqlens[1:] - cu_seqlens[:-1]).max())} tokens exceeds max_len = "
                                  f"{self.config.max_len} (cu_seqlens {cu_seqlens.tolist()[:8]}...)")
             if return_state:
                 raise ValueError("TransformerLM.forward: return_state with cu_seqlens is not supported (a decoding "

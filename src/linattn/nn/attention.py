@@ -18,7 +18,7 @@ from .mechanisms import SoftmaxConfig, check_context_parallel_call
 from .positional import apply_rotary, document_positions, rotary_angles
 from .registry import MECHANISMS, build_mechanism, spec_for
 
-__all__ = ["AttentionState", "MultiHeadAttention", "merge_legacy_projections"]
+__all__ = ["AttentionState", "MultiHeadAttention"]
 
 
 class AttentionState(NamedTuple):
@@ -43,30 +43,6 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"MultiHeadAttention: {name} must be an int >= {minimum}, got {value!r}")
 
 
-_LEGACY_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("qk_proj", "v_proj"))
-
-
-def merge_legacy_projections(state_dict: dict, prefix: str = "") -> None:
-    """Rewrite, in place, the separate q/k/v projections of state dicts saved before
-    :class:`MultiHeadAttention` had one ``in_proj`` (``{p}q_proj.weight``, ``{p}k_proj.weight``,
-    ``{p}v_proj.weight`` and biases, or ``qk_proj`` and ``v_proj`` for LSH) into
-    ``{p}in_proj.weight`` / ``.bias``, rows in that order. Every layer whose keys start with
-    ``prefix`` is rewritten."""
-    for names in _LEGACY_PROJECTIONS:
-        suffix = f"{names[0]}.weight"
-        layers = [key[: -len(suffix)] for key in list(state_dict)  # "blocks.0.attn.", or ""
-                  if key.startswith(prefix) and (key == suffix or key.endswith("." + suffix))]
-        for layer in layers:
-            for kind in ("weight", "bias"):
-                keys = [f"{layer}{name}.{kind}" for name in names]
-                if all(key in state_dict for key in keys):
-                    state_dict[f"{layer}in_proj.{kind}"] = torch.cat([state_dict.pop(key) for key in keys])
-
-
-def _merge_legacy_projections(module, state_dict, prefix, *args) -> None:
-    merge_legacy_projections(state_dict, prefix)
-
-
 class MultiHeadAttention(nn.Module):
     """Projections ``x (B, N, C) -> q, k, v (B, H, N, D)``, a mechanism, merged heads ``-> (B, N, C)``.
 
@@ -87,9 +63,9 @@ class MultiHeadAttention(nn.Module):
             projections, so every position also sees its K - 1 predecessors' inputs; 0 = none.
 
     The q, k and v projections are one ``in_proj`` (C -> 3C, weight rows [W_q; W_k; W_v]); LSH
-    attention shares queries and keys, so its ``in_proj`` is C -> 2C, rows [W_qk; W_v]. State dicts
-    with the earlier separate ``q_proj``/``k_proj``/``v_proj`` load unchanged
-    (:func:`merge_legacy_projections`).
+    attention shares queries and keys, so its ``in_proj`` is C -> 2C, rows [W_qk; W_v]. (State dicts
+    with the separate ``q_proj``/``k_proj``/``v_proj`` of linattn before 0.2 were merged on load
+    until 0.3; load and save them once with linattn 0.2 to convert them.)
     """
 
     def __init__(
@@ -132,7 +108,6 @@ class MultiHeadAttention(nn.Module):
         # (a matrix-vector product per projection, bound by reading the weights) one call's
         # overhead instead of three.
         self.in_proj = nn.Linear(d_model, (2 if self.spec.shared_qk else 3) * d_model, bias=bias)
-        self.register_load_state_dict_pre_hook(_merge_legacy_projections)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.mechanism = build_mechanism(attention, n_heads=n_heads, head_dim=self.head_dim, max_len=max_len)
         self.conv = ShortConv(d_model, short_conv) if short_conv else None
@@ -221,7 +196,7 @@ class MultiHeadAttention(nn.Module):
                                  "document")
             check_cu_seqlens("MultiHeadAttention", cu_seqlens, x[:, None])  # x as (1, 1, N, C)
             if self.rotary or self.conv is not None:
-                positions = document_positions(cu_seqlens)  # (N,)
+                positions = document_positions(cu_seqlens, x.shape[1])  # (N,)
         if causal and not self.spec.causal:
             raise ValueError(
                 f"MultiHeadAttention: {self.spec.name!r} attention has no causal form; causal "

@@ -12,13 +12,13 @@ from torch import Tensor
 __all__ = ["apply_rotary", "document_positions", "rotary_angles", "sinusoidal_table"]
 
 
-def document_positions(cu_seqlens: Tensor) -> Tensor:
+def document_positions(cu_seqlens: Tensor, T: int) -> Tensor:
     """The position of every packed token within its own document, ``(T,)`` int64, for documents
-    packed along one sequence with offsets ``cu_seqlens = [0, c_1, ..., T]`` (see
+    packed along one sequence of ``T`` tokens with offsets ``cu_seqlens = [0, c_1, ..., T]`` (see
     :mod:`linattn.functional.varlen`): positions restart at 0 at every document, so a document gets
-    the same position encodings packed as alone."""
+    the same position encodings packed as alone. ``T`` is the caller's length (the inputs' shape),
+    so nothing is read from ``cu_seqlens`` on the host."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (n,)
-    T = int(cu_seqlens[-1])
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,) its document's offset
     return torch.arange(T, device=cu_seqlens.device) - starts
 
