@@ -5,6 +5,10 @@ Each case runs in its own process, so nothing compiled by one is reused by the n
 file with the machine's load and reference matmul speed beside the numbers.
 
     .venv/bin/python docs/benchmarks/compile/first_call.py --out docs/benchmarks/compile/after.json
+    .venv/bin/python docs/benchmarks/compile/first_call.py --table docs/benchmarks/compile/before.json \
+        docs/benchmarks/compile/after.json --floor docs/benchmarks/compile/floor.json \
+        --out docs/benchmarks/compile/README.md
+    (floor.json: --cases baseline --out docs/benchmarks/compile/floor.json)
     PYTHONPATH=<checkout of the code before>/src .venv/bin/python docs/benchmarks/compile/first_call.py \\
         --out docs/benchmarks/compile/before.json
 """
@@ -52,6 +56,8 @@ def _one(case: str, n: int) -> dict:
         "gated deltanet": lambda: linattn.delta_rule_attention(q, kn, v, beta, log_decay=head),
         "gated deltanet packed": lambda: linattn.delta_rule_attention(q, kn, v, beta, log_decay=head, cu_seqlens=cu),
     }
+    # the floor: a compiled elementwise function's first call in a fresh process, caches off
+    forms["baseline"] = lambda: (q.sin() * k).sum(-1)
     if case.startswith("model"):
         from linattn.models import TransformerConfig, TransformerLM
         from linattn.nn.registry import MECHANISMS
@@ -74,7 +80,7 @@ def _one(case: str, n: int) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded, not raised: the measurement is what fails
         breaks, reasons = None, [f"explain failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"]
     dynamo.reset()
-    compiled = torch.compile(target, fullgraph=True) if case.startswith("model") else torch.compile(fn, fullgraph=True)
+    compiled = torch.compile(target if case.startswith("model") else fn, fullgraph=True)
     t0 = time.perf_counter()
     try:
         out = compiled(ids, **kw) if case.startswith("model") else compiled()
@@ -88,12 +94,50 @@ def _one(case: str, n: int) -> dict:
             "first_call_s": round(first, 2), "error": error}
 
 
+def _table(before: Path, after: Path, floor_file: Path | None) -> str:
+    """A markdown table of two result files, case by case (and the floor's file's baseline row)."""
+    b, a = (json.loads(p.read_text()) for p in (before, after))
+    old = {r["case"]: r for r in b["rows"]}
+    rows = a["rows"] + (json.loads(floor_file.read_text())["rows"] if floor_file else [])
+    floor = [r for r in rows if r["case"] == "baseline"]
+    lines = [f"# torch.compile(fullgraph=True), first call (forward+backward, caches off), N = {a['n']}", "",
+             f"Written by `python docs/benchmarks/compile/first_call.py --table {before} {after}"
+             + (f" --floor {floor_file}" if floor_file else "")
+             + "` from the result files beside it (their commands, the code measured and the machine facts are "
+               "in them); do not edit by hand. Before: commit 32fdb49; after: this commit's code. Each case in a "
+               "fresh process with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, B = 1, H = 4, D = 32 (models: 4 layers, "
+               "d_model 128), 2 threads.", "",
+             "| case | graph breaks before | fullgraph before | first call before (s) | graph breaks after | "
+             "fullgraph after | first call after (s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in a["rows"]:
+        if r["case"] == "baseline":
+            continue
+        o = old.get(r["case"], {})
+
+        def cells(x):
+            first = x.get("first_call_s") if x.get("fullgraph") else None
+            return [str(x.get("graph_breaks")), str(x.get("fullgraph")), "-" if first is None else f"{first:.1f}"]
+        lines.append("| " + " | ".join([r["case"], *cells(o), *cells(r)]) + " |")
+    if floor:
+        lines += ["", f"The floor, a compiled elementwise function's first call in a fresh process with the caches "
+                      f"off: {floor[0]['first_call_s']:.1f} s ({floor_file})."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases (default: all; 'baseline': "
+                    "the first call of a compiled elementwise function, the floor)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case, printed as JSON
+    ap.add_argument("--table", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                    help="write the markdown table of two result files to --out instead of measuring")
+    ap.add_argument("--floor", type=Path, help="with --table: a result file holding the baseline case")
     args = ap.parse_args()
+    if args.table:
+        args.out.write_text(_table(*args.table, args.floor))
+        return
     if args.case:
         print(json.dumps(_one(args.case, args.n)))
         return
@@ -101,7 +145,7 @@ def main() -> None:
 
     env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     rows = []
-    for case in CASES:
+    for case in args.cases.split(","):
         p = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--n", str(args.n), "--case", case],
                            env=env, capture_output=True, text=True, timeout=1800)
         line = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""

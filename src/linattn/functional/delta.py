@@ -44,9 +44,9 @@ diagonal then zeroed: nothing exponentiated is ever above 0, so nothing overflow
 near -inf. For half inputs all of this runs in float32 (the state, the cumulative decays, the
 inverses), and the output is cast back.
 
-The backward (``_DeltaRule``) keeps only the inputs and the state before every chunk (as large as
-v when C = Dv: memory stays O(N)), recomputes the chunk-local products block by block, runs the
-state gradient back through ``dU = P^T dO + Kd dS_end``, ``dS = gamma_C dS_end + (gamma Q)^T dO -
+The backward (the custom op ``linattn::delta_rule_chunked_backward``) keeps only the inputs and the
+state before every chunk (as large as v when C = Dv: memory stays O(N)), recomputes the chunk-local
+products block by block, runs the state gradient back through ``dU = P^T dO + Kd dS_end``, ``dS = gamma_C dS_end + (gamma Q)^T dO -
 W^T dU``, chunk by chunk, and derives every other gradient in batched products (the derivation is
 written out at ``_block_backward``; the triangular inverse's is ``dA = -T^T dT T^T``).
 """
