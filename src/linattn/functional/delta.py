@@ -480,6 +480,9 @@ def _delta_rule_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, b, g, output[2])
     ctx.knobs = (scale, chunk_size, chunks_per_block, solve_block)
     ctx.mark_non_differentiable(output[2])
+    # unused outputs' gradients stay None: materialised, the saved states' would be a zero-filled tensor
+    # as large as the states themselves on every backward
+    ctx.set_materialize_grads(False)
 
 
 def _delta_rule_autograd(ctx, do, ds_final, _dstates):

@@ -474,6 +474,9 @@ def _gated_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, g, output[2])
     ctx.knobs = (s0 is not None, chunk_size, scale, sub_chunk_size, tile_positions)
     ctx.mark_non_differentiable(output[2])
+    # unused outputs' gradients stay None: materialised, the saved states' would be a zero-filled tensor
+    # as large as the states themselves on every backward
+    ctx.set_materialize_grads(False)
 
 
 def _gated_autograd(ctx, do, ds_final, _dstates):
