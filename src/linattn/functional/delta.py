@@ -46,9 +46,11 @@ inverses), and the output is cast back.
 
 The backward (the custom op ``linattn::delta_rule_chunked_backward``) keeps only the inputs and the
 state before every chunk (as large as v when C = Dv: memory stays O(N)), recomputes the chunk-local
-products block by block, runs the state gradient back through ``dU = P^T dO + Kd dS_end``, ``dS = gamma_C dS_end + (gamma Q)^T dO -
-W^T dU``, chunk by chunk, and derives every other gradient in batched products (the derivation is
-written out at ``_block_backward``; the triangular inverse's is ``dA = -T^T dT T^T``).
+products block by block, runs the state gradient back through ``dU = P^T dO + Kd dS_end``,
+``dS = gamma_C dS_end + (gamma Q)^T dO - W^T dU``, chunk by chunk, and derives every other
+gradient in batched products (the derivation is written out at ``_block_backward``; the triangular
+inverse's is ``dA = -T^T dT T^T``). Chunks and blocks follow ``linattn.functional.chunks``, the
+layout the gated engine uses too.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ from __future__ import annotations
 from typing import NamedTuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import (
@@ -70,6 +71,7 @@ from .checks import (
     sanitize_padded,
     shape_str,
 )
+from .chunks import ChunkLayout
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
 from .varlen import check_cu_seqlens, varlen_layout
@@ -220,49 +222,10 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_
     return _Locals(E, gam, delta, gC, KK, Tinv, X, P, Kd, GQ)
 
 
-class _Layout(NamedTuple):
-    """``R`` rows of ``N`` positions cut into ``Nc`` chunks of ``C`` (the last filled with zero
-    positions, which are identity steps), handled in blocks of ``per_block`` chunks (all rows
-    together: the batched per-chunk temporaries, C x C scores and D x D transitions, then exist for
-    one block only, small whatever N is) with diagonal blocks of the triangular inverses of up to
-    ``solve_block`` rows (:func:`_unit_lower_inverse`). Neither changes the result beyond rounding.
-
-    A block's inputs are copied chunk-major, ``(n*R, C, X)`` with the R rows of one chunk side by
-    side, so that the sequential loop over a block's chunks reads and writes contiguous
-    ``(R, ...)`` slices in place; the saved states are chunk-major too, ``(Nc + 1, R, D, Dv)``.
-    """
-
-    R: int
-    N: int
-    C: int
-    Nc: int
-    per_block: int
-    solve_block: int
-
-    @staticmethod
-    def of(N: int, R: int, chunk_size: int, chunks_per_block: int, solve_block: int) -> "_Layout":
-        C = min(chunk_size, N)
-        return _Layout(R, N, C, -(-N // C), chunks_per_block, solve_block)
-
-    def chunked(self, x: Tensor) -> Tensor:
-        """``(R, N, ...)`` -> ``(R, Nc, C, ...)``, zero-filled at the end."""
-        fill = self.Nc * self.C - self.N
-        if fill:
-            x = F.pad(x, [0, 0] * (x.dim() - 2) + [0, fill])
-        return x.reshape(self.R, self.Nc, self.C, *x.shape[2:])
-
-    def blocks(self) -> list[slice]:
-        return [slice(c, min(c + self.per_block, self.Nc)) for c in range(0, self.Nc, self.per_block)]
-
-    @staticmethod
-    def take(x: Tensor | None, blk: slice) -> Tensor | None:
-        """Chunks ``blk`` of ``x (R, Nc, C, ...)``, chunk-major: ``(n*R, C, ...)`` (a copy)."""
-        return None if x is None else x[:, blk].transpose(0, 1).reshape(-1, *x.shape[2:])
-
-    @staticmethod
-    def put(dst: Tensor, blk: slice, src: Tensor) -> None:
-        """Write chunk-major ``src (n*R, C, ...)`` into chunks ``blk`` of ``dst (R, Nc, C, ...)``."""
-        dst[:, blk].copy_(src.view(-1, dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice) -> Tensor | None:
+    """A tile's chunks of ``xc (R, Nc, C, ...)`` as the block functions take them: chunk-major and
+    contiguous, ``(m*R, C, ...)`` (the R rows of one chunk side by side)."""
+    return None if xc is None else lay.take(xc, tile).flatten(0, 1)
 
 
 def _block_forward(q, k, v, b, g, st, solve_block):
@@ -291,22 +254,22 @@ def _block_forward(q, k, v, b, g, st, solve_block):
     return torch.bmm(x.P, U.view(m, C, Dv)).baddbmm_(x.GQ, st[:n].reshape(m, D, Dv))
 
 
-def _chunked_forward(q, k, v, b, g, s0, scale, lay):
+def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block):
     """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
     ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``,
-    on the :class:`_Layout` ``lay``."""
+    on the :class:`~linattn.functional.chunks.ChunkLayout` ``lay`` (its tiles are the blocks);
+    ``solve_block``: see :func:`_unit_lower_inverse`."""
     R, N, D = q.shape
     Dv = v.shape[-1]
-    qc, kc, vc, bc = (lay.chunked(t) for t in (q, k, v, b))
-    gc = None if g is None else lay.chunked(g)
-    o = v.new_empty(R, lay.Nc, lay.C, Dv)
+    qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
+    o = lay.new_chunked(v, Dv)
     states = v.new_empty(lay.Nc + 1, R, D, Dv)
     states[0] = s0
-    for blk in lay.blocks():
-        ob = _block_forward(lay.take(qc, blk) * scale, *(lay.take(t, blk) for t in (kc, vc, bc, gc)),
-                            states[blk.start:blk.stop + 1], lay.solve_block)
+    for blk in lay.tiles():
+        ob = _block_forward(_take(lay, qc, blk) * scale, *(_take(lay, t, blk) for t in (kc, vc, bc, gc)),
+                            states[blk.start:blk.stop + 1], solve_block)
         lay.put(o, blk, ob)
-    return o.view(R, -1, Dv)[:, :N], states
+    return lay.unchunked(o), states
 
 
 def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
@@ -396,34 +359,29 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, need_g):
+def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, solve_block, need_g):
     """Gradients of :func:`_chunked_forward`: ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
     ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards."""
     R, N, D = q.shape
     Dv = v.shape[-1]
-    qc, kc, vc, bc, doc = (lay.chunked(t) for t in (q, k, v, b, do))
-    gc = None if g is None else lay.chunked(g)
-    dq, dk = q.new_empty(R, lay.Nc, lay.C, D), q.new_empty(R, lay.Nc, lay.C, D)
-    dv = v.new_empty(R, lay.Nc, lay.C, Dv)
-    db = b.new_empty(R, lay.Nc, lay.C)
-    dg = b.new_empty(R, lay.Nc, lay.C) if need_g else None
+    qc, kc, vc, bc, gc, doc = (lay.chunked(t) for t in (q, k, v, b, g, do))
+    dq, dk, dv = lay.new_chunked(q, D), lay.new_chunked(q, D), lay.new_chunked(v, Dv)
+    db = lay.new_chunked(b)
+    dg = lay.new_chunked(b) if need_g else None
     ds = ds_final
-    for blk in reversed(lay.blocks()):
+    for blk in reversed(lay.tiles()):
         dst = ds.new_empty(blk.stop - blk.start + 1, R, D, Dv)
         dst[-1] = ds
-        parts = list(_block_backward(lay.take(qc, blk) * scale, *(lay.take(t, blk) for t in (kc, vc, bc, gc)),
-                                     states[blk.start:blk.stop + 1], lay.take(doc, blk), dst, need_g,
-                                     lay.solve_block))
+        parts = list(_block_backward(_take(lay, qc, blk) * scale, *(_take(lay, t, blk) for t in (kc, vc, bc, gc)),
+                                     states[blk.start:blk.stop + 1], _take(lay, doc, blk), dst, need_g, solve_block))
         parts[0].mul_(scale)  # the block saw scale * q
         for dst_all, part in zip((dq, dk, dv, db, dg), parts):
             if part is not None:
                 lay.put(dst_all, blk, part)
         ds = dst[0]
 
-    def crop(t):
-        return None if t is None else t.view(R, -1, *t.shape[3:])[:, :N]
-
-    return crop(dq), crop(dk), crop(dv), crop(db), crop(dg), ds
+    dg = None if dg is None else lay.unchunked(dg)
+    return lay.unchunked(dq), lay.unchunked(dk), lay.unchunked(dv), lay.unchunked(db), dg, ds
 
 
 # The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
@@ -438,8 +396,8 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, need_g):
 def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block):
     """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)`` and the saved states."""
     with no_autocast(q.device.type):
-        lay = _Layout.of(q.shape[1], q.shape[0], chunk_size, chunks_per_block, solve_block)
-        o, states = _chunked_forward(q, k, v, b, g, s0, scale, lay)
+        lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
+        o, states = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block)
     return o.contiguous(), states[-1].clone(), states
 
 
@@ -459,11 +417,11 @@ def _delta_rule_chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chu
                                  solve_block, need_g):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
-        lay = _Layout.of(q.shape[1], q.shape[0], chunk_size, chunks_per_block, solve_block)
+        lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
         # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
         # the reshapes and make every batched product copy its matrices one by one
         dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final, scale, lay,
-                                                    need_g)
+                                                    solve_block, need_g)
     dg = b.new_empty(0) if dg is None else dg.contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), db.contiguous(), dg, ds0.contiguous()
 

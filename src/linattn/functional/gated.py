@@ -33,6 +33,7 @@ from .checks import (
     no_autocast,
     shape_str,
 )
+from .chunks import ChunkLayout
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
 from .varlen import check_cu_seqlens, varlen_layout
@@ -291,37 +292,6 @@ def _intra_channel_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
     return dq, dk
 
 
-def _chunked(x: Tensor, C: int) -> Tensor:
-    """``(B, H, N, X)`` -> ``(Nc, B*H, C, X)``, zero positions appended to fill the last chunk
-    (zero q, k, v and log decay: an identity step that writes nothing). Chunk-major, so that a
-    tile of consecutive chunks, and the state of one chunk for all rows, index alike. When C
-    divides N this is a view of x (no copy: the tiles make their own small contiguous copies);
-    else a padded copy, laid out (B*H, Nc, C, X) alike."""
-    B, H, N, X = x.shape
-    fill = -N % C
-    x = x.reshape(B * H, N, X)
-    if fill:
-        x = torch.nn.functional.pad(x, (0, 0, 0, fill))
-    return x.view(B * H, -1, C, X).transpose(0, 1)
-
-
-def _chunked_empty(like: Tensor, Nc: int, R: int, C: int, X: int) -> Tensor:
-    """An uninitialised ``(Nc, R, C, X)`` view of a ``(R, Nc, C, X)`` tensor, which
-    :func:`_unchunked` turns back into ``(B, H, N, X)`` without a copy when C divides N."""
-    return like.new_empty(R, Nc, C, X).transpose(0, 1)
-
-
-def _unchunked(x: Tensor, B: int, H: int, N: int) -> Tensor:
-    """``(Nc, B*H, C, X)`` -> ``(B, H, N, X)``, fill positions dropped."""
-    return x.transpose(0, 1).reshape(B * H, -1, x.shape[-1])[:, :N].reshape(B, H, N, x.shape[-1])
-
-
-def _tiles(Nc: int, R: int, C: int, tile_positions: int) -> list[slice]:
-    """Consecutive chunks in tiles of about ``tile_positions`` positions (all R rows together)."""
-    m = max(1, tile_positions // (R * C))
-    return [slice(j, min(j + m, Nc)) for j in range(0, Nc, m)]
-
-
 def _tile_decays(g: Tensor) -> tuple[CumulativeLogDecay, Tensor, Tensor]:
     """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)``, ``exp(b) (m, R, C, G)`` and
     ``exp(b_C - b) (m, R, C, G)``, all in g's dtype; every exponent <= 0. b keeps the digits of
@@ -356,26 +326,27 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
     by tile (a scaled copy of the whole q would be one more full-size tensor)."""
     B, H, N, D = q.shape
     Dv = v.shape[-1]
-    C = min(chunk_size, N)
-    q3, k3, v3, g3 = (_chunked(t, C) for t in (q, k, v, g))  # (Nc, R, C, *)
-    Nc, R = q3.shape[:2]
-    states = q3.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
+    lay = ChunkLayout.of(B * H, N, chunk_size, tile_positions=tile_positions)
+    R, C, Nc = lay.R, lay.C, lay.Nc
+    q3, k3, v3, g3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g))  # (R, Nc, C, *)
+    states = q.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
     if s0 is None:
         states[0].zero_()
     else:
         states[0] = s0.reshape(R, D, Dv)
-    o = _chunked_empty(q3, Nc, R, C, Dv)
+    o = lay.new_chunked(q, Dv)
     c = _sub_length(C, sub_chunk_size)
-    for sl in _tiles(Nc, R, C, tile_positions):
-        q_, k_, v_, g_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous(), g3[sl].contiguous()
+    for sl in lay.tiles():
+        q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
+        k_, v_, g_ = (lay.take(t, sl) for t in (k3, v3, g3))
         b, eb, ek = _tile_decays(g_)
         u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
         for j in range(sl.stop - sl.start):
             torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
         A, _ = _tile_intra(q_, k_, g_, b, c)
-        o[sl] = (q_ * eb) @ states[sl] + A @ v_
-    return _unchunked(o, B, H, N).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
+        lay.put(o, sl, (q_ * eb) @ states[sl] + A @ v_)
+    return lay.unchunked(o).reshape(B, H, N, Dv).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
 
 
 def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, do: Tensor, ds_final: Tensor,
@@ -385,18 +356,17 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
     ``dq, dk, dv, dg`` shaped as their inputs and ``ds0 (B, H, D, Dv)`` (``(0,)`` without
     ``has_s0``). The chunk-local products are recomputed from the inputs and the saved states."""
     B, H, N, D = q.shape
-    C = min(chunk_size, N)
-    q3, k3, v3, g3, do3 = (_chunked(t, C) for t in (q, k, v, g, do))
-    Nc, R = q3.shape[:2]
-    Dv, G = v3.shape[-1], g3.shape[-1]
+    Dv, G = v.shape[-1], g.shape[-1]
+    lay = ChunkLayout.of(B * H, N, chunk_size, tile_positions=tile_positions)
+    R, C, Nc = lay.R, lay.C, lay.Nc
+    q3, k3, v3, g3, do3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g, do))  # (R, Nc, C, *)
     T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
     T[Nc] = ds_final.reshape(R, D, Dv)
-    dq3, dk3 = _chunked_empty(q3, Nc, R, C, D), _chunked_empty(q3, Nc, R, C, D)
-    dv3, dg3 = _chunked_empty(q3, Nc, R, C, Dv), _chunked_empty(q3, Nc, R, C, G)
+    dq3, dk3, dv3, dg3 = (lay.new_chunked(q, X) for X in (D, D, Dv, G))
     c = _sub_length(C, sub_chunk_size)
-    for sl in reversed(_tiles(Nc, R, C, tile_positions)):
-        q_, k_, v_ = q3[sl] * scale, k3[sl].contiguous(), v3[sl].contiguous()
-        g_, do_ = g3[sl].contiguous(), do3[sl].contiguous()
+    for sl in reversed(lay.tiles()):
+        q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
+        k_, v_, g_, do_ = (lay.take(t, sl) for t in (k3, v3, g3, do3))
         b, eb, ek = _tile_decays(g_)
         qd = q_ * eb
         gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
@@ -406,7 +376,7 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
         s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
         A, saved = _tile_intra(q_, k_, g_, b, c)
         dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
-        dv3[sl] = (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_
+        lay.put(dv3, sl, (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_)
         dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
         dk = (v_ @ t_.transpose(-1, -2)).mul_(ek)  # through the state after it
         y, z = _g_sum(q_ * dq, G), _g_sum(k_ * dk, G)  # (m, R, C, G)
@@ -425,11 +395,12 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
         dg = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
         # 0 at a reset (a log decay below -40, -inf included): each term carries a decay of
         # exactly 0 there, but the cumulative sums above leave rounding noise
-        dg3[sl] = dg.masked_fill_(g_ < RESET_LOG_DECAY, 0)
-        dq3[sl], dk3[sl] = dq.add_(dqi).mul_(scale), dk + dki  # dq: the tile saw scale * q
+        lay.put(dg3, sl, dg.masked_fill_(g_ < RESET_LOG_DECAY, 0))
+        lay.put(dq3, sl, dq.add_(dqi).mul_(scale))  # the tile saw scale * q
+        lay.put(dk3, sl, dk + dki)
     ds0 = T[0].reshape(B, H, D, Dv) if has_s0 else T.new_empty(0)
-    return (_unchunked(dq3, B, H, N).contiguous(), _unchunked(dk3, B, H, N).contiguous(),
-            _unchunked(dv3, B, H, N).contiguous(), _unchunked(dg3, B, H, N).contiguous(), ds0)
+    dq, dk, dv, dg = (lay.unchunked(t).reshape(B, H, N, t.shape[-1]).contiguous() for t in (dq3, dk3, dv3, dg3))
+    return dq, dk, dv, dg, ds0
 
 
 # The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
