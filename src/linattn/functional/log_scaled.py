@@ -25,19 +25,17 @@ a stabiliser: it receives no gradient.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import no_autocast
+from .chunks import ChunkLayout
 
 __all__ = ["causal_product_log_scaled"]
 
 
-def _chunks(x: Tensor, n_pad: int, C: int, value: float = 0.0) -> Tensor:
-    """``(B, H, N, X)`` -> ``(B*H*Nc, C, X)``, rows of ``value`` appended to fill the last chunk."""
-    if n_pad:
-        x = F.pad(x, (0, 0, 0, n_pad), value=value)
-    return x.reshape(-1, C, x.shape[-1])
+def _chunks(lay: ChunkLayout, x: Tensor) -> Tensor:
+    """``(B, H, N, X)`` -> ``(B*H*Nc, C, X)`` on the layout ``lay`` (zero rows fill the last chunk)."""
+    return lay.chunked(x.reshape(lay.R, lay.N, x.shape[-1])).flatten(0, 1)
 
 
 def _weights(mc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -159,12 +157,12 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             ctx.device_type = a.device.type
             B, H, N, Fd = a.shape
             E = w.shape[-1]
-            C = min(chunk_size, N)
-            nc = -(-N // C)
-            n_pad = nc * C - N
-            ac, kc, wc = (_chunks(x, n_pad, C) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
+            # one tile: the whole row (the per-chunk states are a scan over all chunks at once)
+            lay = ChunkLayout.of(B * H, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
+            C, nc, n_pad = lay.C, lay.Nc, lay.fill
+            ac, kc, wc = (_chunks(lay, x) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
             # fill positions repeat the last scale: they carry zero rows and must not rescale
-            mc = _chunks(m[..., None], n_pad, C, 0.0).view(B * H, nc, C)
+            mc = _chunks(lay, m[..., None]).view(B * H, nc, C)
             if n_pad:
                 mc[:, -1, C - n_pad :] = mc[:, -1, C - n_pad - 1 : C - n_pad]
             intra, enter, leave, start, end = _weights(mc)
@@ -173,8 +171,8 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
             ctx.save_for_backward(ac, kc, wc, mc, s_in, scores)
             ctx.has_s0 = s0 is not None
-            ctx.meta = (B, H, N)
-            out = o.view(B, H, -1, E)[:, :, :N]
+            ctx.meta = (B, H, N, chunk_size)
+            out = lay.unchunked(o.view(B * H, nc, C, E)).view(B, H, N, E)
             return out, s_final.view(B, H, Fd, E)
 
     @staticmethod
@@ -182,13 +180,13 @@ class _LogScaledCausalProduct(torch.autograd.Function):
     def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
         with no_autocast(ctx.device_type):
             ac, kc, wc, mc, s_in, scores = ctx.saved_tensors
-            B, H, N = ctx.meta
+            B, H, N, chunk_size = ctx.meta
+            lay = ChunkLayout.of(B * H, N, chunk_size, chunks_per_tile=mc.shape[1])
             C, Fd, E = ac.shape[1], ac.shape[2], wc.shape[-1]
-            BH, nc = B * H, mc.shape[1]
             intra, enter, leave, start, end = _weights(mc)
             if do is None:
                 do = ac.new_zeros(B, H, N, E)
-            doc = _chunks(do, nc * C - N, C)  # (B*H*Nc, C, E)
+            doc = _chunks(lay, do)  # (B*H*Nc, C, E)
             doe = doc * enter  # gradient reaching a_i . S_in, per row
             # g[c] = d loss / d S_in[c] from chunk c's outputs. The total gradient of S_in[c] is
             # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
@@ -205,7 +203,7 @@ class _LogScaledCausalProduct(torch.autograd.Function):
             da = torch.bmm(dscores, kc).baddbmm_(doe, s_in.transpose(1, 2))
 
             def unchunk(x: Tensor) -> Tensor:
-                return x.view(B, H, -1, x.shape[-1])[:, :, :N]
+                return lay.unchunked(x.view(lay.R, lay.Nc, C, x.shape[-1])).view(B, H, N, x.shape[-1])
 
             return unchunk(da), unchunk(dk), unchunk(dw), None, ds0, None
 
