@@ -3,7 +3,7 @@ autograd.Functions they replace: forward+backward of gated_linear_attention (per
 and delta_rule_attention (no decay, and with a decay), B = 1, H = 8, D = Dv = 64, float32,
 2 threads, at N = 256 (where a per-call overhead would show), 4096 and 16384 (the rows of
 `linattn bench gated`), the two versions interleaved in one process (5 calls each after a
-warm-up, medians), with the machine's load and reference matmul speed.
+warm-up, 101 at N = 256; medians), with the machine's load and reference matmul speed.
 
 A one-off comparison, not a `linattn bench` command: the old version is the package as of commit
 32fdb49 copied to /tmp/oldpkg2/linattn_old (`git worktree add /tmp/before 32fdb49 && cp -r
@@ -40,7 +40,7 @@ for N in (256, 4096, 16384):
         "deltanet": lambda m: m.delta_rule_attention(q, kn, v, beta),
         "gated deltanet": lambda m: m.delta_rule_attention(q, kn, v, beta, log_decay=head),
     }
-    calls = 25 if N == 256 else 5
+    calls = 101 if N == 256 else 5  # short calls: more of them (noise there is +-8% with 25)
     for name, f in cases.items():
         for m in (linattn, linattn_old):  # warm-up
             f(m).sum().backward()
