@@ -147,65 +147,125 @@ def _chunk_states(
     return buf[:, :nc].reshape(-1, Fd, E), s_final  # a view when BH = 1
 
 
-class _LogScaledCausalProduct(torch.autograd.Function):
-    # Saves its inputs, the per-chunk states (N F E / C floats, about one more feature tensor) and
-    # the chunk scores (N C floats): with F in the hundreds both cost more to redo than to keep.
+def _layout(a: Tensor, chunk_size: int) -> ChunkLayout:
+    """One tile: the whole row (the per-chunk states are one scan over all chunks at once)."""
+    B, H, N = a.shape[:3]
+    return ChunkLayout.of(B * H, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
 
-    @staticmethod
-    def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None, chunk_size: int):
-        with no_autocast(a.device.type):
-            ctx.device_type = a.device.type
-            B, H, N, Fd = a.shape
-            E = w.shape[-1]
-            # one tile: the whole row (the per-chunk states are a scan over all chunks at once)
-            lay = ChunkLayout.of(B * H, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
-            C, nc, n_pad = lay.C, lay.Nc, lay.fill
-            ac, kc, wc = (_chunks(lay, x) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
-            # fill positions repeat the last scale: they carry zero rows and must not rescale
-            mc = _chunks(lay, m[..., None]).view(B * H, nc, C)
-            if n_pad:
-                mc[:, -1, C - n_pad :] = mc[:, -1, C - n_pad - 1 : C - n_pad]
-            intra, enter, leave, start, end = _weights(mc)
-            s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H)
-            scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
-            o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
-            ctx.save_for_backward(ac, kc, wc, mc, s_in, scores)
-            ctx.has_s0 = s0 is not None
-            ctx.meta = (B, H, N, chunk_size)
-            out = lay.unchunked(o.view(B * H, nc, C, E)).view(B, H, N, E)
-            return out, s_final.view(B, H, Fd, E)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
-        with no_autocast(ctx.device_type):
-            ac, kc, wc, mc, s_in, scores = ctx.saved_tensors
-            B, H, N, chunk_size = ctx.meta
-            lay = ChunkLayout.of(B * H, N, chunk_size, chunks_per_tile=mc.shape[1])
-            C, Fd, E = ac.shape[1], ac.shape[2], wc.shape[-1]
-            intra, enter, leave, start, end = _weights(mc)
-            if do is None:
-                do = ac.new_zeros(B, H, N, E)
-            doc = _chunks(lay, do)  # (B*H*Nc, C, E)
-            doe = doc * enter  # gradient reaching a_i . S_in, per row
-            # g[c] = d loss / d S_in[c] from chunk c's outputs. The total gradient of S_in[c] is
-            # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
-            # the same rescaled scan run backwards (levels -start, read in reverse order); chunk c's
-            # contribution gets T[c+1] (T[Nc] = ds_final) and s0 gets T[0].
-            t = _scanned_products(ac.transpose(1, 2), doe, ds_final, -start, -end[:, -1], reverse=True)  # T[c], T[Nc]
-            ds0 = t[:, 0].reshape(B, H, Fd, E).clone() if ctx.has_s0 else None
-            g = t[:, 1:].reshape(-1, Fd, E)  # d loss / d (chunk c's contribution) = T[c + 1]
-            del t
-            dscores = torch.bmm(doc, wc.transpose(1, 2)).mul_(intra)  # d loss / d (a k^T), masked
-            dw = torch.bmm(kc, g).mul_(leave).baddbmm_(scores.transpose(1, 2), doc)
-            dk = torch.bmm(wc, g.transpose(1, 2)).mul_(leave).baddbmm_(dscores.transpose(1, 2), ac)
-            del g
-            da = torch.bmm(dscores, kc).baddbmm_(doe, s_in.transpose(1, 2))
+def _forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None,
+             chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> ``o (B, H, N, E)``, the final state ``(B, H, F, E)`` and what the backward keeps besides
+    the inputs: the chunked scales ``mc (B*H, Nc, C)``, the per-chunk states ``s_in (B*H*Nc, F, E)``
+    and the masked chunk scores ``(B*H*Nc, C, C)`` (N F E / C and N C floats: with F in the
+    hundreds both cost more to redo than to keep)."""
+    B, H, N, Fd = a.shape
+    E = w.shape[-1]
+    lay = _layout(a, chunk_size)
+    C, nc, n_pad = lay.C, lay.Nc, lay.fill
+    ac, kc, wc = (_chunks(lay, x) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
+    # fill positions repeat the last scale: they carry zero rows and must not rescale. A copy (B*H*N
+    # floats): kept for the backward, it must not be a view of the input m
+    mc = _chunks(lay, m[..., None]).view(B * H, nc, C).clone()
+    if n_pad:
+        mc[:, -1, C - n_pad:] = mc[:, -1, C - n_pad - 1: C - n_pad]
+    intra, enter, leave, start, end = _weights(mc)
+    s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H)
+    scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
+    o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
+    out = lay.unchunked(o.view(B * H, nc, C, E)).view(B, H, N, E)
+    return out.contiguous(), s_final.view(B, H, Fd, E), mc, s_in.contiguous(), scores
 
-            def unchunk(x: Tensor) -> Tensor:
-                return lay.unchunked(x.view(lay.R, lay.Nc, C, x.shape[-1])).view(B, H, N, x.shape[-1])
 
-            return unchunk(da), unchunk(dk), unchunk(dw), None, ds0, None
+def _backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, scores: Tensor, do: Tensor,
+              ds_final: Tensor, has_s0: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_forward`: ``da, dkf, dw`` shaped as their inputs and ``ds0 (B, H, F, E)``
+    (``(0,)`` without ``has_s0``)."""
+    B, H, N, Fd = a.shape
+    E = w.shape[-1]
+    lay = _layout(a, chunk_size)
+    C = lay.C
+    ac, kc, wc, doc = (_chunks(lay, x) for x in (a, kf, w, do))  # (B*H*Nc, C, F|F|E|E)
+    intra, enter, leave, start, end = _weights(mc)
+    doe = doc * enter  # gradient reaching a_i . S_in, per row
+    # g[c] = d loss / d S_in[c] from chunk c's outputs. The total gradient of S_in[c] is
+    # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
+    # the same rescaled scan run backwards (levels -start, read in reverse order); chunk c's
+    # contribution gets T[c+1] (T[Nc] = ds_final) and s0 gets T[0].
+    t = _scanned_products(ac.transpose(1, 2), doe, ds_final, -start, -end[:, -1], reverse=True)  # T[c], T[Nc]
+    ds0 = t[:, 0].reshape(B, H, Fd, E).clone() if has_s0 else a.new_empty(0)
+    g = t[:, 1:].reshape(-1, Fd, E)  # d loss / d (chunk c's contribution) = T[c + 1]
+    del t
+    dscores = torch.bmm(doc, wc.transpose(1, 2)).mul_(intra)  # d loss / d (a k^T), masked
+    dw = torch.bmm(kc, g).mul_(leave).baddbmm_(scores.transpose(1, 2), doc)
+    dk = torch.bmm(wc, g.transpose(1, 2)).mul_(leave).baddbmm_(dscores.transpose(1, 2), ac)
+    del g
+    da = torch.bmm(dscores, kc).baddbmm_(doe, s_in.transpose(1, 2))
+
+    def unchunk(x: Tensor) -> Tensor:
+        return lay.unchunked(x.view(lay.R, lay.Nc, C, x.shape[-1])).view(B, H, N, x.shape[-1]).contiguous()
+
+    return unchunk(da), unchunk(dk), unchunk(dw), ds0
+
+
+# The chunked product as a torch.library custom op with its own autograd (as the gated and
+# delta-rule engines): torch.compile sees one op per call instead of unrolling the chunk scan.
+@torch.library.custom_op("linattn::log_scaled_product", mutates_args=(),
+                         schema="(Tensor a, Tensor kf, Tensor w, Tensor m, Tensor? s0, int chunk_size) "
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _log_scaled_product(a, kf, w, m, s0, chunk_size):
+    with no_autocast(a.device.type):
+        return _forward(a, kf, w, m, s0, chunk_size)
+
+
+@_log_scaled_product.register_fake
+def _(a, kf, w, m, s0, chunk_size):
+    B, H, N, Fd = a.shape
+    E = w.shape[-1]
+    C = min(chunk_size, N)
+    nc = -(-N // C)
+    return (a.new_empty(B, H, N, E), a.new_empty(B, H, Fd, E), a.new_empty(B * H, nc, C),
+            a.new_empty(B * H * nc, Fd, E), a.new_empty(B * H * nc, C, C))
+
+
+@torch.library.custom_op("linattn::log_scaled_product_backward", mutates_args=(),
+                         schema="(Tensor a, Tensor kf, Tensor w, Tensor mc, Tensor s_in, Tensor scores, Tensor do, "
+                                "Tensor ds_final, bool has_s0, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor)")
+def _log_scaled_product_backward(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, chunk_size):
+    with no_autocast(a.device.type):
+        return _backward(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, chunk_size)
+
+
+@_log_scaled_product_backward.register_fake
+def _(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, chunk_size):
+    B, H, _, Fd = a.shape
+    ds0 = a.new_empty(B, H, Fd, w.shape[-1]) if has_s0 else a.new_empty(0)
+    return a.new_empty(a.shape), kf.new_empty(kf.shape), w.new_empty(w.shape), ds0
+
+
+def _setup(ctx, inputs, output):
+    a, kf, w, m, s0, chunk_size = inputs
+    _, _, mc, s_in, scores = output
+    ctx.save_for_backward(a, kf, w, mc, s_in, scores)
+    ctx.knobs = (s0 is not None, chunk_size)
+    ctx.mark_non_differentiable(mc, s_in, scores)
+    # unused outputs' gradients stay None (materialised, the saved tensors' would be zero-filled)
+    ctx.set_materialize_grads(False)
+
+
+def _autograd(ctx, do, ds_final, _dmc, _ds_in, _dscores):
+    a, kf, w, mc, s_in, scores = ctx.saved_tensors
+    has_s0, _ = ctx.knobs
+    B, H, _, Fd = a.shape
+    if do is None:
+        do = w.new_zeros(w.shape)
+    if ds_final is None:
+        ds_final = w.new_zeros(B, H, Fd, w.shape[-1])
+    da, dk, dw, ds0 = _log_scaled_product_backward(a, kf, w, mc, s_in, scores, do, ds_final, *ctx.knobs)
+    return da, dk, dw, None, ds0 if has_s0 else None, None
+
+
+_log_scaled_product.register_autograd(_autograd, setup_context=_setup)
 
 
 def causal_product_log_scaled(
@@ -244,4 +304,5 @@ def causal_product_log_scaled(
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E) zeros, attached to the graph
         s_final = s if s0 is None else s0 + s
         return a @ s_final, s_final
-    return _LogScaledCausalProduct.apply(a, kf, w, m.detach(), s0, chunk_size)
+    out, s_final, _, _, _ = _log_scaled_product(a, kf, w, m.detach(), s0, chunk_size)
+    return out, s_final
