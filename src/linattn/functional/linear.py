@@ -18,7 +18,7 @@ It never builds the (N, F, E) prefix-sum tensor the plain cumsum form needs (30+
 and it has its own backward that recomputes the intra-chunk scores instead of storing them. It runs
 tile by tile (a few thousand positions at a time, the ``tile_positions`` knob), so that no temporary
 is larger than a tile; causal ``linear_attention`` fuses normalisation and an elementwise feature
-map into the same pass (``_CausalLinearAttention``).
+map into the same pass (the custom op ``linattn::causal_linear_attention``).
 """
 
 from __future__ import annotations
@@ -342,131 +342,215 @@ class _CausalLinearProduct(torch.autograd.Function):
             return (*grads, None, None)
 
 
-class _CausalLinearAttention(torch.autograd.Function):
-    """Normalised causal kernel attention ``(q, k, v, s0) -> (out, s_final)`` with
-    ``out_i = n_i / d_i``, ``[n_i, d_i] = phi(q_i) . (s0 + sum_{j<=i} phi(k_j) [v_j, 1]^T)``.
+# Normalised causal kernel attention ``(q, k, v, s0) -> (out, s_final)`` with ``out_i = n_i / d_i``,
+# ``[n_i, d_i] = phi(q_i) . (s0 + sum_{j<=i} phi(k_j) [v_j, 1]^T)``: the causal product fused with
+# the normalisation and, for an elementwise feature map ``phi`` (a
+# :class:`~linattn.functional.feature_maps.ElementwiseMap`, named in ``ELEMENTWISE_MAPS``), with the
+# map too. ``[v, 1]`` and the normaliser only ever exist one tile at a time, and outputs and
+# gradients are written straight into their final tensors. With ``phi`` "" q and k are already
+# features. Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
+# (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them). The
+# normaliser is guarded as in :func:`~linattn.functional.normaliser.normalise`.
+#
+# Features under a fused phi, when a gradient will be needed (``keep``): the forward writes phi(q)
+# and phi(k) into two tensors that the backward then overwrites, tile by tile, with the gradients
+# of q and k (a tile's features are read only by that tile). Storing them costs no more memory than
+# the gradients themselves, and no page faults beyond theirs (a fresh 32 MiB tensor faults in every
+# page at first touch), while recomputing phi (an exp) would cost a visible share of the call. A
+# second backward through the same graph (retain_graph) finds them consumed and recomputes.
+#
+# A torch.library custom op with its own autograd, as every chunked engine here: torch.compile sees
+# one op per call. The backward op mutates the kept features (declared) and the autograd function
+# returns them as the gradients of q and k.
 
-    The causal product fused with the normalisation and, for an elementwise feature map ``phi``
-    (a :class:`~linattn.functional.feature_maps.ElementwiseMap`), with the map too. ``[v, 1]``
-    and the normaliser only ever exist one tile at a time, and outputs and gradients are written
-    straight into their final tensors. With ``phi`` None, q and k are already features.
-    Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, s0 and s_final ``(B, H, F, Dv+1)``
-    (numerator state and normaliser state side by side, as :func:`linear_attention` keeps them).
-    The normaliser is guarded as in :func:`~linattn.functional.normaliser.normalise`.
 
-    Features under a fused phi, when a gradient will be needed: the forward writes phi(q) and
-    phi(k) into two tensors that the backward then overwrites, tile by tile, with the gradients of
-    q and k (a tile's features are read only by that tile). Storing them costs no more memory
-    than the gradients themselves, and no page faults beyond theirs (a fresh 32 MiB tensor faults
-    in every page at first touch), while recomputing phi (an exp) would cost a visible share of the
-    call.
-    A second backward through the same graph (retain_graph) finds them consumed and recomputes.
-    """
+def _attention_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, tile_positions: int,
+                       phi_name: str, keep: bool):
+    """-> ``out``, ``s_final``, the guarded normaliser's inverse ``inv (B, H, N, 1)``, where it was
+    used ``active`` (bool, same shape), the kept features (two ``(B, H, N, D)``, or ``(0,)`` each)
+    and the states before every block but a row's first, stacked: ``(n, 1, F, Dv)`` and ``(n, 1, F)``
+    (``(0,)`` each when every row is one block)."""
+    phi = ELEMENTWISE_MAPS[phi_name] if phi_name else None
+    lay = _Tiles.of(q, chunk_size, tile_positions)
+    dv = v.shape[-1]
+    q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
+    out = v.new_empty(v.shape)
+    inv = v.new_empty(*v.shape[:-1], 1)  # 1 / guarded normaliser, (B, H, N, 1)
+    # where the normaliser itself was used (not its floor): the gradient reaches it there
+    active = torch.empty(inv.shape, dtype=torch.bool, device=inv.device)
+    out3, inv3, active3 = _rows_view(out), _rows_view(inv), _rows_view(active)
+    keep = keep and phi is not None
+    feats = (_new_like(q), _new_like(k)) if keep else None
+    feats3 = None if feats is None else [_rows_view(f) for f in feats]
+    s_finals = []
+    starts_s, starts_z = [], []  # the states (S, z) before every block but a row's first
+    for rows in lay.row_groups():
+        s0g = None if s03 is None else s03[rows]
+        s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
+        for i, pos in enumerate(lay.blocks()):
+            if i:
+                starts_s.append(s)
+                starts_z.append(z)
+            x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
+                                  None if feats3 is None else [f[rows] for f in feats3])
+            og, s, d, z, floor = _rows_forward(x, with_den=True)
+            d, act = guarded_normaliser(d, floor)
+            inv_g = d.reciprocal_().unsqueeze(-1)
+            lay.put(inv3[rows], pos, inv_g)
+            lay.put(active3[rows], pos, act.unsqueeze(-1))
+            into = lay.target(out3[rows], pos)
+            if into is None:
+                lay.put(out3[rows], pos, og.mul_(inv_g))
+            else:
+                torch.mul(og, inv_g, out=into)
+        s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1))
+    s_final = torch.cat(s_finals).view(*q.shape[:2], -1, dv + 1)
+    def none() -> Tensor:  # a new one each time: a custom op's outputs may not alias each other
+        return q.new_empty(0)
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, tile_positions: int,
-                phi):
-        with no_autocast(q.device.type):
-            ctx.device_type, ctx.tiling, ctx.phi = q.device.type, (chunk_size, tile_positions), phi
-            lay = _Tiles.of(q, chunk_size, tile_positions)
-            dv = v.shape[-1]
-            q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
-            out = v.new_empty(v.shape)
-            inv = v.new_empty(*v.shape[:-1], 1)  # 1 / guarded normaliser, (B, H, N, 1)
-            # where the normaliser itself was used (not its floor): the gradient reaches it there
-            active = torch.empty(inv.shape, dtype=torch.bool, device=inv.device)
-            out3, inv3, active3 = _rows_view(out), _rows_view(inv), _rows_view(active)
-            keep = phi is not None and any(ctx.needs_input_grad[:4])
-            feats = (_new_like(q), _new_like(k)) if keep else None
-            feats3 = None if feats is None else [_rows_view(f) for f in feats]
-            s_finals = []
-            ctx.starts = []  # the states (S, z) before every block but a row's first
-            for rows in lay.row_groups():
+    fq, fk = feats if feats is not None else (none(), none())
+    ss = torch.stack(starts_s) if starts_s else none()
+    sz = torch.stack(starts_z) if starts_z else none()
+    return out, s_final, inv, active, fq, fk, ss, sz
+
+
+def _attention_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, chunk_size,
+                        tile_positions, phi_name):
+    """Gradients of :func:`_attention_forward` (``need``: for q, k, v, s0); the kept features ``fq, fk``
+    (unless ``(0,)``) are overwritten with the gradients of q and k, which then come back as ``(0,)``."""
+    phi = ELEMENTWISE_MAPS[phi_name] if phi_name else None
+    feats = (fq, fk) if fq.numel() else None
+    lay = _Tiles.of(q, chunk_size, tile_positions)
+    dv = v.shape[-1]
+    q3, k3, v3, s03, out3, inv3, active3, dout3, dsf3 = (
+        _rows_view(t) for t in (q, k, v, s0, out, inv, active, dout, ds_final)
+    )
+    grads = [_new_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
+    feats3 = None if feats is None else [_rows_view(f) for f in feats]
+    if feats is not None:  # the features' tensors become the gradients of q and k
+        grads[:2] = [f if n else None for f, n in zip(feats, need)]
+    grads3 = [_rows_view(g) for g in grads]
+    starts = iter(reversed([(ss[i], sz[i]) for i in range(ss.shape[0])] if ss.numel() else []))
+    blocks = lay.blocks()
+    for rows in reversed(lay.row_groups()):
+        # gradients of the states after the block, carried back from block to block
+        dsf = dsf3[rows]
+        ds, dz = dsf[..., :dv], dsf[..., dv]
+        for i in reversed(range(len(blocks))):
+            pos = blocks[i]
+            if i:
+                s, z = next(starts)
+            else:
                 s0g = None if s03 is None else s03[rows]
                 s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
-                for i, pos in enumerate(lay.blocks()):
-                    if i:
-                        ctx.starts.append((s, z))
-                    x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi,
-                                          None if feats3 is None else [f[rows] for f in feats3])
-                    og, s, d, z, floor = _rows_forward(x, with_den=True)
-                    d, act = guarded_normaliser(d, floor)
-                    inv_g = d.reciprocal_().unsqueeze(-1)
-                    lay.put(inv3[rows], pos, inv_g)
-                    lay.put(active3[rows], pos, act.unsqueeze(-1))
-                    into = lay.target(out3[rows], pos)
-                    if into is None:
-                        lay.put(out3[rows], pos, og.mul_(inv_g))
-                    else:
-                        torch.mul(og, inv_g, out=into)
-                s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1))
-            ctx.feats = feats
-            ctx.save_for_backward(q, k, v, s0, out, inv, active)
-            s_final = torch.cat(s_finals).view(*q.shape[:2], -1, dv + 1)
-            return out, s_final
+            if feats is None:
+                x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
+            else:
+                x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (*feats3, v3)), s, z,
+                                 rows.stop - rows.start)
+            # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d
+            g, o_g, inv_g, act = (lay.chunks(t[rows], pos) for t in (dout3, out3, inv3, active3))
+            do = g * inv_g
+            # ... and 0 where the floor stood in for d
+            dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_().mul_(act.squeeze(-1))
+            # gradients straight into their final tensors where no fill rows are in the
+            # way: dw always; da, dk when q, k are features (else phi' comes first)
+            outs = [None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3]]
+            if phi is not None:
+                outs[:2] = None, None
+            da, dk, dw, ds, dz = _rows_backward(x, do, dd, ds, dz, need, tuple(outs))
+            if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself,
+                # in place of phi(x), which is the saved feature itself unless there is fill
+                da = None if da is None else phi.backward_(x.a, da)
+                dk = None if dk is None else phi.backward_(x.k, dk)
+                if feats is not None and not lay.fills(pos):
+                    outs[:2] = da, dk
+            for g3, part, into in zip(grads3[:3], (da, dk, dw), outs):
+                if g3 is not None and into is None:
+                    lay.put(g3[rows], pos, part)
+        if grads3[3] is not None:
+            grads3[3][rows] = torch.cat([ds, dz.unsqueeze(-1)], dim=-1)
+    if feats is not None:
+        grads[:2] = [None, None]  # they are the features' tensors, returned by the autograd function
+    return tuple(q.new_empty(0) if g is None else g for g in grads)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout: Tensor | None, ds_final: Tensor | None):
-        with no_autocast(ctx.device_type):
-            q, k, v, s0, out, inv, active = ctx.saved_tensors
-            phi, feats = ctx.phi, ctx.feats
-            ctx.feats = None  # overwritten below: a second backward must recompute them
-            need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
-            lay = _Tiles.of(q, *ctx.tiling)
-            dv = v.shape[-1]
-            q3, k3, v3, s03, out3, inv3, active3, dout3, dsf3 = (
-                _rows_view(t) for t in (q, k, v, s0, out, inv, active, dout, ds_final)
-            )
-            grads = [_new_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
-            feats3 = None if feats is None else [_rows_view(f) for f in feats]
-            if feats is not None:  # the features' tensors become the gradients of q and k
-                grads[:2] = [f if n else None for f, n in zip(feats, need)]
-            grads3 = [_rows_view(g) for g in grads]
-            starts = iter(reversed(ctx.starts))
-            blocks = lay.blocks()
-            for rows in reversed(lay.row_groups()):
-                # gradients of the states after the block, carried back from block to block
-                dsf = None if dsf3 is None else dsf3[rows]
-                ds, dz = (None, None) if dsf is None else (dsf[..., :dv], dsf[..., dv])
-                for i in reversed(range(len(blocks))):
-                    pos = blocks[i]
-                    if i:
-                        s, z = next(starts)
-                    else:
-                        s0g = None if s03 is None else s03[rows]
-                        s, z = (None, None) if s0g is None else (s0g[..., :dv], s0g[..., dv])
-                    if feats is None:
-                        x = _attention_inputs(lay, pos, q3[rows], k3[rows], v3[rows], s, z, phi)
-                    else:
-                        x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (*feats3, v3)), s, z,
-                                         rows.stop - rows.start)
-                    if dout3 is None:
-                        do, dd = torch.zeros_like(x.w), x.w.new_zeros(x.w.shape[:2])
-                    else:
-                        # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d
-                        g, o_g, inv_g, act = (lay.chunks(t[rows], pos) for t in (dout3, out3, inv3, active3))
-                        do = g * inv_g
-                        # ... and 0 where the floor stood in for d
-                        dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_().mul_(act.squeeze(-1))
-                    # gradients straight into their final tensors where no fill rows are in the
-                    # way: dw always; da, dk when q, k are features (else phi' comes first)
-                    outs = [None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3]]
-                    if phi is not None:
-                        outs[:2] = None, None
-                    da, dk, dw, ds, dz = _rows_backward(x, do, dd, ds, dz, need, tuple(outs))
-                    if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself,
-                        # in place of phi(x), which is the saved feature itself unless there is fill
-                        da = None if da is None else phi.backward_(x.a, da)
-                        dk = None if dk is None else phi.backward_(x.k, dk)
-                        if feats is not None and not lay.fills(pos):
-                            outs[:2] = da, dk
-                    for g3, part, into in zip(grads3[:3], (da, dk, dw), outs):
-                        if g3 is not None and into is None:
-                            lay.put(g3[rows], pos, part)
-                if grads3[3] is not None:
-                    grads3[3][rows] = torch.cat([ds, dz.unsqueeze(-1)], dim=-1)
-            return (*grads, None, None, None)
+
+@torch.library.custom_op("linattn::causal_linear_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor? s0, int chunk_size, int tile_positions, "
+                                "str phi, bool keep) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+                                "Tensor)")
+def _causal_linear_attention(q, k, v, s0, chunk_size, tile_positions, phi, keep):
+    with no_autocast(q.device.type):
+        return _attention_forward(q, k, v, s0, chunk_size, tile_positions, phi, keep)
+
+
+@_causal_linear_attention.register_fake
+def _(q, k, v, s0, chunk_size, tile_positions, phi, keep):
+    B, H, N, _ = q.shape
+    dv = v.shape[-1]
+    Fd = q.shape[-1]
+    lay = _Tiles.of(q, chunk_size, tile_positions)
+    n_starts = (len(lay.blocks()) - 1) * B * H if lay.per == 1 else 0
+    kept = keep and bool(phi)
+    fq = q.new_empty(q.shape) if kept else q.new_empty(0)
+    fk = k.new_empty(k.shape) if kept else q.new_empty(0)
+    ss = q.new_empty(n_starts, 1, Fd, dv) if n_starts else q.new_empty(0)
+    sz = q.new_empty(n_starts, 1, Fd) if n_starts else q.new_empty(0)
+    return (v.new_empty(v.shape), q.new_empty(B, H, Fd, dv + 1), v.new_empty(B, H, N, 1),
+            torch.empty(B, H, N, 1, dtype=torch.bool, device=q.device), fq, fk, ss, sz)
+
+
+@torch.library.custom_op("linattn::causal_linear_attention_backward", mutates_args=("fq", "fk"),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor out, Tensor inv, Tensor active, "
+                                "Tensor(a!) fq, Tensor(b!) fk, Tensor ss, Tensor sz, Tensor dout, Tensor ds_final, "
+                                "bool[] need, int chunk_size, int tile_positions, str phi) "
+                                "-> (Tensor, Tensor, Tensor, Tensor)")
+def _causal_linear_attention_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need,
+                                      chunk_size, tile_positions, phi):
+    with no_autocast(q.device.type):
+        return _attention_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, tuple(need),
+                                   chunk_size, tile_positions, phi)
+
+
+@_causal_linear_attention_backward.register_fake
+def _(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, chunk_size, tile_positions, phi):
+    kept = fq.numel() > 0
+    dq = q.new_empty(q.shape) if need[0] and not kept else q.new_empty(0)
+    dk = k.new_empty(k.shape) if need[1] and not kept else q.new_empty(0)
+    dv = v.new_empty(v.shape) if need[2] else q.new_empty(0)
+    ds0 = s0.new_empty(s0.shape) if s0 is not None and need[3] else q.new_empty(0)
+    return dq, dk, dv, ds0
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, s0, chunk_size, tile_positions, phi, keep = inputs
+    out, s_final, inv, active, fq, fk, ss, sz = output
+    ctx.save_for_backward(q, k, v, s0, out, inv, active, ss, sz)
+    ctx.knobs = (chunk_size, tile_positions, phi)
+    # on ctx, not saved: the backward overwrites them in place (saved tensors would refuse a second
+    # backward for that), and forgets them after the first
+    ctx.feats = (fq, fk) if fq.numel() else None
+    ctx.mark_non_differentiable(inv, active, fq, fk, ss, sz)
+    ctx.set_materialize_grads(False)
+
+
+def _attention_autograd(ctx, dout, ds_final, *_):
+    q, k, v, s0, out, inv, active, ss, sz = ctx.saved_tensors
+    fq, fk = ctx.feats if ctx.feats is not None else (q.new_empty(0), q.new_empty(0))
+    ctx.feats = None  # overwritten below: a second backward (retain_graph) recomputes them
+    need = list(ctx.needs_input_grad[:3]) + [bool(ctx.needs_input_grad[3] and s0 is not None)]
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if ds_final is None:
+        ds_final = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1] + 1)  # (B, H, F, Dv + 1); F = D here
+    grads = list(_causal_linear_attention_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final,
+                                                   need, *ctx.knobs))
+    if fq.numel():  # the kept features now hold the gradients of q and k
+        grads[:2] = fq, fk
+    return (*(g if n else None for g, n in zip(grads, need)), None, None, None, None)
+
+
+_causal_linear_attention.register_autograd(_attention_autograd, setup_context=_attention_setup)
 
 
 def _attention_inputs(lay: _Tiles, pos: slice, q: Tensor, k: Tensor, v: Tensor,
@@ -732,7 +816,13 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         check_linear_state(fn, initial_state, B, H, Fd, dv, q.device)
         s0 = torch.cat([initial_state.S.to(dt), initial_state.z.to(dt)[..., None]], dim=-1)
     if tiled:
-        out, s_final = _CausalLinearAttention.apply(qf, kf, v, s0, chunk_size, tile_positions, phi)
+        # the features are kept for the backward only when a gradient will be taken, and not under
+        # torch.compile: they live on the autograd context (the backward overwrites them), which a
+        # compiled backward graph does not take as an input
+        keep = (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+                and any(t is not None and t.requires_grad for t in (qf, kf, v, s0)))
+        name = "" if phi is None else feature_map
+        out, s_final, *_ = _causal_linear_attention(qf, kf, v, s0, chunk_size, tile_positions, name, keep)
         out = out.to(q.dtype)
     else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
