@@ -282,64 +282,113 @@ def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Ten
     return da, dk, dw, ds0, dz0
 
 
-class _CausalLinearProduct(torch.autograd.Function):
-    """``(a, kf, w, s0) -> (o, s_final)`` of :func:`causal_linear_product`, tile by tile."""
+def _product_forward(a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int,
+                     tile_positions: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`causal_linear_product`, tile by tile: ``o (B, H, N, E)``, ``s_final (B, H, F, E)`` and the
+    states before every block but a row's first, stacked ``(n, 1, F, E)`` (``(0,)`` when every row is
+    one block)."""
+    lay = _Tiles.of(a, chunk_size, tile_positions)
+    a3, k3, w3, s03 = (_rows_view(t) for t in (a, kf, w, s0))
+    o = w.new_empty(w.shape)
+    s_final = w.new_empty(*a.shape[:2], a.shape[-1], w.shape[-1])
+    o3, sf3 = _rows_view(o), _rows_view(s_final)
+    starts = []
+    for rows in lay.row_groups():
+        s = None if s03 is None else s03[rows]
+        for i, pos in enumerate(lay.blocks()):
+            if i:
+                starts.append(s)
+            x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
+            into = lay.target(o3[rows], pos)
+            og, s, _, _, _ = _rows_forward(x, with_den=False, out=into)
+            if into is None:
+                lay.put(o3[rows], pos, og)
+        sf3[rows] = s
+    return o, s_final, torch.stack(starts) if starts else a.new_empty(0)
 
-    @staticmethod
-    def forward(ctx, a: Tensor, kf: Tensor, w: Tensor, s0: Tensor | None, chunk_size: int, tile_positions: int):
-        # Autocast would run these bmm in half precision and accumulate the state there; the
-        # caller already chose the compute dtype (float32 for half inputs).
-        with no_autocast(a.device.type):
-            ctx.device_type, ctx.tiling = a.device.type, (chunk_size, tile_positions)
-            lay = _Tiles.of(a, chunk_size, tile_positions)
-            a3, k3, w3, s03 = (_rows_view(t) for t in (a, kf, w, s0))
-            o = w.new_empty(w.shape)
-            s_final = w.new_empty(*a.shape[:2], a.shape[-1], w.shape[-1])
-            o3, sf3 = _rows_view(o), _rows_view(s_final)
-            ctx.starts = []  # the state before every block but a row's first, (R, F, E) each
-            for rows in lay.row_groups():
-                s = None if s03 is None else s03[rows]
-                for i, pos in enumerate(lay.blocks()):
-                    if i:
-                        ctx.starts.append(s)
-                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None,
-                                     rows.stop - rows.start)
-                    into = lay.target(o3[rows], pos)
-                    og, s, _, _, _ = _rows_forward(x, with_den=False, out=into)
-                    if into is None:
-                        lay.put(o3[rows], pos, og)
-                sf3[rows] = s
-            ctx.save_for_backward(a, kf, w, s0)
-            return o, s_final
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do: Tensor | None, ds_final: Tensor | None):
-        with no_autocast(ctx.device_type):
-            a, kf, w, s0 = ctx.saved_tensors
-            need = ctx.needs_input_grad[:3] + (ctx.needs_input_grad[3] and s0 is not None,)
-            lay = _Tiles.of(a, *ctx.tiling)
-            a3, k3, w3, s03, do3, dsf3 = (_rows_view(t) for t in (a, kf, w, s0, do, ds_final))
-            grads = [_new_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
-            grads3 = [_rows_view(g) for g in grads]
-            starts = iter(reversed(ctx.starts))
-            blocks = lay.blocks()
-            for rows in reversed(lay.row_groups()):
-                ds = None if dsf3 is None else dsf3[rows]  # gradient of the state after the block
-                for i in reversed(range(len(blocks))):
-                    pos = blocks[i]
-                    s = next(starts) if i else (None if s03 is None else s03[rows])
-                    x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None,
-                                     rows.stop - rows.start)
-                    doc = torch.zeros_like(x.w) if do3 is None else lay.chunks(do3[rows], pos)
-                    outs = tuple(None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3])
-                    *parts, ds, _ = _rows_backward(x, doc, None, ds, None, need, outs)
-                    for g3, part, into in zip(grads3[:3], parts, outs):
-                        if g3 is not None and into is None:
-                            lay.put(g3[rows], pos, part)
-                if grads3[3] is not None:
-                    grads3[3][rows] = ds
-            return (*grads, None, None)
+def _product_backward(a, kf, w, s0, starts, do, ds_final, need, chunk_size, tile_positions):
+    """Gradients of :func:`_product_forward` for ``a, kf, w, s0`` (``(0,)`` where ``need`` says none)."""
+    lay = _Tiles.of(a, chunk_size, tile_positions)
+    a3, k3, w3, s03, do3, dsf3 = (_rows_view(t) for t in (a, kf, w, s0, do, ds_final))
+    grads = [_new_like(t) if n else None for t, n in zip((a, kf, w, s0), need)]
+    grads3 = [_rows_view(g) for g in grads]
+    starts = iter(reversed([starts[i] for i in range(starts.shape[0])] if starts.numel() else []))
+    blocks = lay.blocks()
+    for rows in reversed(lay.row_groups()):
+        ds = dsf3[rows]  # gradient of the state after the block
+        for i in reversed(range(len(blocks))):
+            pos = blocks[i]
+            s = next(starts) if i else (None if s03 is None else s03[rows])
+            x = _ChunkInputs(*(lay.chunks(t[rows], pos) for t in (a3, k3, w3)), s, None, rows.stop - rows.start)
+            doc = lay.chunks(do3[rows], pos)
+            outs = tuple(None if g3 is None else lay.target(g3[rows], pos) for g3 in grads3[:3])
+            *parts, ds, _ = _rows_backward(x, doc, None, ds, None, need, outs)
+            for g3, part, into in zip(grads3[:3], parts, outs):
+                if g3 is not None and into is None:
+                    lay.put(g3[rows], pos, part)
+        if grads3[3] is not None:
+            grads3[3][rows] = ds
+    return tuple(a.new_empty(0) if g is None else g for g in grads)
+
+
+# A torch.library custom op with its own autograd, as every chunked engine here: torch.compile sees
+# one op per call. Saves the inputs and the states between blocks.
+@torch.library.custom_op("linattn::causal_linear_product", mutates_args=(),
+                         schema="(Tensor a, Tensor kf, Tensor w, Tensor? s0, int chunk_size, int tile_positions) "
+                                "-> (Tensor, Tensor, Tensor)")
+def _causal_linear_product(a, kf, w, s0, chunk_size, tile_positions):
+    # Autocast would run these bmm in half precision and accumulate the state there; the caller
+    # already chose the compute dtype (float32 for half inputs).
+    with no_autocast(a.device.type):
+        return _product_forward(a, kf, w, s0, chunk_size, tile_positions)
+
+
+@_causal_linear_product.register_fake
+def _(a, kf, w, s0, chunk_size, tile_positions):
+    B, H, _, Fd = a.shape
+    E = w.shape[-1]
+    lay = _Tiles.of(a, chunk_size, tile_positions)
+    n_starts = (len(lay.blocks()) - 1) * B * H if lay.per == 1 else 0
+    starts = a.new_empty(n_starts, 1, Fd, E) if n_starts else a.new_empty(0)
+    return w.new_empty(w.shape), a.new_empty(B, H, Fd, E), starts
+
+
+@torch.library.custom_op("linattn::causal_linear_product_backward", mutates_args=(),
+                         schema="(Tensor a, Tensor kf, Tensor w, Tensor? s0, Tensor starts, Tensor do, "
+                                "Tensor ds_final, bool[] need, int chunk_size, int tile_positions) "
+                                "-> (Tensor, Tensor, Tensor, Tensor)")
+def _causal_linear_product_backward(a, kf, w, s0, starts, do, ds_final, need, chunk_size, tile_positions):
+    with no_autocast(a.device.type):
+        return _product_backward(a, kf, w, s0, starts, do, ds_final, tuple(need), chunk_size, tile_positions)
+
+
+@_causal_linear_product_backward.register_fake
+def _(a, kf, w, s0, starts, do, ds_final, need, chunk_size, tile_positions):
+    return tuple(t.new_empty(t.shape) if t is not None and n else a.new_empty(0)
+                 for t, n in zip((a, kf, w, s0), need))
+
+
+def _product_setup(ctx, inputs, output):
+    a, kf, w, s0, chunk_size, tile_positions = inputs
+    ctx.save_for_backward(a, kf, w, s0, output[2])
+    ctx.knobs = (chunk_size, tile_positions)
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
+
+
+def _product_autograd(ctx, do, ds_final, _dstarts):
+    a, kf, w, s0, starts = ctx.saved_tensors
+    need = list(ctx.needs_input_grad[:3]) + [bool(ctx.needs_input_grad[3] and s0 is not None)]
+    if do is None:
+        do = torch.zeros_like(w)
+    if ds_final is None:
+        ds_final = w.new_zeros(*a.shape[:2], a.shape[-1], w.shape[-1])
+    grads = _causal_linear_product_backward(a, kf, w, s0, starts, do, ds_final, need, *ctx.knobs)
+    return (*(g if n else None for g, n in zip(grads, need)), None, None)
+
+
+_causal_linear_product.register_autograd(_product_autograd, setup_context=_product_setup)
 
 
 # Normalised causal kernel attention ``(q, k, v, s0) -> (out, s_final)`` with ``out_i = n_i / d_i``,
@@ -614,7 +663,8 @@ def causal_linear_product(
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E) zeros, attached to the graph
         s_final = s if s0 is None else s0 + s
         return a @ s_final, s_final
-    return _CausalLinearProduct.apply(a, kf, w, s0, chunk_size, tile_positions)
+    o, s_final, _ = _causal_linear_product(a, kf, w, s0, chunk_size, tile_positions)
+    return o, s_final
 
 
 # ---------------------------------------------------------------------------------------------
