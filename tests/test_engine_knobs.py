@@ -67,17 +67,16 @@ def test_delta_rule_knobs_do_not_change_the_result(decay, knobs):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("name", ["sub_chunk_size", "tile_positions", "chunk_size"])
-@pytest.mark.parametrize("value", [0, -1, 2.5, True])
-def test_gated_knobs_are_checked(name, value):
-    q, k, v, gate, _ = _inputs(1)
-    with pytest.raises((ValueError, TypeError), match=name):
-        linattn.gated_linear_attention(q, k, v, gate, **{name: value})
+KNOB_CHECKS = [("gated", name) for name in ("sub_chunk_size", "tile_positions", "chunk_size")] + [
+    ("delta", name) for name in ("chunks_per_block", "solve_block", "chunk_size")]
 
 
-@pytest.mark.parametrize("name", ["chunks_per_block", "solve_block", "chunk_size"])
+@pytest.mark.parametrize("form,name", KNOB_CHECKS)
 @pytest.mark.parametrize("value", [0, -1, 2.5, True])
-def test_delta_rule_knobs_are_checked(name, value):
-    q, k, v, _, beta = _inputs(1)
+def test_knobs_are_checked(form, name, value):
+    q, k, v, gate, beta = _inputs(1)
     with pytest.raises((ValueError, TypeError), match=name):
-        linattn.delta_rule_attention(q, k, v, beta, **{name: value})
+        if form == "gated":
+            linattn.gated_linear_attention(q, k, v, gate, **{name: value})
+        else:
+            linattn.delta_rule_attention(q, k, v, beta, **{name: value})

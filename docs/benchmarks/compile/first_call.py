@@ -106,7 +106,9 @@ def _table(before: Path, after: Path, floor_file: Path | None) -> str:
              + "` from the result files beside it (their commands, the code measured and the machine facts are "
                "in them); do not edit by hand. Before: commit 32fdb49; after: this commit's code. Each case in a "
                "fresh process with TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, B = 1, H = 4, D = 32 (models: 4 layers, "
-               "d_model 128), 2 threads.", "",
+               "d_model 128), 2 threads. One cold compile per case and side, one run: the times are single "
+               "measurements (each costs minutes), not medians; the graph breaks and whether the whole graph "
+               "traced are deterministic.", "",
              "| case | graph breaks before | fullgraph before | first call before (s) | graph breaks after | "
              "fullgraph after | first call after (s) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in a["rows"]:
