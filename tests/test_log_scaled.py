@@ -1,10 +1,15 @@
-"""The log-scaled causal engine (FAVOR's causal form) against a step-by-step float64 recurrence."""
+"""The decayed engine's running-scale specialisation (FAVOR's causal form) against a step-by-step float64
+recurrence."""
 
 import pytest
 import torch
 
 from conftest import assert_close
-from linattn.functional.log_scaled import causal_product_log_scaled
+from linattn.functional.decayed import decayed_product
+
+
+def causal_product_log_scaled(a, kf, w, m, s0=None, *, chunk_size):
+    return decayed_product(a, kf, w, s0, running_log_scale=m, chunk_size=chunk_size)
 
 
 def recurrence(a, kf, w, m, s0):

@@ -66,16 +66,31 @@ def test_gate_value_checks_read_nothing_from_the_host():
         linattn.delta_rule_attention(q, k, v, torch.full_like(beta, float("nan")))
 
 
-def test_linear_attention_refuses_tile_positions_with_packed_documents():
-    """The packed form runs on the gated engine, which has no tiles: the knob is refused, not ignored."""
+def test_linear_attention_passes_tile_positions_on_with_packed_documents(monkeypatch):
+    """The packed form runs on the decayed engine's log-decay path, which has tiles too: the knob
+    reaches it (not accepted and ignored), and any value gives the same result."""
+    from linattn.functional import gated
+
     q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
     cu = torch.tensor([0, 10, 40])
-    with pytest.raises(ValueError, match="tile_positions is not used with cu_seqlens"):
-        linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu, tile_positions=512)
-    packed = linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu)
+    seen = []
+    engine = gated.decayed_product
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["tile_positions"])
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(gated, "decayed_product", spy)
+    packed = linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu, tile_positions=16, chunk_size=4)
+    assert seen == [16]
+    default = linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu)
+    assert seen == [16, 4096]
     tiled = linattn.linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], causal=True, tile_positions=16,
                                      chunk_size=4)
     torch.testing.assert_close(packed[:, :, 10:], tiled)
+    torch.testing.assert_close(default, packed)
+    with pytest.raises(ValueError, match="tile_positions"):
+        linattn.linear_attention(q, k, v, causal=True, cu_seqlens=cu, tile_positions=0)
 
 
 from linattn.models import TransformerConfig, TransformerLM  # noqa: E402

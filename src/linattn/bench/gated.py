@@ -10,6 +10,9 @@ At B = 1, H = 8, D = Dv = 64, float32, causal forward+backward (every input's gr
   Qwen3-Next falls back to without the Triton kernels), interleaved, at each N (fewer repeats: it
   takes seconds per call at N = 16384);
 - one recurrent step (Nq = 1, no grad) of each against a linear-attention step;
+- what the decayed engine's specialisations are worth: linear attention's and FAVOR+'s causal
+  products routed through its log-decay path (gated_linear_attention) against the no-gate and
+  running-scale specialisations that serve them, interleaved (timed, not claims);
 - in fresh processes at ``memory_n`` (65536): peak memory of forward+backward of each form, whether
   the output and gradients are finite, and the output's largest error relative to the float64
   reference recurrence (forward, computed in that process).
@@ -37,7 +40,7 @@ from torch import Tensor
 
 from .. import functional, progress
 from ..processes import run_process
-from ..functional.log_scaled import causal_product_log_scaled
+from ..functional.decayed import decayed_product
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
@@ -58,9 +61,10 @@ from .harness import (
 H, D = 8, 64
 BASE = "linear"
 OURS = ("gla_head", "gla_channel", "delta", "gated_delta")
-# The products of linear attention and of FAVOR+ computed by the gated engine, each timed beside
-# the engine that serves it today: what keeping those engines is worth (issue 20's "one engine"
-# question). probe -> the contender it is divided by. Timed, not claims.
+# The products of linear attention and of FAVOR+ routed through the decayed engine's log-decay path
+# (gated_linear_attention), each timed beside the specialisation that serves it: what specialising
+# inside the engine is worth (docs/design/one_engine.md). probe -> the contender it is divided by.
+# Timed, not claims.
 ENGINE_PROBES = {"linear_on_gated_engine": "linear", "favor_on_gated_engine": "favor_product"}
 FAVOR_FEATURES = 256  # FAVOR+'s registry default num_features; the product's values carry Dv + 1 columns
 TIMED = (BASE, *OURS, *ENGINE_PROBES, "favor_product")  # the forward+backward timings, interleaved
@@ -77,11 +81,11 @@ DESCRIPTIONS = {
     "delta": "delta_rule_attention, no decay (DeltaNet)",
     "gated_delta": "delta_rule_attention, log_decay (B, H, N) (Gated DeltaNet)",
     "hf_gated_delta": "transformers' torch_chunk_gated_delta_rule (chunk 64), same inputs",
-    "linear_on_gated_engine": "linear attention (elu+1) on gated_linear_attention's engine: decay 0, normaliser "
-                              "as a value column",
-    "favor_product": f"FAVOR+'s causal product on its own engine (causal_product_log_scaled), {FAVOR_FEATURES} "
-                     "features, Dv + 1 value columns",
-    "favor_on_gated_engine": "the same FAVOR+ product on gated_linear_attention's engine: the running rescale "
+    "linear_on_gated_engine": "linear attention (elu+1) routed through the decayed engine's log-decay path "
+                              "(gated_linear_attention): decay 0, normaliser as a value column",
+    "favor_product": f"FAVOR+'s causal product on the decayed engine's running-scale specialisation, "
+                     f"{FAVOR_FEATURES} features, Dv + 1 value columns",
+    "favor_on_gated_engine": "the same FAVOR+ product routed through the log-decay path: the running rescale "
                              "as a per-head log decay",
 }
 
@@ -150,7 +154,7 @@ def forms(x: dict) -> dict:
     out["linear_on_gated_engine"] = lambda: linear_on_gated_engine(x["q"], x["k"], x["v"])
     if "fq" in x:
         favor = (x["fq"], x["fk"], x["fv"], x["favor_scale"])
-        out["favor_product"] = lambda: causal_product_log_scaled(*favor)[0]
+        out["favor_product"] = lambda: decayed_product(*favor[:3], running_log_scale=favor[3])[0]
         out["favor_on_gated_engine"] = lambda: favor_product_on_gated_engine(*favor)
     hf = hf_gated_delta_rule()
     if hf is not None:
@@ -171,7 +175,8 @@ def linear_on_gated_engine(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def favor_product_on_gated_engine(a: Tensor, kf: Tensor, w: Tensor, m: Tensor) -> Tensor:
-    """``causal_product_log_scaled(a, kf, w, m)``'s output through ``gated_linear_attention``: its
+    """The running-scale product ``decayed_product(a, kf, w, running_log_scale=m)`` through
+    ``gated_linear_attention``: its
     state ``S_i = e^(m_(i-1) - m_i) S_(i-1) + kf_i w_i^T`` is a per-head decayed state with
     ``log_decay_i = m_(i-1) - m_i <= 0`` (0 at i = 0), read with scale 1. ``m`` gets no gradient."""
     m = m.detach()
@@ -356,8 +361,8 @@ def format_gated(result: dict) -> str:
     for n, names in result["ratios"].items():
         for name, s in names.items():
             lines.append(f"| {n} | {DESCRIPTIONS[name]} | {format_spread_cells(s)} |")
-    lines += ["", "## One engine? Each product on gated_linear_attention's engine / on the engine that serves it "
-              "today, forward+backward", "", "| N | contender | median | min | max | per run |",
+    lines += ["", "## Specialise, don't route: each product routed through the decayed engine's log-decay path / "
+              "on the specialisation that serves it, forward+backward", "", "| N | contender | median | min | max | per run |",
               "| --- | --- | --- | --- | --- | --- |"]
     for n, probes in result["engine_ratios"].items():
         for name, s in probes.items():

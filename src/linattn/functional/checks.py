@@ -178,6 +178,21 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
+def engine_op(name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = ()):
+    """``impl`` registered as the ``torch.library`` custom op ``name`` (``schema``: its arguments in
+    order, and its outputs), run with autocast off on the first tensor argument's device: the
+    chunked engines get inputs in the compute dtype their caller chose (float32 for half inputs),
+    and autocast would run their products in half precision and accumulate the states there.
+    Returns the op (register its fake, autograd, ... on it)."""
+
+    def run(*args):
+        device = next(a.device for a in args if isinstance(a, Tensor))
+        with no_autocast(device.type):
+            return impl(*args)
+
+    return torch.library.custom_op(name, run, mutates_args=mutates_args, schema=schema)
+
+
 def sanitize_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     """Replace padded key rows of ``x (B,H,Nk,*)`` by zeros.
 

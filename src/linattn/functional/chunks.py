@@ -12,6 +12,13 @@ then exist for one tile only, small whatever N is, and in cache.
 
 Dimension legend: R rows (B*H), N positions, C chunk length, Nc chunks, m chunks of one tile,
 X any trailing shape (none for a gate of one value a position).
+
+Row tiles (:meth:`ChunkLayout.by_rows`) are the other order, for an engine whose chunk states are
+prefix sums rather than a recurrence (no gate: linear attention's product): a tile is either a group
+of whole rows or a block of consecutive chunks of one row, so that its inputs, ``(R, N, X)`` in
+memory, are a ``(r*m, C, X)`` view that batched matmuls read and write in place (no copy in, no
+copy out), and the state is carried from block to block of a row. Only the last chunk of a row is
+ever filled, and only a tile holding it is copied.
 """
 
 from __future__ import annotations
@@ -25,13 +32,16 @@ __all__ = ["ChunkLayout"]
 
 
 class ChunkLayout(NamedTuple):
-    """``R`` rows of ``N`` positions in ``Nc`` chunks of ``C``, ``per_tile`` chunks to a tile."""
+    """``R`` rows of ``N`` positions in ``Nc`` chunks of ``C``, ``per_tile`` chunks to a tile; a row
+    tile (:meth:`by_rows`) holds ``rows_per_tile`` rows, and then ``per_tile`` is Nc unless
+    ``rows_per_tile`` is 1."""
 
     R: int
     N: int
     C: int
     Nc: int
     per_tile: int
+    rows_per_tile: int = 0
 
     @staticmethod
     def of(R: int, N: int, chunk_size: int, *, chunks_per_tile: int | None = None,
@@ -85,3 +95,59 @@ class ChunkLayout(NamedTuple):
         """Write chunk-major ``src`` (``(m, R, C, *X)``, or ``(m*R, C, *X)``) into chunks ``tile`` of
         ``dst (R, Nc, C, *X)``."""
         dst[:, tile].copy_(src.view(-1, dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+
+    # Row tiles --------------------------------------------------------------------------------
+
+    @staticmethod
+    def by_rows(R: int, N: int, chunk_size: int, tile_positions: int) -> "ChunkLayout":
+        """Row tiles of about ``tile_positions`` positions: groups of whole rows when a row fits
+        (chunks filled), else blocks of ``tile_positions // C`` chunks (at least one) of one row."""
+        C = min(chunk_size, N)
+        Nc = -(-N // C)
+        if Nc * C <= tile_positions:
+            return ChunkLayout(R, N, C, Nc, Nc, tile_positions // (Nc * C))
+        return ChunkLayout(R, N, C, Nc, max(1, tile_positions // C), 1)
+
+    def row_groups(self) -> list[slice]:
+        """The rows of each row tile's group, in order."""
+        return [slice(r, min(r + self.rows_per_tile, self.R)) for r in range(0, self.R, self.rows_per_tile)]
+
+    def blocks(self) -> list[slice]:
+        """The chunks of each block of a row group, in order (one block when groups are whole rows)."""
+        return self.tiles()
+
+    def positions(self, chunks: slice) -> slice:
+        """The positions of ``chunks``, fill excluded."""
+        return slice(chunks.start * self.C, min(chunks.stop * self.C, self.N))
+
+    def fills(self, chunks: slice) -> bool:
+        """Whether ``chunks`` hold the filled last chunk."""
+        return bool(self.fill) and chunks.stop == self.Nc
+
+    def block(self, x: Tensor, chunks: slice) -> Tensor:
+        """Chunks ``chunks`` of a row group's ``x (r, N, X)`` as ``(r*m, C, X)``: a view, or a
+        zero-filled copy when they hold the last chunk and it is filled."""
+        return self.as_block(x[:, self.positions(chunks)], chunks)
+
+    def as_block(self, xt: Tensor, chunks: slice) -> Tensor:
+        """:meth:`block` of ``xt (r, n, X)``, the positions of ``chunks`` already taken."""
+        if self.fills(chunks):
+            xt = F.pad(xt, (0, 0, 0, self.fill))
+        return xt.reshape(-1, self.C, xt.shape[-1])
+
+    def target(self, dst: Tensor, chunks: slice) -> Tensor | None:
+        """Chunks ``chunks`` of a row group's ``dst (r, N, X)`` as a ``(r*m, C, X)`` view to compute
+        into, or None where the last chunk is filled (compute elsewhere, then :meth:`put_block`)."""
+        if self.fills(chunks):
+            return None
+        return dst[:, self.positions(chunks)].view(-1, self.C, dst.shape[-1])
+
+    def put_block(self, dst: Tensor, chunks: slice, src: Tensor) -> None:
+        """Write ``src (r*m, C, X)`` into chunks ``chunks`` of a row group's ``dst (r, N, X)``."""
+        pos = self.positions(chunks)
+        dst[:, pos].copy_(src.view(dst.shape[0], -1, src.shape[-1])[:, : pos.stop - pos.start])
+
+    def block_starts(self) -> int:
+        """How many states a row-tiled forward keeps for its backward: the state before every block
+        of a row but its first, for every row (0 when groups are whole rows)."""
+        return (len(self.blocks()) - 1) * self.R if self.rows_per_tile == 1 else 0

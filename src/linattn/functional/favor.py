@@ -23,12 +23,12 @@ so:
 - each query's features are divided by their own maximum (a per-query factor);
 - each key's features are divided by ``e^{m_j}``, where ``m_j`` is the running maximum, over the
   real keys up to j, of the keys' log-magnitudes ``c_j = max_r (W k'_j)_r - ||k'_j||^2/2``
-  (trig: ``||k'_j||^2/2``). Causal and recurrent forms carry the state at that running scale
-  (``log_scaled.py``), so the stabiliser of position i depends on no later position and every
-  exponent is <= 0. Rescaling the state from ``m_{i-1}`` to ``m_i`` is a decay
-  ``e^{m_{i-1} - m_i} <= 1``, so :func:`~linattn.functional.gated.gated_linear_attention` could
-  serve it too; it does for packed documents (``cu_seqlens``), whose resets it already has, but
-  not for the plain causal form, where ``log_scaled.py`` measured faster (docs/design/one_engine.md).
+  (trig: ``||k'_j||^2/2``). Causal and recurrent forms carry the state at that running scale,
+  so the stabiliser of position i depends on no later position and every exponent is <= 0.
+  Rescaling the state from ``m_{i-1}`` to ``m_i`` is the per-head decay ``e^{m_{i-1} - m_i} <= 1``:
+  the decayed engine (``decayed.py``) runs it as its running-scale specialisation, whose exponents
+  are differences of the given ``m`` (docs/design/one_engine.md); packed documents (``cu_seqlens``)
+  take its log-decay path, which has the resets they need.
   performer-pytorch takes one maximum over the whole sequence instead, which lets a future key
   push earlier features into underflow. The bidirectional form uses the maximum over
   all real keys (there is no future to leak).
@@ -67,9 +67,9 @@ from .checks import (
     sanitize_padded,
 )
 from .decayed_state import DecayedState
+from .decayed import decayed_product
 from .gated import gated_linear_attention
 from .linear import LinearAttentionState, causal_linear_product, check_linear_state
-from .log_scaled import causal_product_log_scaled
 from .normaliser import divide_by_normaliser_, normalise, normaliser_floor
 from .varlen import VarlenLayout, check_cu_seqlens, segment_cumsum, varlen_layout
 
@@ -264,9 +264,8 @@ def favor_attention(
             ``z`` are ``sum_j phi(k_j) v_j^T`` and ``sum_j phi(k_j)`` divided by
             ``exp(log_scale)``.
         chunk_size: causal only, a tuning knob: the chunk length C of the chunked causal product
-            (:func:`~linattn.functional.log_scaled.causal_product_log_scaled`'s,
-            ``causal_linear_product``'s for the relu kernel, ``gated_linear_attention``'s for packed
-            documents). Any C >= 1 gives the same result up to rounding.
+            (the decayed engine's, ``linattn.functional.decayed``). Any C >= 1 gives the same
+            result up to rounding.
         tile_entries: a tuning knob: about how many (position, feature) entries of the feature
             tensors one tile holds (>= 1). Larger calls run tile by tile, a few sequences or heads
             at a time and, causal, blocks of positions that resume from the previous block's
@@ -492,13 +491,14 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     kf = key_features(run)
     if s0 is not None and log_scale0 is not None and run.shape[-1]:
         s0 = s0 * torch.exp(log_scale0 - run[..., 0])[..., None, None]  # to the scale of position 0
-    if run.shape[-1] == 1:  # one decoding step: the product in closed form, not a 64-row chunk
-        s_final = kf.transpose(-1, -2) * w  # (B, H, F, E), at the scale of this position
+    if run.shape[-1] <= 1 or run.numel() == 0:
+        # one decoding step, or no position or row: the product in closed form, not a 64-row chunk
+        s_final = kf.transpose(-1, -2) @ w  # (B, H, F, E), at the scale of the last position
         if s0 is not None:
             s_final = s_final + s0
         o = qf @ s_final  # (B, H, 1, E)
     else:
-        o, s_final = causal_product_log_scaled(qf, kf, w, run, s0, chunk_size=chunk_size)
+        o, s_final = decayed_product(qf, kf, w, s0, running_log_scale=run, chunk_size=chunk_size)
     out = _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
     if not return_state:
         return out

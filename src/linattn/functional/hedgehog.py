@@ -34,7 +34,6 @@ Dimension legend as in ``checks.py``; F features per half (phi has 2F), C block 
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch

@@ -16,7 +16,6 @@ The module that owns E and F for a maximum length is :class:`linattn.nn.Linforme
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

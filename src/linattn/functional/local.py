@@ -37,7 +37,6 @@ those of the blocked pass, which saw no state.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Union
 
 import torch
@@ -52,7 +51,6 @@ from .checks import (
     compute_dtype,
     no_autocast,
     sanitize_padded,
-    shape_str,
 )
 from .varlen import check_cu_seqlens
 

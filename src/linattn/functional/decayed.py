@@ -1,0 +1,1058 @@
+"""The decayed engine: every chunked causal product of the form
+
+    S_t = diag(exp g_t) S_{t-1} + k_t v_t^T        (S_{-1} = s0, or zeros)
+    o_t = scale * S_t^T q_t
+
+with a gate ``g`` of width none (linear attention, Hedgehog, FAVOR's relu kernel: ``g = 0``), one
+per head (RetNet, Mamba-2 / simple GLA; FAVOR+'s running rescale ``g_t = m_{t-1} - m_t``) or one
+per key channel (GLA). :func:`decayed_product` is its one entry; ``gated_linear_attention``,
+``linear_attention``, ``causal_linear_product`` and ``favor_attention`` call it, and packed
+documents reach it as resets (``varlen.py``: a gate of -inf at each document's start). Everything
+runs on one chunk layout (``chunks.py``) with one representation of cumulative log decays
+(``log_decays.py``), as a ``torch.library`` custom op per specialisation, each with its backward.
+
+The gate's width picks a specialisation inside the engine, not a route through the general path
+(routed through the log-decay path, the no-gate and running-scale products measured slower:
+docs/design/one_engine.md, and every run of ``linattn bench gated``):
+
+- **no gate**: chunk states are prefix sums of per-chunk products (one cumsum, no recurrence and
+  no decay tensors), tiles are rows or blocks of one row so that every batched product reads its
+  inputs and writes its outputs in place, and linear attention's normaliser is an implicit ones
+  column (a width of Dv + 1 makes the products markedly slower) with an elementwise feature map
+  fused into the same pass;
+- **per head, as a running log scale** ``m`` (non-decreasing): the weights ``e^{m_j - m_i}`` are
+  differences of given values, never of cumulative sums, so a jump of thousands in ``m`` costs no
+  digit, and the chunk states are one rescaled scan;
+- **per head or per key channel, as log decays**: chunk-local cumulative log decays, a sequential
+  recurrence over chunks for all rows at once, and for a per-channel gate the GLA paper's
+  sub-chunks.
+
+Dimension legend: B batch, H heads, N positions, D (or F) query/key (feature) width, Dv value
+width, E a value width (Dv, or Dv + 1 with a ones column), R rows (the B*H independent sequences),
+C chunk length, Nc chunks, m chunks of one tile, c sub-chunk length, n = C / c sub-chunks per
+chunk, G gate width (1 for a per-head gate, D for a per-channel one).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .checks import engine_op
+from .chunks import ChunkLayout
+from .feature_maps import ELEMENTWISE_MAPS
+from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
+from .normaliser import guarded_normaliser, normaliser_floor
+
+__all__ = ["CHUNK_SIZES", "decayed_product"]
+
+# Default chunk length per kind of gate, each the fastest measured (docs/benchmarks/README.md,
+# History): no gate and per head 64, per key channel 32 (sub-chunks, below).
+CHUNK_SIZES = {"none": 64, "scale": 64, "head": 64, "channel": 32}
+
+
+# =============================================================================================
+# No gate: o_i = q_i . (s0 + sum_{j<=i} k_j v_j^T), optionally normalised.
+# =============================================================================================
+
+# The causal forms' two tuning knobs, keyword arguments of linear_attention and
+# causal_linear_product (neither changes the result, only time and memory; timings in
+# docs/benchmarks/README.md, "History"):
+# - chunk_size, the chunk length C. Work is N*C*(F+E) inside chunks plus N*F*E across them, and
+#   storage N*C + N*F*E/C, so C near F balances the two; the default 64 is among the fastest for
+#   the usual head widths and keeps the causal peak memory lowest.
+# - tile_positions, about how many positions one tile holds: groups of whole rows (the B*H
+#   independent sequences) when rows are short, else blocks of consecutive chunks of one row, the
+#   state carried from block to block (and the state gradient back, in the backward).
+#   Why tiles: with glibc's default malloc every temporary of 32 MiB or more is a fresh mmap whose
+#   pages fault in on first touch, which at long N costs as much as the arithmetic. Per-tile
+#   temporaries (1 MiB at width 64) are recycled by malloc without faults and stay in cache, where
+#   the C x C bmm run faster than on whole tensors. Tests pass small values to exercise many tiles
+#   at small sizes.
+
+
+
+def _new_like(x: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor like ``x``. (empty_like would copy the strides of a
+    permuted input, and the views this file writes through would then be copies.)"""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _rows_view(x: Tensor | None) -> Tensor | None:
+    """``(B, H, ..., X, Y)`` -> ``(B*H, ..., X, Y)``, a view whenever the strides allow."""
+    return None if x is None else x.reshape(-1, *x.shape[2:])
+
+
+def _exclusive_chunk_sums(contrib: Tensor, start: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``contrib (R, Nc, ...)`` -> ``start + sum_{c' < c} contrib[:, c']`` ``(R, Nc, ...)`` and the
+    total ``start + sum_c contrib[:, c]`` ``(R, ...)``; ``start (R, ...)`` or None for zeros.
+
+    The result's rows lie 16 elements further apart than their length: at F = E = 64 a row is 4096
+    floats, and with rows exactly 16 KiB apart the scan down dim 1 hits the same cache sets at every
+    step and runs many times slower. (Views with that batch stride are fine for bmm.)
+    """
+    R, nc, rest = contrib.shape[0], contrib.shape[1], contrib.shape[2:]
+    m = math.prod(rest)
+    out = contrib.new_empty(R, nc, m + 16)[..., :m].view(R, nc, *rest)
+    if start is None:
+        out[:, 0].zero_()
+    else:
+        out[:, 0].copy_(start)
+    out[:, 1:].copy_(contrib[:, :-1])
+    out.cumsum_(1)  # in place: [s0, c0, c1, ...] -> [s0, s0 + c0, s0 + c0 + c1, ...]
+    return out, out[:, -1] + contrib[:, -1]
+
+
+def _reverse_chunk_sums(contrib: Tensor, end: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``contrib (R, Nc, ...)`` -> ``end + sum_{c' > c} contrib[:, c']`` ``(R, Nc, ...)`` and the
+    total ``end + sum_c contrib[:, c]`` ``(R, ...)``: :func:`_exclusive_chunk_sums` run backwards."""
+    rev, total = _exclusive_chunk_sums(contrib.flip(1), end)
+    return rev.flip(1), total
+
+
+class _ChunkInputs(NamedTuple):
+    """One tile of ``R`` rows, chunked: ``a, k (R*Nc, C, F)``, ``w (R*Nc, C, E)``, the states
+    before it ``s0 (R, F, E)`` and, for the normaliser, ``z0 (R, F)`` (None for zeros)."""
+
+    a: Tensor
+    k: Tensor
+    w: Tensor
+    s0: Tensor | None
+    z0: Tensor | None
+    R: int
+
+    def states(self) -> tuple[Tensor, Tensor]:
+        """States before each chunk, ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, and the
+        final state ``(R, F, E)``."""
+        Fd, E = self.a.shape[-1], self.w.shape[-1]
+        s_excl, s_final = _exclusive_chunk_sums(
+            torch.bmm(self.k.transpose(1, 2), self.w).view(self.R, -1, Fd, E), self.s0
+        )
+        return s_excl.view(-1, Fd, E), s_final
+
+    def z_states(self) -> tuple[Tensor, Tensor]:
+        """The same for the normaliser, ``w = 1``: ``(R*Nc, F)`` and ``(R, F)``."""
+        z_excl, z_final = _exclusive_chunk_sums(self.k.sum(1).view(self.R, -1, self.a.shape[-1]), self.z0)
+        return z_excl.view(-1, self.a.shape[-1]), z_final
+
+    def scores(self) -> Tensor:
+        """``(R*Nc, C, C)`` intra-chunk scores a_i . k_j for j <= i, zero above the diagonal."""
+        return torch.bmm(self.a, self.k.transpose(1, 2)).tril_()
+
+
+def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
+    """Forward of one tile: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
+    the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)``, its final state ``(R, F)``
+    and its floor ``(R*Nc, C)`` (:func:`normaliser_floor`, from the normaliser state each position
+    sees). The normaliser is the product with an implicit ones column, kept out of the bmm: a
+    width of 65 instead of 64 makes them markedly slower. ``out``: where to write o, or None."""
+    s_excl, s_final = x.states()
+    scores = x.scores()
+    o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
+    if not with_den:
+        return o, s_final, None, None, None
+    z_excl, z_final = x.z_states()
+    d = torch.bmm(x.a, z_excl.unsqueeze(-1)).squeeze(-1).add_(scores.sum(-1))
+    z_seen = x.k.cumsum(1).add_(z_excl.unsqueeze(1))  # (R*Nc, C, F): z_i at every position
+    return o, s_final, d, z_final, normaliser_floor(x.a, z_seen).squeeze(-1)
+
+
+def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Tensor | None,
+                   dz_final: Tensor | None, need: tuple[bool, bool, bool, bool],
+                   outs: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None)):
+    """Backward of one tile, given ``do (R*Nc, C, E)`` and, for the normaliser, ``dd (R*Nc, C)``:
+    ``da, dk (R*Nc, C, F)``, ``dw (R*Nc, C, E)``, ``ds0 (R, F, E)`` and ``dz0 (R, F)``, None where
+    ``need`` (for a, k, w, initial state) says not needed. ``outs``: where to write da, dk, dw
+    (views of the final gradients), or None for new tensors.
+
+    Only the inputs are kept from the forward: the C x C scores and the per-chunk states are
+    rebuilt here (two extra bmm), which keeps the saved memory at the inputs alone.
+    """
+    need_a, need_k, need_w, need_s0 = need
+    R, Fd, E = x.R, x.a.shape[-1], x.w.shape[-1]
+    da = dk = dw = ds0 = dz0 = g = gz = dscores = None
+    if need_k or need_w or need_s0:
+        # g[c] = d loss / d (k[c]^T w[c]): that contribution sits in the state of every later
+        # chunk and in the final state. Start from d loss / d s_excl[c] = a^T do.
+        g, ds0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), do).view(R, -1, Fd, E), ds_final)
+        g = g.view(-1, Fd, E)
+        if dd is not None:  # the same for the ones column: a^T dd
+            gz = torch.bmm(x.a.transpose(1, 2), dd.unsqueeze(-1)).view(R, -1, Fd)
+            gz, dz0 = _reverse_chunk_sums(gz, dz_final)
+            gz = gz.view(-1, 1, Fd)
+    if need_a or need_k:
+        dscores = torch.bmm(do, x.w.transpose(1, 2))  # (R*Nc, C, C)
+        if dd is not None:  # d_i = sum_j scores_ij + ...
+            dscores.add_(dd.unsqueeze(-1))
+        dscores.tril_()
+    if need_k:
+        dk = torch.bmm(x.w, g.transpose(1, 2), out=outs[1]).baddbmm_(dscores.transpose(1, 2), x.a)
+        if gz is not None:  # + 1 gz^T
+            dk.add_(gz)
+    if need_w:
+        dw = torch.bmm(x.k, g, out=outs[2]).baddbmm_(x.scores().transpose(1, 2), do)
+    if need_a:
+        s_excl, _ = x.states()
+        da = torch.bmm(dscores, x.k, out=outs[0]).baddbmm_(do, s_excl.transpose(1, 2))
+        if dd is not None:  # + dd z_excl^T
+            z_excl, _ = x.z_states()
+            da.addcmul_(dd.unsqueeze(-1), z_excl.unsqueeze(1))
+    return da, dk, dw, ds0, dz0
+
+def _block_inputs(lay: ChunkLayout, chunks: slice, q: Tensor, k: Tensor, v: Tensor, s: Tensor | None,
+                  z: Tensor | None, phi, feats: list[Tensor] | None = None) -> _ChunkInputs:
+    """One row tile's chunked features and values from a row group's ``q, k (r, N, D)``,
+    ``v (r, N, Dv)`` (phi applied before the fill: phi(0) need not be 0), with the states before it.
+    ``feats``: the group's ``(r, N, F)`` tensors to write phi(q), phi(k) into, or None."""
+    if phi is not None:
+        pos = lay.positions(chunks)
+        q, k = (phi.forward(t[:, pos], _new_like(t[:, pos]) if f is None else f[:, pos])
+                for t, f in zip((q, k), feats or (None, None)))
+        qc, kc = lay.as_block(q, chunks), lay.as_block(k, chunks)
+    else:
+        qc, kc = lay.block(q, chunks), lay.block(k, chunks)
+    return _ChunkInputs(qc, kc, lay.block(v, chunks), s, z, q.shape[0])
+
+
+def _split_state(s: Tensor | None, normalise: bool, dv: int) -> tuple[Tensor | None, Tensor | None]:
+    """A row group's state ``(r, F, Dv + normalise)`` -> the numerator's and the normaliser's."""
+    if s is None or not normalise:
+        return s, None
+    return s[..., :dv], s[..., dv]
+
+
+def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, tile_positions: int,
+                     normalise: bool, phi_name: str, keep: bool):
+    """The product without a gate, row tile by row tile: ``o_i = q_i . (s0 + sum_{j<=i} k_j v_j^T)``,
+    or with ``normalise`` ``out_i = n_i / d_i`` where ``[n_i, d_i] = phi(q_i) . (s0 + sum_{j<=i}
+    phi(k_j) [v_j, 1]^T)`` (``phi``: an elementwise feature map's name, or "" when q and k are
+    features already). Returns ``out (B, H, N, Dv)``, ``s_final (B, H, F, Dv + normalise)``, the
+    guarded normaliser's inverse ``inv (B, H, N, 1)`` and where it was used ``active`` (bool), the
+    kept features (two ``(B, H, N, F)`` when ``keep`` and ``phi``), and the states before every
+    block of a row but its first, stacked, numerator ``(n, 1, F, Dv)`` and normaliser ``(n, 1, F)``.
+    What does not apply is ``(0,)`` (each a new tensor: a custom op's outputs may not alias)."""
+    phi = ELEMENTWISE_MAPS[phi_name] if phi_name else None
+    lay = ChunkLayout.by_rows(q.shape[0] * q.shape[1], q.shape[2], chunk_size, tile_positions)
+    dv = v.shape[-1]
+    q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
+    out = v.new_empty(v.shape)
+    out3 = _rows_view(out)
+    if normalise:
+        inv = v.new_empty(*v.shape[:-1], 1)  # 1 / guarded normaliser, (B, H, N, 1)
+        # where the normaliser itself was used (not its floor): the gradient reaches it there
+        active = torch.empty(inv.shape, dtype=torch.bool, device=inv.device)
+        inv3, active3 = _rows_view(inv), _rows_view(active)
+    keep = keep and phi is not None
+    feats = (_new_like(q), _new_like(k)) if keep else None
+    feats3 = None if feats is None else [_rows_view(f) for f in feats]
+    s_finals, starts_s, starts_z = [], [], []
+    for rows in lay.row_groups():
+        s, z = _split_state(None if s03 is None else s03[rows], normalise, dv)
+        for i, chunks in enumerate(lay.blocks()):
+            if i:
+                starts_s.append(s)
+                if normalise:
+                    starts_z.append(z)
+            x = _block_inputs(lay, chunks, q3[rows], k3[rows], v3[rows], s, z, phi,
+                              None if feats3 is None else [f[rows] for f in feats3])
+            into = lay.target(out3[rows], chunks)
+            og, s, d, z, floor = _rows_forward(x, with_den=normalise, out=None if normalise else into)
+            if normalise:
+                d, act = guarded_normaliser(d, floor)
+                inv_g = d.reciprocal_().unsqueeze(-1)
+                lay.put_block(inv3[rows], chunks, inv_g)
+                lay.put_block(active3[rows], chunks, act.unsqueeze(-1))
+                og = og.mul_(inv_g) if into is None else torch.mul(og, inv_g, out=into)
+            if into is None:
+                lay.put_block(out3[rows], chunks, og)
+        s_finals.append(torch.cat([s, z.unsqueeze(-1)], dim=-1) if normalise else s)
+    s_final = torch.cat(s_finals).view(*q.shape[:2], q.shape[-1], -1)
+
+    def none() -> Tensor:
+        return q.new_empty(0)
+
+    if not normalise:
+        inv, active = none(), none()
+    fq, fk = feats if feats is not None else (none(), none())
+    ss = torch.stack(starts_s) if starts_s else none()
+    sz = torch.stack(starts_z) if starts_z else none()
+    return out, s_final, inv, active, fq, fk, ss, sz
+
+
+def _ungated_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, chunk_size,
+                      tile_positions, normalise, phi_name):
+    """Gradients of :func:`_ungated_forward` (``need``: for q, k, v, s0; ``(0,)`` where not needed);
+    the kept features ``fq, fk`` (unless ``(0,)``) are overwritten with the gradients of q and k,
+    which then come back as ``(0,)``."""
+    phi = ELEMENTWISE_MAPS[phi_name] if phi_name else None
+    feats = (fq, fk) if fq.numel() else None
+    lay = ChunkLayout.by_rows(q.shape[0] * q.shape[1], q.shape[2], chunk_size, tile_positions)
+    dv = v.shape[-1]
+    q3, k3, v3, s03, out3, inv3, active3, dout3, dsf3 = (
+        _rows_view(t) for t in (q, k, v, s0, out, inv, active, dout, ds_final)
+    )
+    grads = [_new_like(t) if n else None for t, n in zip((q, k, v, s0), need)]
+    feats3 = None if feats is None else [_rows_view(f) for f in feats]
+    if feats is not None:  # the features' tensors become the gradients of q and k
+        grads[:2] = [f if n else None for f, n in zip(feats, need)]
+    grads3 = [_rows_view(g) for g in grads]
+    n_starts = ss.shape[0] if ss.numel() else 0
+    starts = iter(reversed([(ss[i], sz[i] if normalise else None) for i in range(n_starts)]))
+    blocks = lay.blocks()
+    for rows in reversed(lay.row_groups()):
+        # gradients of the states after the block, carried back from block to block
+        ds, dz = _split_state(dsf3[rows], normalise, dv)
+        for i in reversed(range(len(blocks))):
+            chunks = blocks[i]
+            if i:
+                s, z = next(starts)
+            else:
+                s, z = _split_state(None if s03 is None else s03[rows], normalise, dv)
+            if feats is None:
+                x = _block_inputs(lay, chunks, q3[rows], k3[rows], v3[rows], s, z, phi)
+            else:
+                x = _ChunkInputs(*(lay.block(t[rows], chunks) for t in (*feats3, v3)), s, z,
+                                 rows.stop - rows.start)
+            g = lay.block(dout3[rows], chunks)
+            dd = None
+            if normalise:
+                # out = n / d: d out / d n = 1 / d and d out_e / d d = -out_e / d ...
+                o_g, inv_g, act = (lay.block(t[rows], chunks) for t in (out3, inv3, active3))
+                # ... and 0 where the floor stood in for d
+                dd = torch.linalg.vecdot(g, o_g, dim=-1).mul_(inv_g.squeeze(-1)).neg_().mul_(act.squeeze(-1))
+                g = g * inv_g
+            # gradients straight into their final tensors where no fill is in the way: dw always;
+            # da, dk when q, k are features (else phi' comes first)
+            outs = [None if g3 is None else lay.target(g3[rows], chunks) for g3 in grads3[:3]]
+            if phi is not None:
+                outs[:2] = None, None
+            da, dk, dw, ds, dz = _rows_backward(x, g, dd, ds, dz, need, tuple(outs))
+            if phi is not None:  # through the feature map: d phi(x) / dx from phi(x) itself,
+                # in place of phi(x), which is the saved feature itself unless there is fill
+                da = None if da is None else phi.backward_(x.a, da)
+                dk = None if dk is None else phi.backward_(x.k, dk)
+                if feats is not None and not lay.fills(chunks):
+                    outs[:2] = da, dk
+            for g3, part, into in zip(grads3[:3], (da, dk, dw), outs):
+                if g3 is not None and into is None:
+                    lay.put_block(g3[rows], chunks, part)
+        if grads3[3] is not None:
+            grads3[3][rows] = torch.cat([ds, dz.unsqueeze(-1)], dim=-1) if normalise else ds
+    if feats is not None:
+        grads[:2] = [None, None]  # they are the features' tensors, returned by the autograd function
+    return tuple(q.new_empty(0) if g is None else g for g in grads)
+
+
+# The specialisation as a torch.library custom op with its own autograd. Features under a fused
+# phi, when a gradient will be needed (``keep``): the forward writes phi(q) and phi(k) into two
+# tensors that the backward then overwrites, tile by tile, with the gradients of q and k (a tile's
+# features are read only by that tile). Storing them costs no more memory than the gradients
+# themselves, and no page faults beyond theirs (a fresh 32 MiB tensor faults in every page at
+# first touch), while recomputing phi (an exp) would cost a visible share of the call. A second
+# backward through the same graph (retain_graph) finds them consumed and recomputes. The backward
+# op mutates the kept features (declared) and the autograd function returns them as the gradients
+# of q and k. Under torch.compile no features are kept (they live on the autograd context, which
+# a compiled backward does not take as an input): the backward recomputes phi.
+_ungated_chunked = engine_op(
+    "linattn::ungated_chunked",
+    "(Tensor q, Tensor k, Tensor v, Tensor? s0, int chunk_size, int tile_positions, "
+    "bool normalise, str phi, bool keep) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor, Tensor, Tensor)",
+    _ungated_forward)
+
+
+@_ungated_chunked.register_fake
+def _(q, k, v, s0, chunk_size, tile_positions, normalise, phi, keep):
+    B, H, N, Fd = q.shape
+    dv = v.shape[-1]
+    n_starts = ChunkLayout.by_rows(B * H, N, chunk_size, tile_positions).block_starts()
+    kept = keep and bool(phi)
+
+    def maybe(cond: bool, *shape: int) -> Tensor:
+        return q.new_empty(*shape) if cond else q.new_empty(0)
+
+    return (v.new_empty(v.shape), q.new_empty(B, H, Fd, dv + normalise), maybe(normalise, B, H, N, 1),
+            torch.empty((B, H, N, 1) if normalise else (0,), dtype=torch.bool, device=q.device),
+            maybe(kept, *q.shape), maybe(kept, *k.shape), maybe(n_starts > 0, n_starts, 1, Fd, dv),
+            maybe(n_starts > 0 and normalise, n_starts, 1, Fd))
+
+
+_ungated_chunked_backward = engine_op(
+    "linattn::ungated_chunked_backward",
+    "(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor out, Tensor inv, Tensor active, "
+    "Tensor(a!) fq, Tensor(b!) fk, Tensor ss, Tensor sz, Tensor dout, Tensor ds_final, "
+    "bool[] need, int chunk_size, int tile_positions, bool normalise, str phi) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    _ungated_backward, mutates_args=("fq", "fk"))
+
+
+@_ungated_chunked_backward.register_fake
+def _(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, chunk_size, tile_positions, normalise,
+      phi):
+    kept = fq.numel() > 0
+    dq = q.new_empty(q.shape) if need[0] and not kept else q.new_empty(0)
+    dk = k.new_empty(k.shape) if need[1] and not kept else q.new_empty(0)
+    dv = v.new_empty(v.shape) if need[2] else q.new_empty(0)
+    ds0 = s0.new_empty(s0.shape) if s0 is not None and need[3] else q.new_empty(0)
+    return dq, dk, dv, ds0
+
+
+def _ungated_setup(ctx, inputs, output):
+    q, k, v, s0, chunk_size, tile_positions, normalise, phi, keep = inputs
+    out, s_final, inv, active, fq, fk, ss, sz = output
+    ctx.save_for_backward(q, k, v, s0, out, inv, active, ss, sz)
+    ctx.knobs = (chunk_size, tile_positions, normalise, phi)
+    # on ctx, not saved: the backward overwrites them in place (saved tensors would refuse a second
+    # backward for that), and forgets them after the first
+    ctx.feats = (fq, fk) if fq.numel() else None
+    ctx.mark_non_differentiable(inv, active, fq, fk, ss, sz)
+    # unused outputs' gradients stay None: materialised, they would be zero-filled every backward
+    ctx.set_materialize_grads(False)
+
+
+def _ungated_autograd(ctx, dout, ds_final, *_):
+    q, k, v, s0, out, inv, active, ss, sz = ctx.saved_tensors
+    fq, fk = ctx.feats if ctx.feats is not None else (q.new_empty(0), q.new_empty(0))
+    ctx.feats = None  # overwritten below: a second backward (retain_graph) recomputes them
+    need = list(ctx.needs_input_grad[:3]) + [bool(ctx.needs_input_grad[3] and s0 is not None)]
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if ds_final is None:
+        ds_final = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1] + ctx.knobs[2])  # (B, H, F, Dv [+ 1])
+    grads = list(_ungated_chunked_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final,
+                                           need, *ctx.knobs))
+    if fq.numel():  # the kept features now hold the gradients of q and k
+        grads[:2] = fq, fk
+    return (*(g if n else None for g, n in zip(grads, need)), None, None, None, None, None)
+
+
+_ungated_chunked.register_autograd(_ungated_autograd, setup_context=_ungated_setup)
+
+
+# =============================================================================================
+# Per head or per key channel, as log decays.
+# =============================================================================================
+
+# ---------------------------------------------------------------------------------------------
+# The chunked causal form.
+#
+# Within a chunk, with b_t = log_decay_1 + ... + log_decay_t (cumulative from the chunk's start,
+# <= 0 and non-increasing) and S_0 the state before the chunk:
+#
+#     o_t   = (q_t * exp(b_t))^T S_0 + sum_{s <= t} A_ts v_s,   A_ts = sum_d q_td k_sd exp(b_td - b_sd)
+#     S_end = exp(b_C) * S_0 + sum_s (k_s * exp(b_C - b_s)) v_s^T
+#
+# Every exponent above is <= 0 once the entries with s > t are clamped to 0 before the exp (and
+# zeroed after it): no exp(+large) anywhere, so huge decays give exact zeros rather than inf * 0 =
+# NaN. b is held in the compute dtype as small decays plus a count of resets (log decays below
+# -40, -inf included: log_decays.py), so its differences keep their digits without float64. Across
+# chunks, S_end = exp(b_C) * S_0 + U is a loop over chunks (never over positions) of one addcmul.
+#
+# A per-head gate (G = 1) makes exp(b_t - b_s) one number per (t, s): A is (q k^T) * exp(masked
+# differences), a C x C matrix. A per-channel gate (G = D) cannot be factored as exp(b_t) exp(-b_s)
+# (exp(-b_s) overflows once the chunk has decayed by more than ~88 in float32), and the explicit
+# (C, C, D) tensor of differences costs C*D exps per position. So the chunk is cut into sub-chunks
+# of c positions (the GLA paper's secondary chunking, arXiv 2312.06635 sec. 4): a block of queries
+# in sub-chunk i against keys in earlier sub-chunks factors safely through the cumulative decay r_i
+# at the end of sub-chunk i-1, exp(b_t - b_s) = exp(b_t - r_i) * exp(r_i - b_s), both exponents
+# <= 0 since s <= (end of i-1) < t, which makes it one bmm; only the c x c diagonal blocks are
+# formed explicitly, and of them only the c (c - 1) / 2 pairs s < t (s = t has a decay of 1), D
+# values each. The factor exp(r_{i-1} - b_s) is itself split at the end of the key's sub-chunk (see
+# _intra_channel). Every factor within one sub-chunk (the diagonal pairs, and the factors to and from
+# its ends) is a product of at most c decays exp(g) rather than an exp of a difference: one exp per
+# position and channel, and no digit lost however large the decays before.
+#
+# Backward: the per-chunk states S_0 are saved (N/C of them, (D, Dv) each: O(N) memory), the chunk-
+# local products are recomputed. The log decays need no product of their own. A term of an output
+# (or of the final state) at t' that reads the key at s carries exp(B_t' - B_s) (B: cumulative log
+# decay), so it reaches log_decay_t for s < t <= t' with the factor (term * dterm). For t in a
+# chunk, sort those terms by where s and t' lie:
+#   s, t' in the chunk:        reverse cumsum within the chunk of q*dq_intra - k*dk_intra
+#                              (each pair adds at t' and takes away at s; intra: from A alone)
+#   s before, t' in the chunk: reverse cumsum of q*dq_inter (dq_inter: through S_0)
+#   s in, t' after the chunk:  exclusive cumsum of k*dk_inter (dk_inter: through S_end)
+#   s before, t' after:        exp(b_C) * S_0 * dS_end summed over Dv, alike for the whole chunk.
+# Every sum stays inside one chunk. The shorter identity dL/dB_t = q_t*dq_t - k_t*dk_t with one
+# reverse cumsum over the whole sequence is the same sum regrouped, but it cancels terms across
+# the whole sequence: where decays are near -1e4 (true gradient 0) its rounding error is that of
+# a sum of N terms instead of C.
+# ---------------------------------------------------------------------------------------------
+
+def _sub_length(C: int, sub_chunk_size: int) -> int:
+    """The sub-chunk length c: the largest divisor of C up to ``sub_chunk_size``."""
+    return max(d for d in range(1, min(C, sub_chunk_size) + 1) if C % d == 0)
+
+
+def _strict_upper(n: int, device) -> Tensor:
+    """``(n, n)`` bool, True above the diagonal (s > t: a key after the query)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+
+
+def _exp_masked(x: Tensor, upper: Tensor) -> Tensor:
+    """``exp(x)``, in place in the temporary ``x``, with the entries where ``upper`` is True set to
+    0. Those (a key after the query) are positive and are clamped to 0 before the exp, not masked
+    to -inf: exp of -inf (and of any result below the normal range) takes a slow path on CPUs,
+    several times the cost of an ordinary one."""
+    return x.clamp_(max=0).exp_().masked_fill_(upper, 0)
+
+
+def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay) -> tuple[Tensor, Tensor]:
+    """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` -> ``A (M, C, C)`` and the masked
+    decays ``E = exp(b_t - b_s)`` ``(M, C, C)`` (0 above the diagonal)."""
+    E = _exp_masked(b - b.transpose(1, 2), _strict_upper(b.shape[1], b.device))  # exp(b_t - b_s)
+    return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
+
+
+def _sub_chunk_pairs(a: Tensor) -> Tensor:
+    """``a (M, n, c, D)`` per-position decays -> ``E (M, n, p, D)``: for every pair s < t of a
+    sub-chunk, in ``torch.tril_indices(c, c, -1)`` order, the product ``a_{s+1} ... a_t`` =
+    ``exp(b_t - b_s)``. Products of at most c - 1 factors in [0, 1]: no difference of sums, so no
+    digit is lost and a reset (a = 0) gives an exact 0."""
+    M, n, c, D = a.shape
+    if c == 1:
+        return a.new_empty(M, n, 0, D)
+    runs = [None, a[:, :, 1:]]  # runs[d][:, :, t - d]: the product over (t - d, t], for t >= d
+    for d in range(2, c):
+        runs.append(runs[d - 1][:, :, 1:] * a[:, :, 1:c - d + 1])
+    return torch.stack([runs[t - s][:, :, s] for t in range(1, c) for s in range(t)], dim=2)
+
+
+def _intra_channel(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
+    """Per-channel gate: ``q, k (M, C, D)``, log decays ``g (M, C, D)`` and their cumulative sums
+    ``b (M, C, D)`` -> ``A (M, C, C)`` and what the backward needs (sub-chunks of length ``c``, as
+    described at the top of this section)."""
+    M, C, D = q.shape
+    n, P = C // c, C - c
+    qs, ks, bs = (t.view(M, n, c, D) for t in (q, k, b))
+    # the decays themselves, a reset an exact 0 (log_decays.py); clamped first, as exp of far
+    # below its range takes a slow path on CPUs
+    a = g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(g < RESET_LOG_DECAY, 0).view(M, n, c, D)
+    A = q.new_zeros(M, C, C)
+    # Diagonal blocks, the pairs s < t of one sub-chunk only (p = c (c - 1) / 2 of them; s = t has
+    # a decay of 1): E (M, n, p, D) = exp(b_t - b_s), as products of the decays between.
+    ti, si = torch.tril_indices(c, c, -1, device=q.device)
+    E = _sub_chunk_pairs(a)
+    Ad = q.new_zeros(M, n, c * c)
+    Ad.index_copy_(2, ti * c + si, (qs[:, :, ti] * E).mul_(ks[:, :, si]).sum(-1))
+    Ad = Ad.view(M, n, c, c)
+    # (M, n, c); copied rather than written with out= into the strided view, which torch.compile refuses
+    Ad.diagonal(dim1=2, dim2=3).copy_(torch.linalg.vecdot(qs, ks))
+    off = None
+    if n > 1:
+        # Queries of sub-chunk i >= 1 against keys s of sub-chunk j < i, with r_j = b at the end of
+        # sub-chunk j: exp(b_t - b_s) = exp(b_t - r_{i-1}) exp(r_{i-1} - r_j) exp(r_j - b_s), every
+        # exponent <= 0. Only the first and last factors are per position (one exp each); the
+        # middle one is per pair of sub-chunks, 0 for j >= i.
+        r = bs[:, :, -1:]  # (M, n, 1, D)
+        # the per-position factors as products within a sub-chunk: exp(b_t - r_{i-1}) is
+        # a_1 ... a_t of sub-chunk i (M, n-1, c, D), exp(r_j - b_s) is a_{s+1} ... a_c of sub-chunk j
+        eq = a[:, 1:].cumprod(2)
+        ek = torch.cat([a[:, :-1, 1:].flip(2).cumprod(2).flip(2), a.new_ones(M, n - 1, 1, D)], dim=2)
+        # (M, n-1 (i), n-1 (j), D): exp(r_{i-1} - r_j), 0 for j >= i
+        mid = _exp_masked(r[:, :-1] - r[:, :-1].transpose(1, 2), _strict_upper(n - 1, q.device)[:, :, None])
+        qt = qs[:, 1:] * eq  # (M, n-1, c, D)
+        kj = ks[:, :-1] * ek  # (M, n-1, c, D)
+        kt = (mid.unsqueeze(3) * kj.unsqueeze(1)).view(M, n - 1, P, D)  # (M, n-1 (i), P, D)
+        A.view(M, n, c, C)[:, 1:, :, :P] = qt @ kt.transpose(-1, -2)  # (M, n-1, c, P)
+        off = (eq, ek, mid, qt, kt)
+    A.view(M, n, c, n, c).diagonal(dim1=1, dim2=3).copy_(Ad.permute(0, 2, 3, 1))
+    return A, (E, off)
+
+
+def _intra_channel_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> tuple[Tensor, Tensor]:
+    """``dq, dk (M, C, D)`` of the intra-chunk product ``A v`` of :func:`_intra_channel`, from
+    ``dA (M, C, C)`` (entries above the diagonal are ignored)."""
+    M, C, D = q.shape
+    n, P = C // c, C - c
+    E, off = saved
+    qs, ks = q.view(M, n, c, D), k.view(M, n, c, D)
+    dAd = dA.view(M, n, c, n, c).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # (M, n, c_t, c_s)
+    ti, si = torch.tril_indices(c, c, -1, device=q.device)
+    W = E.mul_(dAd.reshape(M, n, c * c)[:, :, ti * c + si].unsqueeze(-1))  # (M, n, p, D), E not needed again
+    dd = dAd.diagonal(dim1=2, dim2=3).unsqueeze(-1)  # (M, n, c, 1): the pairs s = t
+    dq = (ks * dd).index_add_(2, ti, W * ks[:, :, si]).view(M, C, D)
+    dk = (qs * dd).index_add_(2, si, W.mul_(qs[:, :, ti])).view(M, C, D)
+    if off is not None:
+        eq, ek, mid, qt, kt = off
+        dAo = dA.view(M, n, c, C)[:, 1:, :, :P]  # (M, n-1, c, P)
+        dq.view(M, n, c, D)[:, 1:] += (dAo @ kt).mul_(eq)
+        dkt = (dAo.transpose(-1, -2) @ qt).view(M, n - 1, n - 1, c, D)  # (M, i, j, c, D)
+        dkj = dkt.mul_(mid.unsqueeze(3)).sum(1)  # (M, n-1 (j), c, D)
+        dk.view(M, n, c, D)[:, :-1] += dkj.mul_(ek)
+    return dq, dk
+
+
+def _tile_decays(g: Tensor) -> tuple[CumulativeLogDecay, Tensor, Tensor]:
+    """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)``, ``exp(b) (m, R, C, G)`` and
+    ``exp(b_C - b) (m, R, C, G)``, all in g's dtype; every exponent <= 0. b keeps the digits of
+    small decays after a large one (a reset) without float64: see log_decays.py."""
+    b = CumulativeLogDecay.of(g, 2)
+    return b, b.exp(), (b[:, :, -1:] - b).exp_()
+
+
+def _g_sum(x: Tensor, G: int) -> Tensor:
+    """Sum ``x (..., D)`` over its last dimension for a per-head gate (G = 1), keep it for G = D."""
+    return x.sum(-1, keepdim=True) if G == 1 else x
+
+
+def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
+    """``A (m, R, C, C)`` of a tile and what its backward needs, from its log decays ``g`` and
+    their cumulative sums ``b`` ``(m, R, C, G)``."""
+    m, R, C, D = q.shape
+    q2, k2, g2, b2 = (t.reshape(m * R, C, t.shape[-1]) for t in (q, k, g, b))
+    if b.shape[-1] == 1:
+        A, saved = _intra_head(q2, k2, b2)
+    else:
+        A, saved = _intra_channel(q2, k2, g2, b2, c)
+    return A.view(m, R, C, C), saved
+
+
+def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None, chunk_size: int, scale: float,
+                   sub_chunk_size: int, tile_positions: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked form: ``q, k (B, H, N, D)``, ``v (B, H, N, Dv)``, ``g (B, H, N, G)``,
+    ``s0 (B, H, D, Dv)`` or None, all in one (compute) dtype -> ``o (B, H, N, Dv)``, the final
+    state ``(B, H, D, Dv)`` and the states before every chunk and after the last,
+    ``(Nc + 1, B*H, D, Dv)`` (what the backward needs besides the inputs). ``q`` is scaled tile
+    by tile (a scaled copy of the whole q would be one more full-size tensor)."""
+    B, H, N, D = q.shape
+    Dv = v.shape[-1]
+    lay = ChunkLayout.of(B * H, N, chunk_size, tile_positions=tile_positions)
+    R, C, Nc = lay.R, lay.C, lay.Nc
+    q3, k3, v3, g3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g))  # (R, Nc, C, *)
+    states = q.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
+    if s0 is None:
+        states[0].zero_()
+    else:
+        states[0] = s0.reshape(R, D, Dv)
+    o = lay.new_chunked(q, Dv)
+    c = _sub_length(C, sub_chunk_size)
+    for sl in lay.tiles():
+        q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
+        k_, v_, g_ = (lay.take(t, sl) for t in (k3, v3, g3))
+        b, eb, ek = _tile_decays(g_)
+        u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
+        a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
+        for j in range(sl.stop - sl.start):
+            torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
+        A, _ = _tile_intra(q_, k_, g_, b, c)
+        lay.put(o, sl, (q_ * eb) @ states[sl] + A @ v_)
+    return lay.unchunked(o).reshape(B, H, N, Dv).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
+
+
+def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, do: Tensor, ds_final: Tensor,
+                    has_s0: bool, chunk_size: int, scale: float, sub_chunk_size: int,
+                    tile_positions: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_gated_forward` given ``do (B, H, N, Dv)`` and ``ds_final (B, H, D, Dv)``:
+    ``dq, dk, dv, dg`` shaped as their inputs and ``ds0 (B, H, D, Dv)`` (``(0,)`` without
+    ``has_s0``). The chunk-local products are recomputed from the inputs and the saved states."""
+    B, H, N, D = q.shape
+    Dv, G = v.shape[-1], g.shape[-1]
+    lay = ChunkLayout.of(B * H, N, chunk_size, tile_positions=tile_positions)
+    R, C, Nc = lay.R, lay.C, lay.Nc
+    q3, k3, v3, g3, do3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g, do))  # (R, Nc, C, *)
+    T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
+    T[Nc] = ds_final.reshape(R, D, Dv)
+    dq3, dk3, dv3, dg3 = (lay.new_chunked(q, X) for X in (D, D, Dv, G))
+    c = _sub_length(C, sub_chunk_size)
+    for sl in reversed(lay.tiles()):
+        q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
+        k_, v_, g_, do_ = (lay.take(t, sl) for t in (k3, v3, g3, do3))
+        b, eb, ek = _tile_decays(g_)
+        qd = q_ * eb
+        gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
+        a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
+        for j in reversed(range(sl.stop - sl.start)):
+            torch.addcmul(gs[j], a[j], T[sl.start + j + 1], out=T[sl.start + j])
+        s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
+        A, saved = _tile_intra(q_, k_, g_, b, c)
+        dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
+        lay.put(dv3, sl, (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_)
+        dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
+        dk = (v_ @ t_.transpose(-1, -2)).mul_(ek)  # through the state after it
+        y, z = _g_sum(q_ * dq, G), _g_sum(k_ * dk, G)  # (m, R, C, G)
+        M = R * (sl.stop - sl.start)
+        if G == 1:
+            dP = dA.view(M, C, C).mul_(saved)  # saved: the masked decays E
+            dqi = torch.bmm(dP, k_.reshape(M, C, D))
+            dki = torch.bmm(dP.transpose(1, 2), q_.reshape(M, C, D))
+        else:
+            dqi, dki = _intra_channel_backward(q_.reshape(M, C, D), k_.reshape(M, C, D), c, saved,
+                                               dA.view(M, C, C))
+        dqi, dki = dqi.view_as(q_), dki.view_as(k_)
+        x = _g_sum(q_ * dqi - k_ * dki, G)
+        # Decay of the state through the whole chunk: (m, R, 1, G), the same for every position.
+        whole = _g_sum((a * s_ * t_).sum(-1), G).unsqueeze(2)
+        dg = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
+        # 0 at a reset (a log decay below -40, -inf included): each term carries a decay of
+        # exactly 0 there, but the cumulative sums above leave rounding noise
+        lay.put(dg3, sl, dg.masked_fill_(g_ < RESET_LOG_DECAY, 0))
+        lay.put(dq3, sl, dq.add_(dqi).mul_(scale))  # the tile saw scale * q
+        lay.put(dk3, sl, dk + dki)
+    ds0 = T[0].reshape(B, H, D, Dv) if has_s0 else T.new_empty(0)
+    dq, dk, dv, dg = (lay.unchunked(t).reshape(B, H, N, t.shape[-1]).contiguous() for t in (dq3, dk3, dv3, dg3))
+    return dq, dk, dv, dg, ds0
+
+
+# The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
+# op with a shape function (no chunk loop to unroll and no engine internals to trace, so a model
+# compiles in seconds and whole), and eager autograd runs the same two functions.
+_gated_chunked = engine_op(
+    "linattn::gated_chunked",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? s0, int chunk_size, float scale, "
+    "int sub_chunk_size, int tile_positions) -> (Tensor, Tensor, Tensor)",
+    _gated_forward)
+
+
+@_gated_chunked.register_fake
+def _(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions):
+    B, H, N, D = q.shape
+    Dv = v.shape[-1]
+    Nc = -(-N // min(chunk_size, N))
+    return q.new_empty(B, H, N, Dv), q.new_empty(B, H, D, Dv), q.new_empty(Nc + 1, B * H, D, Dv)
+
+
+_gated_chunked_backward = engine_op(
+    "linattn::gated_chunked_backward",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor states, Tensor do, Tensor ds_final, "
+    "bool has_s0, int chunk_size, float scale, int sub_chunk_size, int tile_positions) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _gated_backward)
+
+
+@_gated_chunked_backward.register_fake
+def _(q, k, v, g, states, do, ds_final, has_s0, chunk_size, scale, sub_chunk_size, tile_positions):
+    B, H, _, D = q.shape
+    ds0 = q.new_empty(B, H, D, v.shape[-1]) if has_s0 else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), ds0
+
+
+def _gated_setup(ctx, inputs, output):
+    q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions = inputs
+    ctx.save_for_backward(q, k, v, g, output[2])
+    ctx.knobs = (s0 is not None, chunk_size, scale, sub_chunk_size, tile_positions)
+    ctx.mark_non_differentiable(output[2])
+    # unused outputs' gradients stay None: materialised, the saved states' would be a zero-filled tensor
+    # as large as the states themselves on every backward
+    ctx.set_materialize_grads(False)
+
+
+def _gated_autograd(ctx, do, ds_final, _dstates):
+    q, k, v, g, states = ctx.saved_tensors
+    has_s0 = ctx.knobs[0]
+    do = torch.zeros_like(v) if do is None else do.to(v.dtype)
+    if ds_final is None:
+        ds_final = q.new_zeros(*q.shape[:2], *states.shape[2:])  # (B, H, D, Dv)
+    dq, dk, dv, dg, ds0 = _gated_chunked_backward(q, k, v, g, states, do, ds_final, *ctx.knobs)
+    return dq, dk, dv, dg, ds0 if has_s0 else None, None, None, None, None
+
+
+_gated_chunked.register_autograd(_gated_autograd, setup_context=_gated_setup)
+
+
+# =============================================================================================
+# Per head, as a running log scale: o_i = q_i . (e^{m_0 - m_i} s0 + sum_{j <= i} e^{m_j - m_i} k_j v_j^T).
+# =============================================================================================
+
+def _scale_chunks(lay: ChunkLayout, x: Tensor) -> Tensor:
+    """``(B, H, N, X)`` -> ``(B*H*Nc, C, X)`` on the layout ``lay`` (zero rows fill the last chunk)."""
+    return lay.chunked(x.reshape(lay.R, lay.N, x.shape[-1])).flatten(0, 1)
+
+
+def _scale_weights(mc: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Scale factors of one chunked ``m (B*H, Nc, C)``, all <= 1:
+
+    - ``intra (B*H*Nc, C, C)``: ``e^{m_j - m_i}`` for j <= i in a chunk, 0 above the diagonal;
+    - ``enter (B*H*Nc, C, 1)``: ``e^{m_start - m_i}`` applied to the state entering the chunk,
+      ``m_start`` being the scale of that state (the last ``m`` of the previous chunk);
+    - ``leave (B*H*Nc, C, 1)``: ``e^{m_j - m_end}``, a key's weight in the state leaving the chunk;
+    - ``start``, ``end (B*H, Nc)``: the scale of the state entering and leaving each chunk.
+    """
+    BH, nc, C = mc.shape
+    start = torch.cat([mc[:, :1, 0], mc[:, :-1, -1]], dim=1)  # (B*H, Nc): scale entering each chunk
+    end = mc[:, :, -1]  # (B*H, Nc)
+    causal = torch.ones(C, C, dtype=mc.dtype, device=mc.device).tril_()
+    # m_j - m_i <= 0 for j <= i (m is non-decreasing); above the diagonal it is >= 0, clamped to 0
+    # and then zeroed by the mask, so no factor > 1 ever forms. Not exp(-inf) through torch.where:
+    # on CPU, exp of arguments far below its range runs a much slower scalar path.
+    intra = torch.exp((mc[..., None, :] - mc[..., :, None]).clamp_(max=0)).mul_(causal).view(-1, C, C)
+    enter = torch.exp(start[..., None] - mc).view(-1, C, 1)
+    leave = torch.exp(mc - end[..., None]).view(-1, C, 1)
+    return intra, enter, leave, start, end
+
+
+def _scan_(buf: Tensor, lvl: Tensor, lvl_init: Tensor, *, reverse: bool, has_init: bool) -> Tensor:
+    """Rescaled prefix sums, in place in ``buf (BH, Nc + 1, X)``, which holds the terms and a seed.
+
+    Forward: ``buf[:, 0]`` is the seed ``init`` and ``buf[:, 1 + c]`` the term ``x[c]``; after,
+    ``buf[:, 1 + c] = sum_{c' <= c} e^{lvl[c'] - lvl[c]} x[c'] + e^{lvl_init - lvl[c]} init``, so
+    ``buf[:, :Nc]`` is the exclusive scan (the state entering each chunk) and ``buf[:, Nc]`` the
+    last sum. Reverse: ``buf[:, c]`` is ``x[c]`` and ``buf[:, Nc]`` the seed; after, ``buf[:, c]``
+    sums over ``c' >= c`` instead. ``lvl (BH, Nc)`` is non-decreasing in the direction of the scan
+    and ``lvl_init (BH,)`` at most its first value, so every factor is <= 1. ``has_init=False``
+    promises a zero seed (its carry is skipped). Returns ``buf``.
+
+    In place because the chunk states are the largest tensors of the causal product after the
+    features: every extra pass over them (a fresh output, a cat, a flip) cost FAVOR's
+    forward+backward a measurable share of its time.
+
+    Two levels so that it costs about 2 sqrt(Nc) operations rather than Nc tiny ones (which on a
+    busy CPU or a GPU cost launch and synchronisation more than arithmetic): running sums inside
+    groups of G consecutive chunks, one step for all groups at once; then the sum carried from
+    the group before (in scan order) brought into each group with one multiply-add.
+    """
+    BH, n1, _ = buf.shape
+    nc = n1 - 1
+    xs = buf[:, :nc] if reverse else buf[:, 1:]  # (BH, Nc, X): the terms, then the sums
+    G = max(1, min(nc, round(nc**0.5)))
+    full = nc // G * G
+    for lo, hi, size in ((0, full, G), (full, nc, nc - full)):  # whole groups, then the rest
+        if hi - lo == 0 or size == 1:
+            continue
+        xg = xs[:, lo:hi].unflatten(1, (-1, size))  # (BH, groups, size, X)
+        lg = lvl[:, lo:hi].unflatten(1, (-1, size))  # (BH, groups, size)
+        # decay from each entry's neighbour in scan order; (size-1, BH, groups, 1) contiguous, as a
+        # strided broadcast operand sends addcmul_ down a far slower path
+        step = (lg[..., 1:] - lg[..., :-1]) if reverse else (lg[..., :-1] - lg[..., 1:])
+        decay = torch.exp(step).permute(2, 0, 1).contiguous()[..., None]
+        order = range(size - 2, -1, -1) if reverse else range(1, size)
+        for i in order:
+            j = i + 1 if reverse else i - 1
+            xg[:, :, i].addcmul_(xg[:, :, j], decay[min(i, j)])
+    groups = [(lo, min(lo + G, nc)) for lo in range(0, nc, G)]
+    for lo, hi in reversed(groups) if reverse else groups:
+        if reverse:  # the slot after the group: its first sum, or the seed
+            anchor, anchor_lvl, first = hi, (lvl_init if hi == nc else lvl[:, hi]), hi == nc
+        else:  # the slot before it: buf[:, lo] is the sum of chunk lo - 1, or the seed
+            anchor, anchor_lvl, first = lo, (lvl_init if lo == 0 else lvl[:, lo - 1]), lo == 0
+        if first and not has_init:
+            continue
+        carry = torch.exp(anchor_lvl[:, None] - lvl[:, lo:hi])[..., None]  # (BH, size, 1)
+        xs[:, lo:hi].addcmul_(buf[:, anchor : anchor + 1], carry)
+    return buf
+
+
+def _scanned_products(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lvl_init: Tensor, *,
+                      reverse: bool) -> Tensor:
+    """:func:`_scan_` of the per-chunk products ``bmm(a, b)`` for ``a (BH*Nc, F, C)``,
+    ``b (BH*Nc, C, E)``, seeded with ``seed`` (anything of BH*F*E entries; None for zeros): a new
+    ``(BH, Nc + 1, F*E)`` laid out as :func:`_scan_` describes. The products go straight into their
+    slots when those are one block of memory (BH = 1, the tiled FAVOR path)."""
+    BH = lvl.shape[0]
+    nc, Fd, E = a.shape[0] // BH, a.shape[1], b.shape[2]
+    buf = a.new_empty(BH, nc + 1, Fd * E)
+    slot, terms = (buf[:, nc], buf[:, :nc]) if reverse else (buf[:, 0], buf[:, 1:])
+    if seed is None:
+        slot.zero_()
+    else:
+        slot.copy_(seed.reshape(BH, Fd * E))
+    if terms.is_contiguous():
+        torch.bmm(a, b, out=terms.view(BH * nc, Fd, E))
+    else:
+        terms.copy_(torch.bmm(a, b).view(BH, nc, -1))
+    return _scan_(buf, lvl, lvl_init, reverse=reverse, has_init=seed is not None)
+
+
+def _chunk_states(
+    kc: Tensor, wc: Tensor, leave: Tensor, start: Tensor, end: Tensor, s0: Tensor | None, BH: int
+) -> tuple[Tensor, Tensor]:
+    """The state entering each chunk ``(B*H*Nc, F, E)`` and the final state ``(B*H, F, E)``.
+
+    ``S_out[c] = e^{start[c] - end[c]} S_out[c-1] + kc[c]^T (leave * wc[c])`` with ``S_out[-1] = s0``.
+    """
+    Fd, E = kc.shape[-1], wc.shape[-1]
+    nc = kc.shape[0] // BH
+    # s0, then each chunk's leaving state (scale the narrower w)
+    buf = _scanned_products(kc.transpose(1, 2), wc * leave, s0, end, start[:, 0], reverse=False)
+    s_final = buf[:, nc].reshape(BH, Fd, E).clone()
+    return buf[:, :nc].reshape(-1, Fd, E), s_final  # a view when BH = 1
+
+
+def _scale_layout(a: Tensor, chunk_size: int) -> ChunkLayout:
+    """One tile: the whole row (the per-chunk states are one scan over all chunks at once)."""
+    B, H, N = a.shape[:3]
+    return ChunkLayout.of(B * H, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
+
+
+def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None,
+             chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> ``o (B, H, N, E)``, the final state ``(B, H, F, E)`` and what the backward keeps besides
+    the inputs: the chunked scales ``mc (B*H, Nc, C)``, the per-chunk states ``s_in (B*H*Nc, F, E)``
+    and the masked chunk scores ``(B*H*Nc, C, C)`` (N F E / C and N C floats: with F in the
+    hundreds both cost more to redo than to keep)."""
+    B, H, N, Fd = a.shape
+    E = w.shape[-1]
+    lay = _scale_layout(a, chunk_size)
+    C, nc, n_pad = lay.C, lay.Nc, lay.fill
+    ac, kc, wc = (_scale_chunks(lay, x) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
+    # fill positions repeat the last scale: they carry zero rows and must not rescale. A copy (B*H*N
+    # floats): kept for the backward, it must not be a view of the input m
+    mc = _scale_chunks(lay, m[..., None]).view(B * H, nc, C).clone()
+    if n_pad:
+        mc[:, -1, C - n_pad:] = mc[:, -1, C - n_pad - 1: C - n_pad]
+    intra, enter, leave, start, end = _scale_weights(mc)
+    s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H)
+    scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
+    o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
+    out = lay.unchunked(o.view(B * H, nc, C, E)).view(B, H, N, E)
+    return out.contiguous(), s_final.view(B, H, Fd, E), mc, s_in.contiguous(), scores
+
+
+def _scale_backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, scores: Tensor, do: Tensor,
+              ds_final: Tensor, has_s0: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`_forward`: ``da, dkf, dw`` shaped as their inputs and ``ds0 (B, H, F, E)``
+    (``(0,)`` without ``has_s0``)."""
+    B, H, N, Fd = a.shape
+    E = w.shape[-1]
+    lay = _scale_layout(a, chunk_size)
+    C = lay.C
+    ac, kc, wc, doc = (_scale_chunks(lay, x) for x in (a, kf, w, do))  # (B*H*Nc, C, F|F|E|E)
+    intra, enter, leave, start, end = _scale_weights(mc)
+    doe = doc * enter  # gradient reaching a_i . S_in, per row
+    # g[c] = d loss / d S_in[c] from chunk c's outputs. The total gradient of S_in[c] is
+    # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
+    # the same rescaled scan run backwards (levels -start, read in reverse order); chunk c's
+    # contribution gets T[c+1] (T[Nc] = ds_final) and s0 gets T[0].
+    t = _scanned_products(ac.transpose(1, 2), doe, ds_final, -start, -end[:, -1], reverse=True)  # T[c], T[Nc]
+    ds0 = t[:, 0].reshape(B, H, Fd, E).clone() if has_s0 else a.new_empty(0)
+    g = t[:, 1:].reshape(-1, Fd, E)  # d loss / d (chunk c's contribution) = T[c + 1]
+    del t
+    dscores = torch.bmm(doc, wc.transpose(1, 2)).mul_(intra)  # d loss / d (a k^T), masked
+    dw = torch.bmm(kc, g).mul_(leave).baddbmm_(scores.transpose(1, 2), doc)
+    dk = torch.bmm(wc, g.transpose(1, 2)).mul_(leave).baddbmm_(dscores.transpose(1, 2), ac)
+    del g
+    da = torch.bmm(dscores, kc).baddbmm_(doe, s_in.transpose(1, 2))
+
+    def unchunk(x: Tensor) -> Tensor:
+        return lay.unchunked(x.view(lay.R, lay.Nc, C, x.shape[-1])).view(B, H, N, x.shape[-1]).contiguous()
+
+    return unchunk(da), unchunk(dk), unchunk(dw), ds0
+
+
+# The chunked product as a torch.library custom op with its own autograd (as the gated and
+# delta-rule engines): torch.compile sees one op per call instead of unrolling the chunk scan.
+_scaled_chunked = engine_op(
+    "linattn::scaled_chunked",
+    "(Tensor a, Tensor kf, Tensor w, Tensor m, Tensor? s0, int chunk_size) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _scale_forward)
+
+
+@_scaled_chunked.register_fake
+def _(a, kf, w, m, s0, chunk_size):
+    B, H, N, Fd = a.shape
+    E = w.shape[-1]
+    C = min(chunk_size, N)
+    nc = -(-N // C)
+    return (a.new_empty(B, H, N, E), a.new_empty(B, H, Fd, E), a.new_empty(B * H, nc, C),
+            a.new_empty(B * H * nc, Fd, E), a.new_empty(B * H * nc, C, C))
+
+
+_scaled_chunked_backward = engine_op(
+    "linattn::scaled_chunked_backward",
+    "(Tensor a, Tensor kf, Tensor w, Tensor mc, Tensor s_in, Tensor scores, Tensor do, "
+    "Tensor ds_final, bool has_s0, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor)",
+    _scale_backward)
+
+
+@_scaled_chunked_backward.register_fake
+def _(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, chunk_size):
+    B, H, _, Fd = a.shape
+    ds0 = a.new_empty(B, H, Fd, w.shape[-1]) if has_s0 else a.new_empty(0)
+    return a.new_empty(a.shape), kf.new_empty(kf.shape), w.new_empty(w.shape), ds0
+
+
+def _scale_setup(ctx, inputs, output):
+    a, kf, w, m, s0, chunk_size = inputs
+    _, _, mc, s_in, scores = output
+    ctx.save_for_backward(a, kf, w, mc, s_in, scores)
+    ctx.knobs = (s0 is not None, chunk_size)
+    ctx.mark_non_differentiable(mc, s_in, scores)
+    # unused outputs' gradients stay None (materialised, the saved tensors' would be zero-filled)
+    ctx.set_materialize_grads(False)
+
+
+def _scale_autograd(ctx, do, ds_final, _dmc, _ds_in, _dscores):
+    a, kf, w, mc, s_in, scores = ctx.saved_tensors
+    has_s0, _ = ctx.knobs
+    B, H, _, Fd = a.shape
+    if do is None:
+        do = w.new_zeros(w.shape)
+    if ds_final is None:
+        ds_final = w.new_zeros(B, H, Fd, w.shape[-1])
+    da, dk, dw, ds0 = _scaled_chunked_backward(a, kf, w, mc, s_in, scores, do, ds_final, *ctx.knobs)
+    return da, dk, dw, None, ds0 if has_s0 else None, None
+
+
+_scaled_chunked.register_autograd(_scale_autograd, setup_context=_scale_setup)
+
+# =============================================================================================
+# The entry
+# =============================================================================================
+
+
+def decayed_product(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    s0: Tensor | None = None,
+    *,
+    log_decay: Tensor | None = None,
+    running_log_scale: Tensor | None = None,
+    scale: float = 1.0,
+    normalise: bool = False,
+    phi: str = "",
+    keep: bool = False,
+    chunk_size: int | None = None,
+    sub_chunk_size: int = 4,
+    tile_positions: int = 4096,
+) -> tuple[Tensor, Tensor]:
+    """The decayed engine's one entry (internal: callers have checked the inputs and chosen the
+    compute dtype; B*H, N >= 1). Differentiable once in q, k, v, log_decay and s0.
+
+    Args:
+        q, k: ``(B, H, N, D)``; with ``phi`` the inputs of the feature map, else features.
+        v: ``(B, H, N, Dv)``.
+        s0: ``(B, H, D, Dv)`` state before position 0 (``(B, H, D, Dv + 1)`` with ``normalise``:
+            numerator and normaliser side by side), or None for zeros.
+        log_decay: None (no gate), or ``(B, H, N, G)`` log decays <= 0 with G = 1 (per head) or
+            D (per key channel); below -40 is a reset.
+        running_log_scale: None, or ``m (B, H, N)`` non-decreasing and finite: the per-head gate
+            ``g_t = m_{t-1} - m_t`` given by its running sum (FAVOR+'s stabiliser; no gradient);
+            then ``s0`` is at scale ``m_0`` and the final state at scale ``m_{N-1}``.
+        scale: the factor of the readout.
+        normalise: no gate only: ``out_i = n_i / d_i`` with the normaliser
+            ``d_i = q_i . (z0 + sum_{j<=i} k_j)`` guarded as in ``normaliser.normalise``.
+        phi: no gate only: the name of an elementwise feature map (``ELEMENTWISE_MAPS``) applied to
+            q and k inside the pass, or "".
+        keep: with ``phi``, keep the features for the backward (it then writes the gradients of
+            q and k over them) instead of recomputing them.
+        chunk_size: the chunk length C; None for :data:`CHUNK_SIZES` of the gate's kind.
+        sub_chunk_size: per-channel gate: the sub-chunk length (the largest divisor of C up to it).
+        tile_positions: about how many positions one tile holds (no gate, per-head and per-channel
+            gates; the running-scale product scans whole rows).
+
+    Every knob leaves the result unchanged. Returns ``out (B, H, N, Dv)`` and the final state
+    ``(B, H, D, Dv)`` (``Dv + 1`` with ``normalise``).
+    """
+    if (normalise or phi) and (log_decay is not None or running_log_scale is not None):
+        raise ValueError("decayed_product: normalise and phi are the no-gate specialisation's; got a gate")
+    if log_decay is not None and running_log_scale is not None:
+        raise ValueError("decayed_product: give at most one of log_decay and running_log_scale")
+    if log_decay is not None:
+        kind = "head" if log_decay.shape[-1] == 1 else "channel"
+        C = CHUNK_SIZES[kind] if chunk_size is None else chunk_size
+        out, s_final, _ = _gated_chunked(q, k, v, log_decay, s0, C, scale, sub_chunk_size, tile_positions)
+        return out, s_final
+    if scale != 1.0:
+        q = q * scale
+    if running_log_scale is not None:
+        C = CHUNK_SIZES["scale"] if chunk_size is None else chunk_size
+        out, s_final, _, _, _ = _scaled_chunked(q, k, v, running_log_scale.detach(), s0, C)
+        return out, s_final
+    C = CHUNK_SIZES["none"] if chunk_size is None else chunk_size
+    out, s_final, *_ = _ungated_chunked(q, k, v, s0, C, tile_positions, normalise, phi, keep)
+    return out, s_final
+
