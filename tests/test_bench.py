@@ -40,7 +40,10 @@ def test_demo_tiny(tmp_path, capsys):
     md = (tmp_path / "demo.md").read_text()
     assert "| linear |" in md and "overtakes softmax" in md and "favor causal" in md
     errors = result["max_error_vs_reference"]["errors"]
-    assert len(errors) == 8 and all(e < 1e-4 for e in errors.values()), errors
+    expected = {f"{n} {form}" for n, spec in MECHANISMS.items() for form in ("bidirectional", "causal")
+                if form in spec.forms} | {f"{n} recurrent (step by step)" for n, spec in MECHANISMS.items()
+                                         if spec.recurrent}
+    assert set(errors) == expected and all(e < 1e-4 for e in errors.values()), errors
     assert set(saved["generate"]["seconds_per_token"]) == {"linear@4", "linear@8", "softmax@4", "softmax@8",
                                                            "softmax-recompute@4", "softmax-recompute@8"}
     # a verdict of False comes with its one-line reason (the tiny model reads its weights each step too)
@@ -90,16 +93,20 @@ def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, share, start, en
 
 
 def test_errors_detect_a_wrong_fast_form(monkeypatch):
-    """The error column would show a broken fast form (it is not a constant)."""
-    real = linattn.linear_attention
+    """The error column would show a broken fast form (it is not a constant), and it reads the
+    fast forms from the registry (a broken registered function shows in its rows only)."""
+    import dataclasses
 
-    def broken(q, k, v, **kw):
-        out = real(q, k, v, **kw)
+    spec = MECHANISMS["linear"]
+
+    def broken(*args, **kw):
+        out = spec.function(*args, **kw)
         return (out[0] * 1.01, out[1]) if isinstance(out, tuple) else out * 1.01
 
-    monkeypatch.setattr(linattn, "linear_attention", broken)
-    errors = fast_vs_reference_errors(n=50)
-    assert errors["linear"] > 1e-3 and errors["softmax (SDPA)"] < 1e-4
+    monkeypatch.setitem(MECHANISMS, "linear", dataclasses.replace(spec, function=broken))
+    errors = fast_vs_reference_errors(n=64)
+    assert errors["linear causal"] > 1e-3 and errors["linear bidirectional"] > 1e-3
+    assert errors["softmax bidirectional"] < 1e-4 and errors["linear recurrent (step by step)"] < 1e-4
 
 
 def test_cli_demo_passes_its_options(monkeypatch, tmp_path):

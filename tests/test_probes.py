@@ -96,9 +96,24 @@ def test_linear_attention_passes_tile_positions_on_with_packed_documents(monkeyp
 from linattn.models import TransformerConfig, TransformerLM  # noqa: E402
 from linattn.nn.registry import MECHANISMS  # noqa: E402
 
-# LSH cuts its buckets over the whole call; softmax's packed form is one SDPA call per document and
-# reads the offsets once per layer to split them (the quadratic baseline, not a linear fast form).
-PACKABLE = [name for name, spec in MECHANISMS.items() if spec.causal and name not in ("lsh", "softmax")]
+# LSH cuts its buckets over the whole call. Softmax's packed form is one SDPA call per document: it
+# reads the lengths once per cu_seqlens tensor (varlen.document_lengths), so once per model forward.
+PACKABLE = [name for name, spec in MECHANISMS.items() if spec.causal and name != "lsh"]
+
+
+def test_document_lengths_are_read_once_per_tensor_and_again_after_an_in_place_change():
+    """The lengths kept on the tensor follow its version counter (a torch internal: this fails the
+    day it stops counting in-place changes)."""
+    from linattn.functional.varlen import document_lengths
+
+    cu = torch.tensor([0, 3, 3, 10])
+    with OpProbe() as p:
+        assert document_lengths(cu) == [3, 0, 7]
+        assert document_lengths(cu) == [3, 0, 7]
+    assert p.n_host_reads == 1, p.host_reads
+    cu[1] = 5  # in place: the kept lengths are stale
+    assert document_lengths(cu) == [5, -2, 7]
+    assert document_lengths(torch.tensor([0, 10])) == [10]  # another tensor, its own lengths
 
 
 @pytest.mark.parametrize("name", PACKABLE)

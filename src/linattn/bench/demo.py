@@ -5,7 +5,8 @@ Three parts, all written to ``report/`` (or ``--out``):
    mechanism but LSH, each with its registry defaults, and every installed peer, causal and
    bidirectional, N = 256 ... 16384, B = 1, H = 8, D = 64, float32; configurations predicted over
    20 s per call are skipped and marked (sweep.json/md/png); a progress bar follows it on a terminal;
-2. the largest error of each fast form against its reference form (float32 vs float64);
+2. the largest error of every registered mechanism's fast form against its reference form (float32
+   vs float64), in each of its forms, read from the registry;
 3. per-token generation time of linear vs softmax + KV cache language models at two positions
    (``bench/generate.py``, generate.json/md).
 demo.json and demo.md hold the summary (crossover N per mechanism, the table at the largest N, the
@@ -16,6 +17,7 @@ is printed.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -24,15 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-
-import linattn
-from linattn.functional import (
-    efficient_attention_reference,
-    favor_attention_reference,
-    linear_attention_reference,
-    local_attention_reference,
-    softmax_attention_reference,
-)
 
 from .. import progress
 from ..extras import require_extra
@@ -51,7 +44,7 @@ NOT_IN_DEMO = ("lsh",)
 
 
 def _max_err(fast, ref, inputs) -> float:
-    """Largest |fast - ref| over the output and the gradients of q, k, v (ref in float64)."""
+    """Largest |fast - ref| over the output and the gradients of the inputs (ref in float64)."""
     g = torch.Generator().manual_seed(3)
     cot = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     gf = torch.autograd.grad(fast, inputs[0], cot.to(fast.dtype))
@@ -61,53 +54,54 @@ def _max_err(fast, ref, inputs) -> float:
     return max(e.item() for e in errs)
 
 
-def fast_vs_reference_errors(n: int = 1000, d: int = 64, seed: int = 0) -> dict[str, float]:
-    """Each fast form in float32 against its reference form in float64, inputs N(0, 1)."""
+ERRORS_N = 1024  # positions of the error table: a multiple of LSH's default bucket size (32)
+
+
+def fast_vs_reference_errors(n: int = ERRORS_N, d: int = 64, seed: int = 0) -> dict[str, float]:
+    """Every registered mechanism's fast form in float32 against its reference form in float64
+    (``MECHANISMS[name].function`` and ``.reference``), in each form it has: bidirectional and
+    causal with one key in five padded, and for the recurrent ones 64 positions decoded one at a
+    time (``.step``) against the causal reference. Two heads of width ``d``; q, k, v and the layer
+    input N(0, 1); each module with its default config and initial parameters, its float64 copy
+    for the reference, the inputs of both forms from the module (``functional_inputs``), and the
+    module's own output step (``functional_output``) after both. The error is the largest
+    |fast - reference| over the output and the gradients of q, k and v."""
+    H = 2
     g = torch.Generator().manual_seed(seed)
-    base = [torch.randn(1, 2, n, d, generator=g) for _ in range(3)]
+    base = [torch.randn(1, H, n, d, generator=g) for _ in range(3)]
+    x = torch.randn(1, n, H * d, generator=g)
     mask = torch.rand(1, n, generator=g) > 0.2
-    W = linattn.favor_projection(128, d, generator=g)  # FAVOR features for the favor form
-
-    def pair():
-        f32 = [t.clone().requires_grad_() for t in base]
-        f64 = [t.double().requires_grad_() for t in base]
-        return f32, f64
-
     out: dict[str, float] = {}
-    forms = {
-        "softmax (SDPA)": (lambda q, k, v: linattn.softmax_attention(q, k, v, key_padding_mask=mask),
-                           lambda q, k, v: softmax_attention_reference(q, k, v, key_padding_mask=mask)),
-        "softmax causal (SDPA)": (lambda q, k, v: linattn.softmax_attention(q, k, v, causal=True),
-                                  lambda q, k, v: softmax_attention_reference(q, k, v, causal=True)),
-        "linear": (lambda q, k, v: linattn.linear_attention(q, k, v, key_padding_mask=mask),
-                   lambda q, k, v: linear_attention_reference(q, k, v, key_padding_mask=mask)),
-        "linear causal (chunked)": (
-            lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, key_padding_mask=mask),
-            lambda q, k, v: linear_attention_reference(q, k, v, causal=True, key_padding_mask=mask)),
-        "efficient": (lambda q, k, v: linattn.efficient_attention(q, k, v, key_padding_mask=mask),
-                      lambda q, k, v: efficient_attention_reference(q, k, v, key_padding_mask=mask)),
-        "favor causal (log-scaled chunks)": (
-            lambda q, k, v: linattn.favor_attention(q * 0.5, k * 0.5, v, W, causal=True, key_padding_mask=mask),
-            lambda q, k, v: favor_attention_reference(q * 0.5, k * 0.5, v, W.double(), causal=True,
-                                                      key_padding_mask=mask)),
-        "local causal (blocked)": (
-            lambda q, k, v: linattn.local_attention(q, k, v, window=100, causal=True, key_padding_mask=mask),
-            lambda q, k, v: local_attention_reference(q, k, v, window=100, causal=True, key_padding_mask=mask)),
-    }
-    for name, (fast_fn, ref_fn) in forms.items():
-        f32, f64 = pair()
-        out[name] = _max_err(fast_fn(*f32), ref_fn(*f64), (f32, f64))
-    # recurrent: one token at a time through the returned state
-    f32, f64 = pair()
-    m = min(n, 256)
-    state, steps = None, []
-    for i in range(m):
-        o, state = linattn.linear_attention(
-            *(t[:, :, i : i + 1] for t in f32), causal=True, initial_state=state, return_state=True
-        )
-        steps.append(o)
-    ref = linear_attention_reference(*(t[:, :, :m] for t in f64), causal=True)
-    out["linear recurrent (step by step)"] = _max_err(torch.cat(steps, 2), ref, (f32, f64))
+    for name, spec in MECHANISMS.items():
+        torch.manual_seed(seed)  # the module's initial parameters
+        module = spec.build(n_heads=H, head_dim=d, max_len=n)
+        reference = copy.deepcopy(module).double()
+
+        def leaves(dtype):
+            q, k, v = (t.to(dtype).requires_grad_() for t in base)
+            return (q, q, v) if spec.shared_qk else (q, k, v)
+
+        def run(mech, fn, qkv, xx, causal, key_padding_mask):
+            tensors, options = mech.functional_inputs(*qkv, xx, causal=causal)
+            return mech.functional_output(fn(*tensors, key_padding_mask=key_padding_mask, **options), xx)
+
+        for form in ("bidirectional", "causal"):
+            if form not in spec.forms:
+                continue
+            f32, f64 = leaves(torch.float32), leaves(torch.float64)
+            fast = run(module, spec.function, f32, x, form == "causal", mask)
+            ref = run(reference, spec.reference, f64, x.double(), form == "causal", mask)
+            grads = (f32[0::2], f64[0::2]) if spec.shared_qk else (f32, f64)
+            out[f"{name} {form}"] = _max_err(fast, ref, grads)
+        if spec.recurrent:
+            m = min(n, 64)
+            f32, f64 = leaves(torch.float32), leaves(torch.float64)
+            state, steps = module.initial_state(1, dtype=torch.float32), []
+            for i in range(m):
+                o, state = spec.step(module, *(t[:, :, i:i + 1] for t in f32), state, x=x[:, i:i + 1])
+                steps.append(o)
+            ref = run(reference, spec.reference, [t[:, :, :m] for t in f64], x[:, :m].double(), True, None)
+            out[f"{name} recurrent (step by step)"] = _max_err(torch.cat(steps, 2), ref, (f32, f64))
     return out
 
 
@@ -138,7 +132,7 @@ def run_demo(ns=DEFAULT_NS, *, out: str | Path = "report", quiet: bool = False,
                                   time_budget_s=TIME_BUDGET_S, measure_memory=measure_memory),
                       out=out, command=command + " (sweep part)", quiet=quiet, print_tables=False)
     say(f"linattn demo [2/3]: each fast form against its reference form ({time.perf_counter() - t_start:.0f} s)")
-    errors = fast_vs_reference_errors()
+    errors = fast_vs_reference_errors(ERRORS_N)
     say(f"linattn demo [3/3]: generation at positions {list(generate_positions)} "
         f"({time.perf_counter() - t_start:.0f} s)")
     gen = run_generate(out=out, positions=tuple(generate_positions), steps=10, quiet=True,
@@ -149,7 +143,7 @@ def run_demo(ns=DEFAULT_NS, *, out: str | Path = "report", quiet: bool = False,
         "machine": machine_info(),
         "files": ["sweep.json", "sweep.md", "sweep_time.png", "sweep_memory.png", "generate.json", "generate.md"],
         "sweep": {"config": sweep["config"], "crossover": sweep["crossover"], "largest_n": _largest_n(sweep)},
-        "max_error_vs_reference": {"n": 1000, "dtype": "float32 vs float64 reference",
+        "max_error_vs_reference": {"n": ERRORS_N, "dtype": "float32 vs float64 reference",
                                    "what": "max |diff| over output and q, k, v gradients", "errors": errors},
         "generate": {"config": gen["config"], "seconds_per_token": gen["seconds_per_token"], "claim": gen["claim"],
                      "why": _why_not_faster(gen)},
@@ -225,8 +219,8 @@ def format_summary(result: dict) -> str:
               "over the demo's time budget.", "", "## Where each contender overtakes softmax", ""]
     for key, per in result["sweep"]["crossover"].items():
         lines.append(f"- {key}: " + ", ".join(f"{i} {v}" for i, v in per.items()))
-    lines += ["", "## Largest error of each fast form against its reference form (float32 vs float64, N = 1000, "
-              "output and all gradients)", ""]
+    lines += ["", "## Largest error of each fast form against its reference form (float32 vs float64, "
+              f"N = {result['max_error_vs_reference']['n']}, output and the gradients of q, k and v)", ""]
     lines += [f"- {name}: {err:.2e}" for name, err in result["max_error_vs_reference"]["errors"].items()]
     gen = result["generate"]
     c = gen["config"]

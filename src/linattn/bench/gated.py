@@ -41,6 +41,7 @@ from torch import Tensor
 from .. import functional, progress
 from ..processes import run_process
 from ..functional.decayed import decayed_product
+from ..nn.registry import MECHANISMS
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
@@ -123,29 +124,28 @@ def make_inputs(n: int, *, seed: int = 0, dtype: torch.dtype = torch.float32, re
     return x
 
 
-# Each timed linattn form: (fast form, its float64 reference, the make_inputs entries it takes
-# positionally, those it takes by keyword, fixed options). One table for the timing, the decoding
-# steps and the accuracy check.
+# Each timed linattn form: (the registered mechanism whose functional form and reference it calls,
+# the make_inputs entries it takes positionally, those it takes by keyword, fixed options). One
+# table for the timing, the decoding steps and the accuracy check; the functions are the
+# registry's (linattn.nn.MECHANISMS), the inputs this benchmark's own (a per-head decay for RetNet's
+# form, a per-channel one for GLA's, unit keys for the delta rule).
 _FORMS = {
-    "linear": (functional.linear_attention, functional.linear_attention_reference, ("q", "k", "v"), {},
-               {"causal": True}),
-    "gla_head": (functional.gated_linear_attention, functional.gated_linear_attention_reference,
-                 ("q", "k", "v", "decay_head"), {}, {}),
-    "gla_channel": (functional.gated_linear_attention, functional.gated_linear_attention_reference,
-                    ("q", "k", "v", "decay_channel"), {}, {}),
-    "delta": (functional.delta_rule_attention, functional.delta_rule_attention_reference,
-              ("q", "k", "v", "beta"), {}, {}),
-    "gated_delta": (functional.delta_rule_attention, functional.delta_rule_attention_reference,
-                    ("q", "k", "v", "beta"), {"log_decay": "decay_head"}, {}),
+    "linear": ("linear", ("q", "k", "v"), {}, {"causal": True}),
+    "gla_head": ("retnet", ("q", "k", "v", "decay_head"), {}, {}),
+    "gla_channel": ("gla", ("q", "k", "v", "decay_channel"), {}, {}),
+    "delta": ("deltanet", ("q", "k", "v", "beta"), {}, {}),
+    "gated_delta": ("gated_deltanet", ("q", "k", "v", "beta"), {"log_decay": "decay_head"}, {}),
 }
 
 
 def _call(name: str, x: dict, *, reference: bool = False, **options):
     """The form ``name`` of :data:`_FORMS` (or its reference) on the inputs ``x``, ``options``
     (``return_state``, ``initial_state``) added to its own."""
-    fast, ref, args, keywords, fixed = _FORMS[name]
-    return (ref if reference else fast)(*(x[a] for a in args), **{k: x[a] for k, a in keywords.items()},
-                                        **fixed, **options)
+    mechanism, args, keywords, fixed = _FORMS[name]
+    spec = MECHANISMS[mechanism]
+    return (spec.reference if reference else spec.function)(*(x[a] for a in args),
+                                                             **{k: x[a] for k, a in keywords.items()},
+                                                             **fixed, **options)
 
 
 def forms(x: dict) -> dict:

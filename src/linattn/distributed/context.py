@@ -17,21 +17,12 @@ all-gather of the summaries gives every rank all of them. Rank r folds the summa
                        exp(g_t) (I - beta_t k_t k_t^T); S_r the shard's state from zero
 
 Rank 0 needs no summary of its own: it runs its shard from ``initial_state`` with the functional
-form and sends the state after its shard (``A_0`` is never used). Ranks r > 0:
-
-- linear attention: ``S_r`` is one product ``phi(k)^T [v, 1]``; the outputs are a second call of
-  :func:`linattn.functional.linear_attention` with ``initial_state = S_in`` (the normaliser divides
-  the output, so a correction added afterwards cannot be exact without the undivided parts).
-- FAVOR+: the summary is the functional call's returned state (its stabiliser is the functional
-  form's own), the outputs a second call from ``S_in``.
-- gated linear attention: one call from zero gives the local outputs and ``S_r``; since the state
-  after position t of the shard is ``exp(b_t) * S_in + (local state)_t`` with ``b_t`` the cumulative
-  log decay of the shard, the output is the local one plus ``scale (q_t * exp(b_t))^T S_in``: exact,
-  one product, every exponent <= 0.
-- delta rule: one call with values ``[v, 0]`` ((Dv + D) columns) from the state ``[0 | I]``: its
-  final state is ``[S_r | M_r]``, and its output's last D columns are ``scale M_t^T q_t`` (the
-  product of the transitions up to t, applied to q_t), so the output from ``S_in`` is the first Dv
-  columns plus ``(scale M_t^T q_t)^T S_in``: exact, one call of width Dv + D instead of two calls.
+form and sends the state after its shard (``A_0`` is never used). What a later rank computes, and
+how it finishes its output from the state before its shard, is the mechanism's
+:class:`~linattn.functional.sharding.ShardForm`, defined beside its fast forms
+(``linattn.functional.linear.SHARDING``, ``favor.SHARDING``, ``gated.SHARDING``,
+``delta.SHARDING``); :func:`sharded` is the one driver that exchanges and folds the summaries for
+all of them.
 
 The backward sends state gradients the other way: the all-gather is differentiable
 (:func:`all_gather_differentiable`), its backward all-reduces (sums) the gradient of the gathered
@@ -63,10 +54,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..functional import delta, favor, gated, linear
-from ..functional.checks import check_positive_int, check_qkv, check_scale, compute_dtype, no_autocast, shape_str
+from ..functional.checks import no_autocast
 from ..functional.decayed_state import DecayedState
-from ..functional.feature_maps import FeatureMap, resolve_feature_map
+from ..functional.feature_maps import FeatureMap
 from ..functional.linear import LinearAttentionState
+from ..functional.sharding import ShardForm
 
 __all__ = [
     "all_gather_differentiable",
@@ -76,6 +68,7 @@ __all__ = [
     "gated_linear_attention",
     "group_place",
     "linear_attention",
+    "sharded",
 ]
 
 _PREFIX = "linattn.distributed."
@@ -258,10 +251,72 @@ def _no_mask(fn: str, key_padding_mask) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The mechanisms
+# The driver
 # ---------------------------------------------------------------------------------------------
 
 
+def sharded(fn: str, form: ShardForm, where, tensors: tuple, options: dict, *, initial_state=None,
+            return_state: bool = False, check_shards: bool = True):
+    """The causal form of the mechanism ``form`` describes, over one sequence sharded along N
+    across the ranks of a group: this rank's shard in, this rank's outputs out (and with
+    ``return_state`` the state after the whole sequence, on every rank).
+
+    Rank 0 runs the functional form from ``initial_state``; every rank computes its summary
+    (:class:`~linattn.functional.sharding.ShardForm`), the shard check and ONE differentiable
+    all-gather exchange them, and a later rank folds the summaries of the ranks before it into its
+    incoming state and finishes its output from it. ``where``: ``(group, rank, P)`` from
+    :func:`group_place`; ``tensors`` and ``options``: the functional form's inputs for this rank's
+    shard. Collective (see the module docstring)."""
+    rank, P = where[1], where[2]
+    first = rank == 0
+    parts = []
+
+    def local():
+        part = form.summarize(fn, first, initial_state if first else None, tensors, options)
+        parts.append(part)
+        return part.summary, [_dtype_code(tensors[0]), *part.values]
+
+    with no_autocast(_device_type(tensors[0])):
+        rows, summaries = _run(fn, where, [*tensors, *_state_tensors(initial_state, rank)], ("dtype", *form.check),
+                               check_shards, local)
+
+        def upto(n: int) -> list[Tensor]:
+            """The state after the shards of ranks 0 .. n-1."""
+            state = form.fold(None, summaries[0])
+            for summary in summaries[1:n]:
+                state = form.fold(state, summary)
+            return state
+
+        out = depend_on(parts[0].out, rows) if first else form.finish(parts[0].kept, upto(rank))
+        return (out, form.state(upto(P))) if return_state else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The mechanisms: the functional forms' names and options plus ``group`` and ``check_shards``
+# ---------------------------------------------------------------------------------------------
+
+_COLLECTIVE = """Collective: every rank of the group calls it with its shard, shards in rank order (rank 0 holds
+    the first positions), of any lengths (1 and 0 included); one summary per rank is exchanged
+    ({summary}; docs/context_parallel.md). Only rank 0's ``initial_state`` is read (and gets a
+    gradient); ``return_state`` gives the state after the LAST rank's shard on every rank; when any
+    rank runs backward, every rank must (the state gradients travel back through a collective).
+    With no initialised process group, or a group of one rank, this is exactly the functional
+    call. ``key_padding_mask`` is not supported (each shard would need its own part of it): it
+    must be None. ``check_shards``: first exchange a few numbers per rank (dtype, sizes, success
+    of the local work, whether a graph is built), so that a bad shard raises on every rank (its
+    own error on that rank, a ValueError naming it on the others) instead of leaving the others
+    waiting in a collective; False skips that exchange once the set-up is known to be right.
+    Tested with gloo on CPU; written for nccl on CUDA but untested there."""
+
+
+def _collective(summary: str):
+    def document(f):
+        f.__doc__ = f.__doc__.replace("{collective}", _COLLECTIVE.format(summary=summary))
+        return f
+    return document
+
+
+@_collective("B H F (Dv + 1) numbers")
 def linear_attention(
     q: Tensor,
     k: Tensor,
@@ -277,86 +332,27 @@ def linear_attention(
     check_shards: bool = True,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Causal kernel attention (:func:`linattn.functional.linear_attention` with ``causal=True``)
-    over one sequence sharded along N across the ranks of ``group``: this rank's shard in, this
-    rank's outputs out.
+    over one sequence sharded along N across the ranks of ``group`` (None: the default group), with
+    the summary of :data:`linattn.functional.linear.SHARDING`.
 
-    Collective: every rank of the group calls it with its shard, shards in rank order (rank 0 holds
-    the first positions), of any lengths (1 and 0 included). Exchanges one summary per rank,
-    ``B H F (Dv + 1)`` numbers (docs/context_parallel.md). Tested with gloo on CPU; written for
-    nccl on CUDA but untested there.
+    {collective}
 
-    Args:
-        q: ``(B, H, N, D)`` this rank's queries.
-        k: ``(B, H, N, D)`` this rank's keys.
-        v: ``(B, H, N, Dv)`` this rank's values. B, H, D, Dv and the dtype must be the same on
-            every rank (checked, see ``check_shards``); N may differ.
-        feature_map: as in :func:`linattn.functional.linear_attention`; the same on every rank
-            (not checked).
-        group: the ``torch.distributed`` process group (None: the default group). With no
-            initialised process group, or a group of one rank, this is exactly the functional call.
-        key_padding_mask: not supported here; must be None (ValueError otherwise).
-        initial_state: the state before rank 0's shard. Only rank 0's value is read (and gets a
-            gradient); the other ranks' values are ignored.
-        return_state: also return the state after the LAST rank's shard, on every rank.
-        chunk_size, tile_positions: tuning knobs of the functional form, passed on.
-        check_shards: first exchange a few numbers per rank (dtype, sizes, success of the local
-            work, whether a graph is built), so that a bad shard raises on every rank (its own
-            error on that rank, a ValueError naming it on the others) instead of leaving the
-            others waiting in a collective. False skips that exchange (one small all-gather and a
-            device-to-host copy) once the set-up is known to be right.
-
-    Returns:
-        ``(B, H, N, Dv)`` this rank's outputs in the input dtype, and with ``return_state`` the
-        :class:`LinearAttentionState` after the whole sequence (float32 for half inputs).
-        Differentiable in q, k, v and rank 0's ``initial_state``: when any rank runs backward, every
-        rank must (the state gradients travel back through a collective).
+    Shapes: q, k ``(B, H, N, D)``, v ``(B, H, N, Dv)``, this rank's positions (B, H, D, Dv and the
+    dtype alike on every rank, checked) -> ``(B, H, N, Dv)`` in the input dtype, and with
+    ``return_state`` a :class:`LinearAttentionState` (float32 for half inputs).
     """
     fn = _PREFIX + "linear_attention"
     _no_mask(fn, key_padding_mask)
-    opts = dict(feature_map=feature_map, causal=True, chunk_size=chunk_size, tile_positions=tile_positions)
+    opts = dict(feature_map=feature_map, chunk_size=chunk_size, tile_positions=tile_positions)
     where = group_place(fn, group)
     if where is None:
-        return linear.linear_attention(q, k, v, initial_state=initial_state, return_state=return_state, **opts)
-    rank, P = where[1], where[2]
-    first = []  # rank 0's output, from the local work
-
-    def local():
-        check_positive_int(fn, "chunk_size", chunk_size)
-        check_positive_int(fn, "tile_positions", tile_positions)
-        if rank == 0:
-            out, st = linear.linear_attention(q, k, v, initial_state=initial_state, return_state=True, **opts)
-            first.append(out)
-            S, z = st.S, st.z
-        else:
-            check_qkv(fn, q, k, v, causal=True)
-            dt = compute_dtype(q.dtype)
-            kf = resolve_feature_map(fn, feature_map)(k.to(dt))  # (B, H, N, F)
-            if not isinstance(kf, Tensor) or kf.dim() != 4 or kf.shape[:3] != k.shape[:3]:
-                got = shape_str(kf) if isinstance(kf, Tensor) else type(kf).__name__
-                raise ValueError(f"{fn}: feature_map must map k {shape_str(k)} to (B, H, N, F), got {got}")
-            kf = kf.to(dt)
-            S, z = kf.transpose(-1, -2) @ v.to(dt), kf.sum(2)  # (B, H, F, Dv), (B, H, F)
-        B, H, Fd, Dv = S.shape
-        return [S, z], [_dtype_code(q), B, H, q.shape[-1], Dv, Fd]
-
-    with no_autocast(_device_type(q)):
-        rows, summaries = _run(fn, where, [q, k, v, *_state_tensors(initial_state, rank)],
-                               ("dtype", "B", "H", "D", "Dv", "F"), check_shards, local)
-
-        def upto(n: int) -> LinearAttentionState:
-            """The state after the shards of ranks 0 .. n-1: sums, the transitions are identities."""
-            S, z = summaries[0]
-            for S_j, z_j in summaries[1:n]:
-                S, z = S + S_j, z + z_j
-            return LinearAttentionState(S=S, z=z)
-
-        if rank == 0:
-            out = depend_on(first[0], rows)
-        else:
-            out = linear.linear_attention(q, k, v, initial_state=upto(rank), return_state=False, **opts)
-        return (out, upto(P)) if return_state else out
+        return linear.linear_attention(q, k, v, causal=True, initial_state=initial_state, return_state=return_state,
+                                       **opts)
+    return sharded(fn, linear.SHARDING, where, (q, k, v), opts, initial_state=initial_state,
+                   return_state=return_state, check_shards=check_shards)
 
 
+@_collective("B H (F (Dv + 1) + 1) numbers: the sums and their log_scale")
 def favor_attention(
     q: Tensor,
     k: Tensor,
@@ -375,84 +371,29 @@ def favor_attention(
     check_shards: bool = True,
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Causal FAVOR+ (:func:`linattn.functional.favor_attention` with ``causal=True``) over one
-    sequence sharded along N across the ranks of ``group``: this rank's shard in, its outputs out.
+    sequence sharded along N across the ranks of ``group``, with the summary of
+    :data:`linattn.functional.favor.SHARDING` (summaries combine at the larger log_scale; the
+    stabiliser gets no gradient, as in the functional form). ``projection (m, D)``, ``kernel``,
+    ``features``, ``scale`` (checked), ``chunk_size`` and ``tile_entries``: as in the functional
+    form, the same on every rank.
 
-    Collective, with the contract of :func:`linear_attention` (shards in rank order, any lengths;
-    only rank 0's ``initial_state`` is read; ``return_state`` gives the state after the last
-    rank's shard on every rank; every rank runs backward when one does). Exchanges
-    ``B H (F (Dv + 1) + 1)`` numbers per rank: the sums and their log_scale. Summaries combine at
-    the larger log_scale (the other rescaled by exp of a difference <= 0), as the functional form's
-    running maximum does; the stabiliser gets no gradient, as there. Ranks after the first call
-    the functional form twice (summary, then outputs). Tested with gloo on CPU; nccl untested.
+    {collective}
 
-    Args:
-        q: ``(B, H, N, D)`` this rank's queries.
-        k: ``(B, H, N, D)`` this rank's keys.
-        v: ``(B, H, N, Dv)`` this rank's values (B, H, D, Dv, dtype alike on every rank; N may
-            differ).
-        projection: ``(m, D)``, the same on every rank (not checked).
-        kernel, features, scale, chunk_size, tile_entries: as in the functional form, the same on
-            every rank (``scale`` is checked).
-        group: the process group (None: the default group); no initialised group or a group of
-            one rank: exactly the functional call.
-        key_padding_mask: not supported here; must be None.
-        initial_state: the state before rank 0's shard; only rank 0's value is read.
-        return_state: also return the state after the last rank's shard, on every rank.
-        check_shards: as in :func:`linear_attention`.
-
-    Returns:
-        ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the
-        :class:`LinearAttentionState` (with ``log_scale``) after the whole sequence.
+    Returns ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the
+    :class:`LinearAttentionState` (with ``log_scale``) after the whole sequence.
     """
     fn = _PREFIX + "favor_attention"
     _no_mask(fn, key_padding_mask)
-    opts = dict(kernel=kernel, features=features, causal=True, scale=scale, chunk_size=chunk_size,
-                tile_entries=tile_entries)
+    opts = dict(kernel=kernel, features=features, scale=scale, chunk_size=chunk_size, tile_entries=tile_entries)
     where = group_place(fn, group)
     if where is None:
-        return favor.favor_attention(q, k, v, projection, initial_state=initial_state, return_state=return_state,
-                                     **opts)
-    rank, P = where[1], where[2]
-    first = []
-
-    def local():
-        out, st = favor.favor_attention(q, k, v, projection, initial_state=initial_state if rank == 0 else None,
-                                        return_state=True, **opts)
-        log_scale = st.log_scale
-        if q.shape[2] == 0 and (rank > 0 or initial_state is None):
-            # an empty shard's sums are 0 at any scale: the lowest finite one never raises the
-            # scale of a combination (the functional form reports 0)
-            log_scale = torch.full_like(log_scale, torch.finfo(log_scale.dtype).min)
-        if rank == 0:
-            first.append(out)
-        B, H, Fd, Dv = st.S.shape
-        return [st.S, st.z, log_scale], [_dtype_code(q), B, H, q.shape[-1], Dv, Fd,
-                                         check_scale(fn, scale, q.shape[-1])]
-
-    with no_autocast(_device_type(q)):
-        rows, summaries = _run(fn, where, [q, k, v, *_state_tensors(initial_state, rank)],
-                               ("dtype", "B", "H", "D", "Dv", "F", "scale"), check_shards, local)
-
-        def upto(n: int) -> LinearAttentionState:
-            """The state after the shards of ranks 0 .. n-1: sums at the larger of two log_scales."""
-            S, z, c = summaries[0]
-            c = c.detach()  # the stabiliser, as in the functional form: no gradient
-            for S_j, z_j, c_j in summaries[1:n]:
-                c_j = c_j.detach()
-                top = torch.maximum(c, c_j)  # (B, H)
-                a, b = torch.exp(c - top), torch.exp(c_j - top)  # both <= 1
-                S = S * a[..., None, None] + S_j * b[..., None, None]
-                z = z * a[..., None] + z_j * b[..., None]
-                c = top
-            return LinearAttentionState(S=S, z=z, log_scale=c)
-
-        if rank == 0:
-            out = depend_on(first[0], rows)
-        else:
-            out = favor.favor_attention(q, k, v, projection, initial_state=upto(rank), return_state=False, **opts)
-        return (out, upto(P)) if return_state else out
+        return favor.favor_attention(q, k, v, projection, causal=True, initial_state=initial_state,
+                                     return_state=return_state, **opts)
+    return sharded(fn, favor.SHARDING, where, (q, k, v, projection), opts, initial_state=initial_state,
+                   return_state=return_state, check_shards=check_shards)
 
 
+@_collective("B H (D Dv + G) numbers: the shard's state from zero and its total decay")
 def gated_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -468,88 +409,29 @@ def gated_linear_attention(
     check_shards: bool = True,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Gated linear attention (:func:`linattn.functional.gated_linear_attention`) over one sequence
-    sharded along N across the ranks of ``group``: this rank's shard in, its outputs out.
+    sharded along N across the ranks of ``group``, with the summary of
+    :data:`linattn.functional.gated.SHARDING`: one functional call per rank, a later rank adding
+    ``scale (q_t * exp(b_t))^T S_in`` to its output. ``log_decay`` ``(B, H, N)`` or ``(B, H, N, D)``
+    of this rank's positions, the same form on every rank (checked); ``scale`` checked alike.
 
-    Collective, with the contract of :func:`linear_attention`. Exchanges ``B H (D Dv + G)``
-    numbers per rank: the shard's state from zero and its total decay exp(sum of log_decay)
-    (G = 1 per head, D per key channel). Every rank calls the
-    functional form once; ranks after the first add ``scale (q_t * exp(b_t))^T S_in`` to its
-    output (``b_t`` the shard's cumulative log decay, summed in float64). Tested with gloo on CPU;
-    nccl untested.
+    {collective}
 
-    Args:
-        q: ``(B, H, N, D)`` this rank's queries.
-        k: ``(B, H, N, D)`` this rank's keys.
-        v: ``(B, H, N, Dv)`` this rank's values (B, H, D, Dv, dtype alike on every rank).
-        log_decay: ``(B, H, N)`` (per head) or ``(B, H, N, D)`` (per key channel), this rank's
-            positions; the same form on every rank (checked).
-        scale: the read-out factor, None: ``1/sqrt(D)``; the same on every rank (checked).
-        group: the process group (None: the default group); no initialised group or a group of
-            one rank: exactly the functional call.
-        key_padding_mask: not supported here; must be None.
-        initial_state: the :class:`DecayedState` before rank 0's shard; only rank 0's is read.
-        return_state: also return the state after the last rank's shard, on every rank.
-        chunk_size: the functional form's tuning knob, passed on.
-        check_shards: as in :func:`linear_attention`.
-
-    Returns:
-        ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the :class:`DecayedState`
-        after the whole sequence. Differentiable in q, k, v, log_decay and rank 0's initial state.
+    Returns ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the
+    :class:`DecayedState` after the whole sequence. Differentiable in q, k, v, log_decay and rank
+    0's initial state.
     """
     fn = _PREFIX + "gated_linear_attention"
     _no_mask(fn, key_padding_mask)
+    opts = dict(scale=scale, chunk_size=chunk_size)
     where = group_place(fn, group)
     if where is None:
-        return gated.gated_linear_attention(q, k, v, log_decay, scale=scale, initial_state=initial_state,
-                                            return_state=return_state, chunk_size=chunk_size)
-    rank, P = where[1], where[2]
-    kept = {}
-
-    def local():
-        if rank == 0:
-            out, st = gated.gated_linear_attention(q, k, v, log_decay, scale=scale, initial_state=initial_state,
-                                                   return_state=True, chunk_size=chunk_size)
-        else:
-            check_qkv(fn, q, k, v, causal=True)
-            dt = compute_dtype(q.dtype)  # the correction is added before the cast to the input dtype
-            out, st = gated.gated_linear_attention(q.to(dt), k.to(dt), v.to(dt), log_decay, scale=scale,
-                                                   return_state=True, chunk_size=chunk_size)
-        s = st.s  # (B, H, D, Dv)
-        G = 1 if log_decay.dim() == 3 else q.shape[-1]
-        gate = log_decay.unsqueeze(-1) if G == 1 else log_decay  # (B, H, N, G)
-        if rank == 0:
-            decay = s.new_zeros(*s.shape[:2], G)  # rank 0's transition is never read
-        else:
-            # cumulative log decay in float64, as the functional form's chunks do: a huge decay
-            # early in the shard must not drown the digits of small ones after it
-            b = gate.to(torch.float64).cumsum(2)  # (B, H, N, G)
-            kept["decay_to_t"] = torch.exp(b).to(s.dtype)  # the decay from the shard's start to t, <= 1
-            decay = torch.exp(gate.to(torch.float64).sum(2)).to(s.dtype)  # (B, H, G)
-        kept["out"] = out
-        return [decay, s], [_dtype_code(q), s.shape[0], s.shape[1], q.shape[-1], s.shape[-1], G,
-                            check_scale(fn, scale, q.shape[-1])]
-
-    with no_autocast(_device_type(q)):
-        rows, summaries = _run(fn, where, [q, k, v, log_decay, *_state_tensors(initial_state, rank)],
-                               ("dtype", "B", "H", "D", "Dv", "G", "scale"), check_shards, local)
-
-        def upto(n: int) -> Tensor:
-            """The state after the shards of ranks 0 .. n-1, ``(B, H, D, Dv)``."""
-            s = summaries[0][1]
-            for decay, s_j in summaries[1:n]:
-                s = decay[..., None] * s + s_j  # (B, H, G, 1): every row (G = 1) or row d (G = D)
-            return s
-
-        out = kept["out"]
-        if rank == 0:
-            out = depend_on(out, rows)
-        else:
-            s_in = upto(rank)
-            qd = q.to(s_in.dtype) * kept["decay_to_t"]  # (B, H, N, D): q_t * exp(b_t)
-            out = (out + check_scale(fn, scale, q.shape[-1]) * (qd @ s_in)).to(q.dtype)
-        return (out, DecayedState(upto(P))) if return_state else out
+        return gated.gated_linear_attention(q, k, v, log_decay, initial_state=initial_state,
+                                            return_state=return_state, **opts)
+    return sharded(fn, gated.SHARDING, where, (q, k, v, log_decay), opts, initial_state=initial_state,
+                   return_state=return_state, check_shards=check_shards)
 
 
+@_collective("B H D (D + Dv) numbers: the product of the shard's transitions and its state from zero")
 def delta_rule_attention(
     q: Tensor,
     k: Tensor,
@@ -566,36 +448,16 @@ def delta_rule_attention(
     check_shards: bool = True,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Delta-rule attention (:func:`linattn.functional.delta_rule_attention`, DeltaNet / Gated
-    DeltaNet) over one sequence sharded along N across the ranks of ``group``: this rank's shard in,
-    its outputs out.
+    DeltaNet) over one sequence sharded along N across the ranks of ``group``, with the summary of
+    :data:`linattn.functional.delta.SHARDING`: one functional call of width Dv + D per rank.
+    ``beta (B, H, N)``; ``log_decay`` None or ``(B, H, N)``, None on every rank or on none
+    (checked); ``scale`` checked alike.
 
-    Collective, with the contract of :func:`linear_attention`. Exchanges ``B H D (D + Dv)``
-    numbers per rank: the product ``M_r (D, D)`` of the shard's transitions and its state from zero.
-    Ranks after the first get both, and the outputs, from ONE functional call with values
-    ``[v, 0]`` and initial state ``[0 | I]`` (width Dv + D): its final state is ``[S_r | M_r]`` and
-    its last D output columns are ``scale M_t^T q_t``, so the output from ``S_in`` is its first Dv
-    columns plus ``(scale M_t^T q_t)^T S_in``. Tested with gloo on CPU; nccl untested.
+    {collective}
 
-    Args:
-        q: ``(B, H, N, D)`` this rank's queries.
-        k: ``(B, H, N, D)`` this rank's keys, expected L2-normalised (as in the functional form).
-        v: ``(B, H, N, Dv)`` this rank's values (B, H, D, Dv, dtype alike on every rank).
-        beta: ``(B, H, N)`` write strengths in [0, 2].
-        log_decay: None (DeltaNet) or ``(B, H, N)`` (Gated DeltaNet); None on every rank or on
-            none (checked).
-        scale: the read-out factor, None: ``1/sqrt(D)``; the same on every rank (checked).
-        group: the process group (None: the default group); no initialised group or a group of
-            one rank: exactly the functional call.
-        key_padding_mask: not supported here; must be None.
-        initial_state: the :class:`DecayedState` before rank 0's shard; only rank 0's is read.
-        return_state: also return the state after the last rank's shard, on every rank.
-        chunk_size: the functional form's tuning knob, passed on.
-        check_shards: as in :func:`linear_attention`.
-
-    Returns:
-        ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the :class:`DecayedState`
-        after the whole sequence. Differentiable in q, k, v, beta, log_decay and rank 0's initial
-        state.
+    Returns ``(B, H, N, Dv)`` in the input dtype, and with ``return_state`` the
+    :class:`DecayedState` after the whole sequence. Differentiable in q, k, v, beta, log_decay and
+    rank 0's initial state.
     """
     fn = _PREFIX + "delta_rule_attention"
     _no_mask(fn, key_padding_mask)
@@ -604,45 +466,5 @@ def delta_rule_attention(
     if where is None:
         return delta.delta_rule_attention(q, k, v, beta, initial_state=initial_state, return_state=return_state,
                                           **opts)
-    rank, P = where[1], where[2]
-    kept = {}
-
-    def local():
-        if rank == 0:
-            out, st = delta.delta_rule_attention(q, k, v, beta, initial_state=initial_state, return_state=True,
-                                                 **opts)
-            B, H, D, Dv = st.s.shape
-            s, M = st.s, st.s.new_zeros(B, H, D, D)  # rank 0's transition is never read
-        else:
-            check_qkv(fn, q, k, v, causal=True)
-            dt = compute_dtype(q.dtype)  # the correction is added before the cast to the input dtype
-            B, H, N, D = q.shape
-            Dv = v.shape[-1]
-            v_ext = torch.cat([v.to(dt), v.new_zeros(B, H, N, D, dtype=dt)], dim=-1)  # (B, H, N, Dv + D)
-            eye = torch.eye(D, dtype=dt, device=q.device).expand(B, H, D, D)
-            s0 = torch.cat([v.new_zeros(B, H, D, Dv, dtype=dt), eye], dim=-1)  # [0 | I], (B, H, D, Dv + D)
-            o_ext, st = delta.delta_rule_attention(q.to(dt), k.to(dt), v_ext, beta, initial_state=DecayedState(s0),
-                                                   return_state=True, **opts)
-            out, kept["reads"] = o_ext[..., :Dv], o_ext[..., Dv:]  # local output, scale M_t^T q_t (B, H, N, D)
-            s, M = st.s[..., :Dv], st.s[..., Dv:]
-        kept["out"] = out
-        return [M, s], [_dtype_code(q), B, H, D, Dv, float(log_decay is not None),
-                        check_scale(fn, scale, q.shape[-1])]
-
-    with no_autocast(_device_type(q)):
-        rows, summaries = _run(fn, where, [q, k, v, beta, log_decay, *_state_tensors(initial_state, rank)],
-                               ("dtype", "B", "H", "D", "Dv", "log_decay given", "scale"), check_shards, local)
-
-        def upto(n: int) -> Tensor:
-            """The state after the shards of ranks 0 .. n-1, ``(B, H, D, Dv)``."""
-            s = summaries[0][1]
-            for M, s_j in summaries[1:n]:
-                s = M @ s + s_j
-            return s
-
-        out = kept["out"]
-        if rank == 0:
-            out = depend_on(out, rows)
-        else:
-            out = (out + kept["reads"] @ upto(rank)).to(q.dtype)
-        return (out, DecayedState(upto(P))) if return_state else out
+    return sharded(fn, delta.SHARDING, where, (q, k, v, beta), opts, initial_state=initial_state,
+                   return_state=return_state, check_shards=check_shards)

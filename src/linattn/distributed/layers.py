@@ -43,7 +43,8 @@ from torch import Tensor
 from ..functional.checks import check_qkv, check_scale, compute_dtype, no_autocast
 from ..functional import local, softmax
 from ..functional.local import LocalAttentionState
-from .context import all_gather_differentiable, depend_on, group_place
+from ..functional.sharding import GatherForm, HaloForm, ShardForm
+from .context import all_gather_differentiable, depend_on, group_place, sharded
 
 __all__ = [
     "ContextParallel",
@@ -71,6 +72,36 @@ class ContextParallel(NamedTuple):
 
     group: object = None
     offset: int = 0
+
+    def attend(self, form, tensors: tuple, options: dict) -> Tensor:
+        """The causal form of a mechanism over this rank's shard: what a layer calls in place of the
+        functional form, given the mechanism's sharded form (``form``, from
+        :mod:`linattn.functional.sharding`: the module attribute ``SHARDING`` of its functional
+        file) and the functional form's inputs (``tensors``, q first) and options. The kind of
+        ``form`` picks the exchange: a state summary (:func:`linattn.distributed.context.sharded`,
+        every recurrent mechanism), the keys and values of the ranks before (softmax), or a halo of
+        them (sliding window). Collective."""
+        if not options.get("causal", True):
+            raise ValueError("ContextParallel.attend: a sharded sequence is causal; got causal=False")
+        if isinstance(form, ShardForm):
+            fn = _PREFIX + form.name
+            where = group_place(fn, self.group)
+            if where is None:  # the whole sequence is this shard: the functional form itself
+                return form.summarize(fn, True, None, tensors, options).out
+            return sharded(fn, form, where, tensors, options)
+        # the sharded layers below are causal by definition: they take no causal option
+        layer_options = {k: v for k, v in options.items() if k != "causal"}
+        if isinstance(form, GatherForm):
+            return softmax_attention(*tensors, group=self.group, **layer_options)
+        if isinstance(form, HaloForm):
+            return local_attention(*tensors, group=self.group, **layer_options)
+        raise TypeError(f"ContextParallel.attend: form must be a ShardForm, GatherForm or HaloForm "
+                        f"(linattn.functional.sharding), got {type(form).__name__}")
+
+    def halo(self, x: Tensor, width: int, *, dim: int) -> "Halo":
+        """:func:`halo` over this context's group: the ``width`` positions before this rank's shard
+        of ``x`` along ``dim``. Collective."""
+        return halo(x, width, dim=dim, group=self.group)
 
 
 class Halo(NamedTuple):

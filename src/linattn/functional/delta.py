@@ -74,6 +74,7 @@ from .checks import (
 from .chunks import ChunkLayout
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
+from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
@@ -663,3 +664,57 @@ def delta_rule_attention_reference(
         out = torch.cat(outs, dim=2)
     out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: the state summary (functional/sharding.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard_summarize(fn: str, first: bool, initial_state, tensors: tuple, options: dict) -> ShardPart:
+    """A shard's transition ``M_r (D, D)`` (the product of its ``exp(g_t) (I - beta_t k_t k_t^T)``)
+    and its state from zero, from ONE functional call with values ``[v, 0]`` from the state
+    ``[0 | I]`` (width Dv + D): its final state is ``[S_r | M_r]``, and its output's last D columns
+    are ``scale M_t^T q_t``, so a later rank's output from ``S_in`` is the first Dv columns plus
+    ``(scale M_t^T q_t)^T S_in``."""
+    q, k, v, beta = tensors
+    log_decay, scale = options.get("log_decay"), options.get("scale")
+    kept = None
+    if first:
+        out, st = delta_rule_attention(q, k, v, beta, initial_state=initial_state, return_state=True, **options)
+        B, H, D, Dv = st.s.shape
+        s, M = st.s, st.s.new_zeros(B, H, D, D)  # rank 0's transition is never read
+    else:
+        check_qkv(fn, q, k, v, causal=True)
+        dt = compute_dtype(q.dtype)  # the correction is added before the cast to the input dtype
+        B, H, N, D = q.shape
+        Dv = v.shape[-1]
+        v_ext = torch.cat([v.to(dt), v.new_zeros(B, H, N, D, dtype=dt)], dim=-1)  # (B, H, N, Dv + D)
+        eye = torch.eye(D, dtype=dt, device=q.device).expand(B, H, D, D)
+        s0 = torch.cat([v.new_zeros(B, H, D, Dv, dtype=dt), eye], dim=-1)  # [0 | I], (B, H, D, Dv + D)
+        o_ext, st = delta_rule_attention(q.to(dt), k.to(dt), v_ext, beta, initial_state=DecayedState(s0),
+                                         return_state=True, **options)
+        out, reads = None, o_ext[..., Dv:]  # scale M_t^T q_t (B, H, N, D)
+        s, M = st.s[..., :Dv], st.s[..., Dv:]
+        kept = (o_ext[..., :Dv], reads, q.dtype)
+    values = [B, H, D, Dv, float(log_decay is not None), check_scale(fn, scale, q.shape[-1])]
+    return ShardPart([M, s], values, out, kept)
+
+
+def _shard_fold(state: list[Tensor] | None, summary: list[Tensor]) -> list[Tensor]:
+    if state is None:
+        return summary
+    M, s = summary
+    return [M, M @ state[1] + s]
+
+
+def _shard_finish(kept, state: list[Tensor]) -> Tensor:
+    out, reads, dtype = kept
+    return (out + reads @ state[1]).to(dtype)
+
+
+SHARDING = ShardForm("delta_rule_attention", ("B", "H", "D", "Dv", "log_decay given", "scale"), _shard_summarize,
+                     _shard_fold, _shard_finish, lambda state: DecayedState(state[1]), ("q", "k", "v", "beta"))
+"""The delta rule (DeltaNet, Gated DeltaNet) over a sequence sharded along N: a shard's summary is
+its transition and its state from zero, ``B H D (D + Dv)`` numbers; one functional call per rank.
+Options: ``log_decay`` (a tensor of this rank's positions, or None), ``scale``, ``chunk_size``."""

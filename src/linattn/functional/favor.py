@@ -71,6 +71,7 @@ from .decayed import decayed_product
 from .gated import gated_linear_attention
 from .linear import LinearAttentionState, causal_linear_product, check_linear_state
 from .normaliser import divide_by_normaliser_, normalise, normaliser_floor
+from .sharding import ShardForm, ShardPart
 from .varlen import VarlenLayout, check_cu_seqlens, segment_cumsum, varlen_layout
 
 __all__ = [
@@ -693,3 +694,52 @@ def favor_attention_reference(
         den = torch.maximum(den, floor)
         den = torch.where(den >= torch.finfo(dt).tiny, den, 1.0)
     return (num / den).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: the state summary (functional/sharding.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard_summarize(fn: str, first: bool, initial_state, tensors: tuple, options: dict) -> ShardPart:
+    """A shard's sums and their log_scale (the functional form's own stabiliser), from zero on a
+    later rank; a later rank's output is a second call from the state before its shard."""
+    q, k, v, projection = tensors
+    options = {**options, "causal": True}
+    out, st = favor_attention(q, k, v, projection, initial_state=initial_state if first else None,
+                              return_state=True, **options)
+    log_scale = st.log_scale
+    if q.shape[2] == 0 and not (first and initial_state is not None):
+        # an empty shard's sums are 0 at any scale: the lowest finite one never raises the scale of
+        # a combination (the functional form reports 0)
+        log_scale = torch.full_like(log_scale, torch.finfo(log_scale.dtype).min)
+    B, H, Fd, Dv = st.S.shape
+    values = [B, H, q.shape[-1], Dv, Fd, check_scale(fn, options.get("scale"), q.shape[-1])]
+    return ShardPart([st.S, st.z, log_scale], values, out if first else None, (tensors, options))
+
+
+def _shard_fold(state: list[Tensor] | None, summary: list[Tensor]) -> list[Tensor]:
+    """Sums at the larger of two log_scales, the other rescaled by exp of a difference <= 0. The
+    stabiliser gets no gradient, as in the functional form."""
+    S_j, z_j, c_j = summary
+    c_j = c_j.detach()
+    if state is None:
+        return [S_j, z_j, c_j]
+    S, z, c = state
+    top = torch.maximum(c, c_j)  # (B, H)
+    a, b = torch.exp(c - top), torch.exp(c_j - top)  # both <= 1
+    return [S * a[..., None, None] + S_j * b[..., None, None], z * a[..., None] + z_j * b[..., None], top]
+
+
+def _shard_finish(kept, state: list[Tensor]) -> Tensor:
+    (q, k, v, projection), options = kept
+    S, z, c = state
+    return favor_attention(q, k, v, projection, initial_state=LinearAttentionState(S, z, c), **options)
+
+
+SHARDING = ShardForm("favor_attention", ("B", "H", "D", "Dv", "F", "scale"), _shard_summarize, _shard_fold,
+                     _shard_finish, lambda state: LinearAttentionState(*state), ("q", "k", "v", "projection"))
+"""Causal FAVOR+ over a sequence sharded along N: a shard's summary is its sums and their
+log_scale, ``B H (F (Dv + 1) + 1)`` numbers; summaries combine at the larger log_scale, as the
+functional form's running maximum does. Options: ``kernel``, ``features``, ``scale``,
+``chunk_size``, ``tile_entries``."""

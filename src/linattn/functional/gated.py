@@ -35,6 +35,7 @@ from .checks import (
 )
 from .decayed import decayed_product
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
+from .sharding import ShardForm, ShardPart, cumulative_decay
 from .varlen import check_cu_seqlens, varlen_layout
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_reference"]
@@ -268,3 +269,56 @@ def gated_linear_attention(
                                      sub_chunk_size=sub_chunk_size, tile_positions=tile_positions)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: the state summary (functional/sharding.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard_summarize(fn: str, first: bool, initial_state, tensors: tuple, options: dict) -> ShardPart:
+    """A shard's total decay ``exp(sum of log_decay)`` ``(B, H, G)`` and its state from zero. A later
+    rank keeps its local output and the decay from its shard's start to each position: the state
+    after position t is ``exp(b_t) * S_in + (local state)_t``, so its output is the local one plus
+    ``scale (q_t * exp(b_t))^T S_in`` (exact, one product, every exponent <= 0)."""
+    q, k, v, log_decay = tensors
+    scale = options.get("scale")
+    if first:
+        out, st = gated_linear_attention(q, k, v, log_decay, initial_state=initial_state, return_state=True,
+                                         **options)
+    else:
+        check_qkv(fn, q, k, v, causal=True)
+        dt = compute_dtype(q.dtype)  # the correction is added before the cast to the input dtype
+        out, st = gated_linear_attention(q.to(dt), k.to(dt), v.to(dt), log_decay, return_state=True, **options)
+    s = st.s  # (B, H, D, Dv)
+    G = 1 if log_decay.dim() == 3 else q.shape[-1]
+    kept = None
+    if first:
+        decay = s.new_zeros(*s.shape[:2], G)  # rank 0's transition is never read
+    else:
+        gate = (log_decay.unsqueeze(-1) if G == 1 else log_decay).to(s.dtype)  # (B, H, N, G)
+        to_t = cumulative_decay(gate, 2)  # (B, H, N, G): the decay from the shard's start to t, <= 1
+        decay = to_t[:, :, -1] if q.shape[2] else s.new_ones(*s.shape[:2], G)  # (B, H, G)
+        kept = (out, q, to_t, check_scale(fn, scale, q.shape[-1]))
+    values = [s.shape[0], s.shape[1], q.shape[-1], s.shape[-1], G, check_scale(fn, scale, q.shape[-1])]
+    return ShardPart([decay, s], values, out if first else None, kept)
+
+
+def _shard_fold(state: list[Tensor] | None, summary: list[Tensor]) -> list[Tensor]:
+    if state is None:
+        return summary
+    decay, s = summary
+    return [decay, decay[..., None] * state[1] + s]  # (B, H, G, 1): every row (G = 1) or row d (G = D)
+
+
+def _shard_finish(kept, state: list[Tensor]) -> Tensor:
+    out, q, to_t, scale = kept
+    s_in = state[1]
+    return (out + scale * ((q.to(s_in.dtype) * to_t) @ s_in)).to(q.dtype)  # q_t * exp(b_t): (B, H, N, D)
+
+
+SHARDING = ShardForm("gated_linear_attention", ("B", "H", "D", "Dv", "G", "scale"), _shard_summarize,
+                     _shard_fold, _shard_finish, lambda state: DecayedState(state[1]), ("q", "k", "v", "log_decay"))
+"""Gated linear attention over a sequence sharded along N: a shard's summary is its total decay and
+its state from zero, ``B H (D Dv + G)`` numbers; one functional call per rank. Options: ``scale``,
+``chunk_size``."""

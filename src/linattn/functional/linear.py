@@ -36,11 +36,13 @@ from .checks import (
     compute_dtype,
     no_autocast,
     sanitize_padded,
+    shape_str,
 )
 from .decayed import decayed_product
 from .decayed_state import DecayedState
 from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
 from .gated import gated_linear_attention
+from .sharding import ShardForm, ShardPart
 from .normaliser import (
     divide_by_normaliser,
     divide_by_normaliser_,
@@ -431,3 +433,50 @@ def linear_attention_reference(
     if return_state:
         return out, LinearAttentionState(S=S, z=z)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: the state summary (functional/sharding.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard_summarize(fn: str, first: bool, initial_state, tensors: tuple, options: dict) -> ShardPart:
+    """A shard's sums ``S = phi(k)^T v``, ``z = sum phi(k)`` (the transition is the identity)."""
+    q, k, v = tensors
+    options = {**options, "causal": True}
+    if first:
+        out, st = linear_attention(q, k, v, initial_state=initial_state, return_state=True, **options)
+        S, z = st.S, st.z
+    else:
+        check_qkv(fn, q, k, v, causal=True)
+        # the options are checked here too, by a call on no position: a later rank calls the
+        # functional form only after the exchange, and a bad option must stop it before
+        linear_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], **options)
+        dt = compute_dtype(q.dtype)
+        kf = resolve_feature_map(fn, options["feature_map"])(k.to(dt))  # (B, H, N, F)
+        if not isinstance(kf, Tensor) or kf.dim() != 4 or kf.shape[:3] != k.shape[:3]:
+            got = shape_str(kf) if isinstance(kf, Tensor) else type(kf).__name__
+            raise ValueError(f"{fn}: feature_map must map k {shape_str(k)} to (B, H, N, F), got {got}")
+        kf = kf.to(dt)
+        out, S, z = None, kf.transpose(-1, -2) @ v.to(dt), kf.sum(2)  # (B, H, F, Dv), (B, H, F)
+    B, H, Fd, Dv = S.shape
+    return ShardPart([S, z], [B, H, q.shape[-1], Dv, Fd], out, (tensors, options))
+
+
+def _shard_fold(state: list[Tensor] | None, summary: list[Tensor]) -> list[Tensor]:
+    if state is None:
+        return summary
+    return [state[0] + summary[0], state[1] + summary[1]]
+
+
+def _shard_finish(kept, state: list[Tensor]) -> Tensor:
+    (q, k, v), options = kept
+    return linear_attention(q, k, v, initial_state=LinearAttentionState(*state), **options)
+
+
+SHARDING = ShardForm("linear_attention", ("B", "H", "D", "Dv", "F"), _shard_summarize, _shard_fold, _shard_finish,
+                     lambda state: LinearAttentionState(*state), ("q", "k", "v"))
+"""Causal linear attention over a sequence sharded along N: a shard's summary is its sums
+``(phi(k)^T v, sum phi(k))``, ``B H F (Dv + 1)`` numbers; a later rank's output is a second call
+from the state before its shard (the normaliser divides the output, so a correction added
+afterwards could not be exact). Options: ``feature_map``, ``chunk_size``, ``tile_positions``."""

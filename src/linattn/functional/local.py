@@ -52,6 +52,7 @@ from .checks import (
     no_autocast,
     sanitize_padded,
 )
+from .sharding import HaloForm
 from .varlen import check_cu_seqlens
 
 __all__ = ["LocalAttentionState", "local_attention", "local_attention_reference"]
@@ -560,3 +561,8 @@ def local_attention_reference(
         return out, _packed_next_state(packed_keys, packed_values, packed_valid, initial_state, cu_seqlens,
                                        window, start + longest)
     return out
+
+
+SHARDING = HaloForm("local_attention")
+"""Causal sliding-window attention over a sequence sharded along N: a rank fetches the ``window``
+keys and values before its shard (``linattn.distributed.local_attention``). Options: ``window``."""

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_key_padding_mask, check_qkv, check_scale, compute_dtype, sanitize_padded
-from .varlen import check_cu_seqlens, varlen_layout
+from .sharding import GatherForm
+from .varlen import check_cu_seqlens, document_lengths, varlen_layout
 
 __all__ = ["softmax_attention", "softmax_attention_reference"]
 
@@ -93,7 +94,7 @@ def softmax_attention(
     scale = check_scale(fn, scale, q.shape[-1])
     if cu_seqlens is not None:
         _check_packed(fn, q, k, cu_seqlens)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        lengths = document_lengths(cu_seqlens)  # read once per cu_seqlens tensor, not once per layer
         masks = [None] * len(lengths) if key_padding_mask is None else key_padding_mask.split(lengths, dim=1)
         return torch.cat([softmax_attention(qd, kd, vd, causal=causal, key_padding_mask=md, scale=scale)
                           for qd, kd, vd, md in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2),
@@ -154,3 +155,8 @@ def softmax_attention_reference(
     denom = weights.sum(-1, keepdim=True)
     weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
     return (weights @ v.to(dt)).to(q.dtype)
+
+
+SHARDING = GatherForm("softmax_attention")
+"""Causal softmax attention over a sequence sharded along N: a rank gathers every earlier rank's keys
+and values (``linattn.distributed.softmax_attention``)."""

@@ -67,6 +67,7 @@ from .checks import check_values, shape_str
 __all__ = [
     "VarlenLayout",
     "check_cu_seqlens",
+    "document_lengths",
     "segment_cumsum",
     "segment_sum",
     "varlen_layout",
@@ -109,6 +110,25 @@ def check_cu_seqlens(fn: str, cu_seqlens, q: Tensor) -> Tensor:
 
     check_values(steps >= 0, decreasing)
     return cu_seqlens
+
+
+def document_lengths(cu_seqlens: Tensor) -> list[int]:
+    """The n documents' lengths on the host, for forms that must split the packed positions there
+    (softmax's packed form: one SDPA call per document). Read once per ``cu_seqlens`` tensor: the
+    lengths are kept on the tensor object with its version counter, so the layers of one model
+    forward, which share the tensor, read the device once in all (a host read stalls a GPU), and an
+    in-place change of the offsets reads them again. ``Tensor._version`` is a torch internal (the
+    counter autograd uses to detect in-place changes); tests/test_probes.py fails the day it stops
+    working. Under torch.compile the lengths are read every call (no attribute writes in a traced
+    graph)."""
+    if torch.compiler.is_compiling():
+        return (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    kept = getattr(cu_seqlens, "_linattn_document_lengths", None)
+    if kept is not None and kept[0] == cu_seqlens._version:
+        return kept[1]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    cu_seqlens._linattn_document_lengths = (cu_seqlens._version, lengths)
+    return lengths
 
 
 class VarlenLayout(NamedTuple):

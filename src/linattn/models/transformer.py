@@ -92,9 +92,8 @@ class Block(nn.Module):
         per position, so only the attention layer exchanges anything with the other ranks."""
 
         def run(h):
-            extra = {} if context_parallel is None else {"context_parallel": context_parallel}
             r = self.attn(h, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
-                          cu_seqlens=cu_seqlens, **extra)
+                          cu_seqlens=cu_seqlens, context_parallel=context_parallel)
             return r if return_state else (r, None)
 
         x, state = self._attend(x, run)

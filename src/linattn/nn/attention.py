@@ -11,10 +11,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..distributed import ContextParallel
 from ..functional.varlen import check_cu_seqlens
 from .conv import ShortConv
-from .mechanisms import SoftmaxConfig, check_context_parallel_call
+from .mechanisms import SoftmaxConfig
 from .positional import apply_rotary, document_positions, rotary_angles
 from .registry import MECHANISMS, build_mechanism, spec_for
 
@@ -41,6 +40,23 @@ class AttentionState(NamedTuple):
 def _check_int(name: str, value, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"MultiHeadAttention: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_context_parallel_call(owner: str, *, causal: bool, key_padding_mask, return_state: bool,
+                                cu_seqlens) -> None:
+    """Raise ValueError, naming ``owner``, unless a forward with ``context_parallel`` is causal and
+    has no ``key_padding_mask``, ``return_state`` or ``cu_seqlens``: a shard of one sequence per
+    rank has no padding of its own, its decoding state would be one rank's, and packed documents
+    would cross the shards."""
+    if not causal:
+        raise ValueError(f"{owner}: context_parallel needs causal=True (a shard of a sequence sees the shards "
+                         "before it only through a causal mechanism)")
+    for name, value in (("key_padding_mask", key_padding_mask), ("cu_seqlens", cu_seqlens)):
+        if value is not None:
+            raise ValueError(f"{owner}: context_parallel is not supported together with {name}; pass None")
+    if return_state:
+        raise ValueError(f"{owner}: context_parallel is not supported together with return_state (a decoding "
+                         "state is the whole sequence's, not one rank's)")
 
 
 class MultiHeadAttention(nn.Module):
@@ -149,8 +165,7 @@ class MultiHeadAttention(nn.Module):
     # -- public --------------------------------------------------------------------------------
 
     def forward(self, x: Tensor, *, causal: bool = False, key_padding_mask: Tensor | None = None,
-                return_state: bool = False, cu_seqlens: Tensor | None = None,
-                context_parallel: ContextParallel | None = None):
+                return_state: bool = False, cu_seqlens: Tensor | None = None, context_parallel=None):
         """Attention over ``x (B, N, C)`` -> ``(B, N, C)``.
 
         Args:
@@ -165,7 +180,9 @@ class MultiHeadAttention(nn.Module):
                 position attends another document, the short convolution does not reach across a
                 boundary, and rotary positions restart at 0 in every document, so each document's
                 output is what it would be alone. Not with ``return_state``.
-            context_parallel: a :class:`linattn.distributed.ContextParallel` ``(group, offset)``:
+            context_parallel: a :class:`linattn.distributed.ContextParallel` ``(group, offset)``
+                (this tier reads its ``offset`` and calls its ``attend`` and ``halo``; it does not
+                import :mod:`linattn.distributed`):
                 ``x`` is this rank's shard of sequences sharded along N over the ranks of ``group``
                 (contiguous shards in rank order), starting at global position ``offset``; returns
                 this rank's part of the whole sequences' output. Rotary positions are ``offset + i``;
@@ -179,7 +196,7 @@ class MultiHeadAttention(nn.Module):
         positions = None
         start = 0
         if context_parallel is not None:
-            check_context_parallel_call("MultiHeadAttention", causal=causal, key_padding_mask=key_padding_mask,
+            _check_context_parallel_call("MultiHeadAttention", causal=causal, key_padding_mask=key_padding_mask,
                                         return_state=return_state, cu_seqlens=cu_seqlens)
             if not self.spec.sharded:
                 raise ValueError(f"MultiHeadAttention: {self.spec.name!r} attention has no context-parallel form "
@@ -221,14 +238,16 @@ class MultiHeadAttention(nn.Module):
                 conv_state = self.conv.tail(x)
             x = self.conv(x, positions=positions, context_parallel=context_parallel)
         q, k, v = self._qkv(x, start, positions)
-        # mechanisms whose gates are functions of the layer input read the x the projections read
-        extra = {"x": x} if self.mechanism.needs_input else {}
-        if cu_seqlens is not None:
-            extra["cu_seqlens"] = cu_seqlens
+        mech = self.mechanism
         if context_parallel is not None:
-            extra["context_parallel"] = context_parallel
-        res = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
-                             **extra)
+            # the mechanism's functional form over the sharded sequence: the engine's driver does the
+            # exchange (linattn.distributed), the mechanism only names its inputs
+            tensors, options = mech.functional_inputs(q, k, v, x, causal=True)
+            return self._merge(mech.functional_output(context_parallel.attend(mech.sharding, tensors, options), x))
+        # x: the layer input the projections read (after the short convolution), which the
+        # mechanisms whose gates are functions of it read too
+        res = mech(q, k, v, x=x, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
+                   cu_seqlens=cu_seqlens)
         if return_state:
             o, state = res
             return self._merge(o), AttentionState(state, x.shape[1], conv_state)
@@ -254,7 +273,8 @@ class MultiHeadAttention(nn.Module):
         if x_t.shape[1] != 1:
             raise ValueError(f"MultiHeadAttention.step: x_t must hold one position (B, 1, {self.d_model}), got {tuple(x_t.shape)}")
         if not self.spec.recurrent:
-            return self.mechanism.step(None, None, None, None)  # raises, naming the mechanism
+            raise ValueError(f"MultiHeadAttention.step: {self.spec.name!r} attention has no recurrent form; the "
+                             "mechanisms with one: " + ", ".join(sorted(n for n, s in MECHANISMS.items() if s.recurrent)))
         if not isinstance(state, AttentionState):
             raise TypeError(
                 f"MultiHeadAttention.step: state must be an AttentionState (from initial_state() or "
@@ -267,8 +287,7 @@ class MultiHeadAttention(nn.Module):
                                  "carries no conv inputs (a state from a layer without one?)")
             x_t, conv_state = self.conv.step(x_t, state.conv)
         q, k, v = self._qkv(x_t, state.position)
-        extra = {"x": x_t} if self.mechanism.needs_input else {}
-        o, inner = self.mechanism.step(q, k, v, state.mechanism, **extra)
+        o, inner = self.mechanism.step(q, k, v, state.mechanism, x=x_t)
         return self._merge(o), AttentionState(inner, state.position + 1, conv_state)
 
     def extra_repr(self) -> str:

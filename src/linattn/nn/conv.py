@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..distributed import ContextParallel, layers
 
 __all__ = ["ShortConv", "short_conv_reference"]
 
@@ -63,7 +62,7 @@ class ShortConv(nn.Module):
             raise ValueError(f"ShortConv.{what}: x must be (B, N, {self.d_model}), got {tuple(x.shape)}")
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None, *,
-                positions: Tensor | None = None, context_parallel: ContextParallel | None = None) -> Tensor:
+                positions: Tensor | None = None, context_parallel=None) -> Tensor:
         """``x (B, N, C) -> (B, N, C)``. ``key_padding_mask`` (bool ``(B, N)``, True = real token):
         padded positions are zeroed first, so no padding reaches a real token's output.
 
@@ -89,7 +88,7 @@ class ShortConv(nn.Module):
         if K == 1:
             return x * self.weight[:, 0].to(x.dtype)  # reads no other position: nothing to exchange
         if context_parallel is not None:
-            before = layers.halo(x, K - 1, dim=1, group=context_parallel.group).values  # (B, K - 1, C)
+            before = context_parallel.halo(x, K - 1, dim=1).values  # (B, K - 1, C)
             if x.shape[1] == 0:  # an empty shard: no output, but tied to the halo for the backward
                 return x + before[:, :0].to(x.dtype)
             # the halo takes the place of conv1d's K - 1 zeros on the left (it is zeros on rank 0)

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from ..config import Config
-from ..distributed import ContextParallel, context
 from ..functional.favor import FAVOR_FEATURES, FAVOR_KERNELS, favor_attention, favor_projection
 from ..functional.linear import LinearAttentionState
 
@@ -106,6 +105,16 @@ class FavorAttention(nn.Module):
         self.projection = self._draw(generator or self._generator, device=old.device, dtype=old.dtype)
         self._forwards_since_redraw = 0
 
+    def _advance(self) -> None:
+        """The redraw policy: a forward that trains (module in training mode, grad enabled) counts,
+        and once ``redraw_every`` have, the projection is redrawn before the next one builds its
+        graph (never inside one)."""
+        every = self.config.redraw_every
+        if every is not None and self.training and torch.is_grad_enabled():
+            if self._forwards_since_redraw >= every:
+                self.redraw_()
+            self._forwards_since_redraw += 1
+
     def forward(
         self,
         q: Tensor,
@@ -117,37 +126,25 @@ class FavorAttention(nn.Module):
         initial_state: LinearAttentionState | None = None,
         return_state: bool = False,
         cu_seqlens: Tensor | None = None,
-        context_parallel: ContextParallel | None = None,
     ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
         """``q (B,H,Nq,D)``, ``k (B,H,Nk,D)``, ``v (B,H,Nk,Dv)`` -> ``(B,H,Nq,Dv)``; see
-        :func:`linattn.favor_attention` for the options (``key_padding_mask`` True = real key).
-
-        ``context_parallel`` (a :class:`linattn.distributed.ContextParallel`): q, k, v are this
-        rank's shard of one causal sequence sharded along N over the group
-        (:func:`linattn.distributed.favor_attention`; ``initial_state`` is rank 0's, the returned
-        state the whole sequence's). Causal only, not with ``cu_seqlens`` or ``key_padding_mask``.
-        Every rank must hold the same projection: the redraw policy keeps them equal as long as
-        every rank runs the same forwards."""
-        every = self.config.redraw_every
-        if every is not None and self.training and torch.is_grad_enabled():
-            if self._forwards_since_redraw >= every:
-                self.redraw_()  # before this forward builds its graph, never inside one
-            self._forwards_since_redraw += 1
+        :func:`linattn.favor_attention` for the options (``key_padding_mask`` True = real key)."""
+        self._advance()
         c = self.config
-        if context_parallel is not None:
-            if not causal or cu_seqlens is not None:
-                raise ValueError("FavorAttention: context_parallel needs causal=True and cu_seqlens=None, got "
-                                 f"causal={causal}, cu_seqlens {'given' if cu_seqlens is not None else 'None'}")
-            return context.favor_attention(
-                q, k, v, self.projection, kernel=c.kernel, features=c.features, group=context_parallel.group,
-                key_padding_mask=key_padding_mask, scale=c.scale, initial_state=initial_state,
-                return_state=return_state,
-            )
         return favor_attention(
             q, k, v, self.projection, kernel=c.kernel, features=c.features, causal=causal,
             key_padding_mask=key_padding_mask, scale=c.scale, initial_state=initial_state,
             return_state=return_state, cu_seqlens=cu_seqlens,
         )
+
+    def inputs(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple, dict]:
+        """``favor_attention``'s positional inputs ``(q, k, v, projection)`` and keyword options for
+        a call the module makes elsewhere (a shard of a context-parallel sequence: every rank must
+        hold the same projection, which the redraw policy keeps as long as every rank runs the same
+        forwards). Counts as a forward for the redraw policy."""
+        self._advance()
+        c = self.config
+        return (q, k, v, self.projection), {"kernel": c.kernel, "features": c.features, "scale": c.scale}
 
     def get_extra_state(self) -> dict[str, Any]:
         return {

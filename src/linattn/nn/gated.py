@@ -44,11 +44,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import Config
-from ..distributed import ContextParallel, context
 from ..functional.decayed_state import DecayedState
 from ..functional.delta import delta_rule_attention
 from ..functional.gated import gated_linear_attention
-from .mechanisms import Mechanism, check_context_parallel_call
+from ..functional import delta as _delta, gated as _gated
+from .mechanisms import Mechanism
 
 __all__ = [
     "DeltaNetConfig",
@@ -228,6 +228,7 @@ class GatedMechanism(Mechanism):
     """
 
     needs_input: ClassVar[bool] = True
+    packed: ClassVar[bool] = True
 
     def __init__(self, config, *, n_heads: int, head_dim: int, output_gate: bool, output_norm: bool,
                  gate_bias: bool = False) -> None:
@@ -236,26 +237,17 @@ class GatedMechanism(Mechanism):
         self.d_model = n_heads * head_dim  # C: the width of x
         # one gain of D shared by the heads: the heads are interchangeable, a per-head gain would
         # only duplicate what the output projection can do
-        self.out_norm = nn.RMSNorm(head_dim) if output_norm else None
+        # eps fixed (Qwen3-Next's rms_norm_eps), not the dtype's: nn.RMSNorm's default eps is
+        # finfo(dtype).eps (2e-16 in float64, 1e-7 in float32, 8e-3 in bfloat16), so the same
+        # module would compute a different function in each dtype where a head's output is small
+        self.out_norm = nn.RMSNorm(head_dim, eps=1e-6) if output_norm else None
         self.gate_proj = nn.Linear(self.d_model, self.d_model, bias=gate_bias) if output_gate else None
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, key_padding_mask: Tensor | None,
-               initial_state: DecayedState | None, return_state: bool, cu_seqlens: Tensor | None = None,
-               group=None, sharded: bool = False):
+    def recur(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, *, key_padding_mask: Tensor | None,
+              initial_state: DecayedState | None, return_state: bool, cu_seqlens: Tensor | None = None):
         """The recurrence: ``(B, H, N, D)`` (and the state after position N - 1 with return_state);
-        ``cu_seqlens``: documents packed along N (batch size 1), the state reset at each.
-        ``sharded``: q, k, v, x are this rank's shard of one sequence sharded along N over the ranks
-        of ``group`` (the :mod:`linattn.distributed` form of the recurrence; no mask, no state)."""
+        ``cu_seqlens``: documents packed along N (batch size 1), the state reset at each."""
         raise NotImplementedError
-
-    def _check_input(self, what: str, q: Tensor, x) -> None:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{type(self).__name__}.{what}: x (the layer input the gates read) must be a tensor "
-                            f"(B, N, C = {self.d_model}), got {type(x).__name__}")
-        B, _, N, _ = q.shape
-        if tuple(x.shape) != (B, N, self.d_model):
-            raise ValueError(f"{type(self).__name__}.{what}: x must have shape (B, N, C) = ({B}, {N}, {self.d_model}) "
-                             f"to match q {tuple(q.shape)}, got {tuple(x.shape)}")
 
     def _output(self, o: Tensor, x: Tensor) -> Tensor:
         """Per-head norm and output gate: ``o (B, H, N, D), x (B, N, C) -> (B, H, N, D)``."""
@@ -265,35 +257,28 @@ class GatedMechanism(Mechanism):
             o = o * _heads(F.silu(self.gate_proj(x)), self.n_heads)  # (B, H, N, D)
         return o
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor, causal: bool = False,
-                key_padding_mask: Tensor | None = None, return_state: bool = False,
-                cu_seqlens: Tensor | None = None, context_parallel: ContextParallel | None = None):
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor, causal: bool,
+               key_padding_mask: Tensor | None, return_state: bool, cu_seqlens: Tensor | None):
         """``q, k, v (B, H, N, D)``, ``x (B, N, C)`` -> ``(B, H, N, D)``; with ``return_state`` also
         the :class:`DecayedState` after position N - 1 (one per document with ``cu_seqlens``).
         Causal only. ``key_padding_mask`` bool ``(B, N)``, True = a real position; a padded one
         leaves the state as it is and outputs zeros. ``cu_seqlens``: int64 offsets of documents
-        packed along N (batch size 1), the state reset at each (linattn.functional.varlen).
-        ``context_parallel`` (:class:`linattn.distributed.ContextParallel`): q, k, v, x are this
-        rank's shard of one sequence sharded along N; the recurrence runs over the whole sequence
-        (one state summary per rank exchanged, see docs/context_parallel.md). Not with
-        key_padding_mask, return_state or cu_seqlens."""
-        if context_parallel is not None:
-            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
-                                        return_state=return_state, cu_seqlens=cu_seqlens)
-            self._check_input("forward", q, x)
-            o = self.attend(q, k, v, x, key_padding_mask=None, initial_state=None, return_state=False,
-                            group=context_parallel.group, sharded=True)
-            return self._output(o, x)
-        if not causal:
-            raise ValueError(f"{type(self).__name__}: {self.name!r} attention has no bidirectional form (it is a "
-                             "recurrence in time); call it with causal=True")
-        self._check_input("forward", q, x)
-        res = self.attend(q, k, v, x, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=None,
-                          return_state=return_state)
+        packed along N (batch size 1), the state reset at each (linattn.functional.varlen)."""
+        self._causal_only(causal)
+        res = self.recur(q, k, v, x, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=None,
+                         return_state=return_state)
         if return_state:
             o, state = res
             return self._output(o, x), state
         return self._output(res, x)
+
+    def functional_output(self, o: Tensor, x: Tensor) -> Tensor:
+        return self._output(o, x)
+
+    def _causal_only(self, causal: bool) -> None:
+        if not causal:
+            raise ValueError(f"{type(self).__name__}: {self.name!r} attention has no bidirectional form (it is a "
+                             "recurrence in time); call it with causal=True")
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> DecayedState:
         """The empty memory: s ``(B, H, D, D)`` zeros, float32 for half dtypes (as the functions
@@ -310,7 +295,7 @@ class GatedMechanism(Mechanism):
             raise TypeError(f"{type(self).__name__}.step: state must be a DecayedState (from initial_state() or a "
                             f"forward with return_state=True), got {type(state).__name__}")
         self._check_input("step", q, x)
-        o, state = self.attend(q, k, v, x, key_padding_mask=None, initial_state=state, return_state=True)
+        o, state = self.recur(q, k, v, x, key_padding_mask=None, initial_state=state, return_state=True)
         return self._output(o, x), state
 
     def extra_repr(self) -> str:
@@ -323,6 +308,7 @@ class RetNetMechanism(GatedMechanism):
     float64, not saved: it is a function of H)."""
 
     name = "retnet"
+    sharding = _gated.SHARDING
 
     def __init__(self, config: RetNetConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(config, n_heads=n_heads, head_dim=head_dim, output_gate=config.output_gate,
@@ -333,13 +319,16 @@ class RetNetMechanism(GatedMechanism):
         # rather than float32's rounding of them.
         self.register_buffer("log_decay", torch.log1p(-torch.exp2(-5.0 - h)), persistent=False)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
-               sharded=False):
+    def _decays(self, q: Tensor) -> Tensor:
         B, H, N, _ = q.shape
-        log_decay = self.log_decay.to(q.dtype).view(1, H, 1).expand(B, H, N)  # (B, H, N)
-        if sharded:
-            return context.gated_linear_attention(q, k, v, log_decay, group=group)
-        return gated_linear_attention(q, k, v, log_decay, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+        return self.log_decay.to(q.dtype).view(1, H, 1).expand(B, H, N)  # (B, H, N)
+
+    def functional_inputs(self, q, k, v, x, *, causal):
+        self._causal_only(causal)
+        return (q, k, v, self._decays(q)), {}
+
+    def recur(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
+        return gated_linear_attention(q, k, v, self._decays(q), key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                                       initial_state=initial_state, return_state=return_state)
 
 
@@ -348,6 +337,7 @@ class GLAMechanism(GatedMechanism):
     and output gate (``gate_proj`` C -> C with bias)."""
 
     name = "gla"
+    sharding = _gated.SHARDING
 
     def __init__(self, config: GLAConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(config, n_heads=n_heads, head_dim=head_dim, output_gate=config.output_gate,
@@ -360,10 +350,11 @@ class GLAMechanism(GatedMechanism):
         g = F.logsigmoid(self.decay_up(self.decay_down(x))) / self.config.gate_temperature  # (B, N, C)
         return _heads(g, self.n_heads)  # (B, H, N, D)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
-               sharded=False):
-        if sharded:
-            return context.gated_linear_attention(q, k, v, self.log_decay(x), group=group)
+    def functional_inputs(self, q, k, v, x, *, causal):
+        self._causal_only(causal)
+        return (q, k, v, self.log_decay(x)), {}
+
+    def recur(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
         return gated_linear_attention(q, k, v, self.log_decay(x), key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                                       initial_state=initial_state, return_state=return_state)
 
@@ -376,6 +367,7 @@ class DeltaNetMechanism(GatedMechanism):
     """DeltaNet with its writing strength projection ``beta_proj`` (C -> H)."""
 
     name = "deltanet"
+    sharding = _delta.SHARDING
 
     def __init__(self, config: DeltaNetConfig | GatedDeltaNetConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(config, n_heads=n_heads, head_dim=head_dim, output_gate=config.output_gate,
@@ -386,10 +378,11 @@ class DeltaNetMechanism(GatedMechanism):
         """``x (B, N, C)`` -> beta ``(B, H, N)`` in (0, 1)."""
         return torch.sigmoid(self.beta_proj(x)).transpose(1, 2)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
-               sharded=False):
-        if sharded:
-            return context.delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x), group=group)
+    def functional_inputs(self, q, k, v, x, *, causal):
+        self._causal_only(causal)
+        return (_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x)), {}
+
+    def recur(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
         return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x),
                                     key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                     return_state=return_state)
@@ -400,6 +393,7 @@ class GatedDeltaNetMechanism(DeltaNetMechanism):
     and its per-head parameters ``A_log``, ``dt_bias`` ``(H,)``."""
 
     name = "gated_deltanet"
+    sharding = _delta.SHARDING
 
     def __init__(self, config: GatedDeltaNetConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(config, n_heads=n_heads, head_dim=head_dim)  # norm, gate and beta_proj as DeltaNet's
@@ -417,11 +411,11 @@ class GatedDeltaNetMechanism(DeltaNetMechanism):
         g = -torch.exp(self.A_log) * F.softplus(self.decay_proj(x) + self.dt_bias)  # (B, N, H)
         return g.transpose(1, 2)
 
-    def attend(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None, group=None,
-               sharded=False):
-        if sharded:
-            return context.delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x),
-                                                log_decay=self.log_decay(x), group=group)
+    def functional_inputs(self, q, k, v, x, *, causal):
+        self._causal_only(causal)
+        return (_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x)), {"log_decay": self.log_decay(x)}
+
+    def recur(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
         return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x), log_decay=self.log_decay(x),
                                     key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                     return_state=return_state)

@@ -87,9 +87,14 @@ class LinformerAttention(nn.Module):
             )
         if nk is None:  # let the functional form name what is wrong with k
             nk = self.max_len
+        e, f = self.projections(q, nk)
+        return linformer_attention(q, k, v, e, f, key_padding_mask=key_padding_mask, scale=scale)
+
+    def projections(self, q: Tensor, nk: int) -> tuple[Tensor, Tensor]:
+        """E and F for ``nk`` keys, ``(P, nk)`` each, in q's dtype (F is E when shared)."""
         e = self.e_proj[:, :nk].to(q.dtype) if isinstance(q, Tensor) else self.e_proj[:, :nk]
         f = e if self.f_proj is None else self.f_proj[:, :nk].to(e.dtype)
-        return linformer_attention(q, k, v, e, f, key_padding_mask=key_padding_mask, scale=scale)
+        return e, f
 
     def extra_repr(self) -> str:
         return f"max_len={self.max_len}, proj_len={self.proj_len}, share_kv={self.share_kv}"

@@ -7,27 +7,30 @@ projections: those belong to :class:`linattn.nn.MultiHeadAttention`, which calls
 Dimension legend: B batch, H heads, N positions, D head width (of q, k and v), F feature width,
 W local window, L cached positions, Lmax KV-cache capacity.
 
-Every mechanism module has
+Every mechanism module has one interface (:class:`Mechanism`):
 
-- ``forward(q, k, v, *, causal, key_padding_mask, return_state)``: ``q, k, v (B, H, N, D)`` ->
-  ``(B, H, N, D)``, and with ``return_state`` (causal only) also the state after position N - 1;
+- ``forward(q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens)``:
+  ``q, k, v (B, H, N, D)`` -> ``(B, H, N, D)``, and with ``return_state`` (causal only) also the
+  state after position N - 1. ``x (B, N, C)`` is the layer input the q/k/v projections read;
+  mechanisms whose class sets ``needs_input`` (the gated and delta-rule ones of
+  :mod:`linattn.nn.gated`, whose gates are functions of it) require it, the others do not read it.
+  ``key_padding_mask`` is bool ``(B, N)``, True = a real key that may be attended, False =
+  padding. ``cu_seqlens``: documents packed along N (int64 offsets, batch size 1); a mechanism
+  without a packed form (``packed = False``) raises instead of ignoring it;
 - ``initial_state(batch_size, *, device, dtype)``: the state before any position (recurrent ones);
-- ``step(q, k, v, state)``: one position, ``(B, H, 1, D)`` each -> ``(B, H, 1, D)`` and the next
-  state. Equal to the matching row of the causal forward.
+- ``step(q, k, v, state, *, x)``: one position, ``(B, H, 1, D)`` each -> ``(B, H, 1, D)`` and the
+  next state. Equal to the matching row of the causal forward;
+- ``functional_inputs(q, k, v, x, *, causal)`` and ``functional_output(o, x)``: the inputs and
+  options of its registered functional form (``MECHANISMS[name].function``, and its reference)
+  for these q, k, v, and what the module does to that form's output. The demo's error table and
+  the benchmarks call the functional forms through them; context parallelism too, which is the
+  engine's, not the module's: a layer hands them and the mechanism's ``sharding`` (the
+  ``SHARDING`` of its functional file, :mod:`linattn.functional.sharding`) to the
+  ``ContextParallel`` it was given, whose one driver does the exchange. No mechanism branches on
+  it, and this tier does not import :mod:`linattn.distributed`.
 
-``key_padding_mask`` is bool ``(B, N)``, True = a real key that may be attended, False = padding.
-
-Context parallelism: a mechanism with a ``sharded`` form in the registry (softmax, linear, favor,
-local and the gated and delta-rule ones) also takes ``context_parallel``
-(:class:`linattn.distributed.ContextParallel`) in its causal forward: q, k, v are then this rank's
-shard of one sequence sharded along N over the group's ranks, and the output is this rank's part of
-the whole sequence's output (via :mod:`linattn.distributed`). Not with ``key_padding_mask``,
-``return_state`` or ``cu_seqlens`` (:func:`check_context_parallel_call`).
-
-A mechanism whose class sets ``needs_input = True`` (the gated and delta-rule ones of
-:mod:`linattn.nn.gated`, whose gates are functions of the layer input) also takes ``x (B, N, C)``,
-the input the q/k/v projections read: ``forward(q, k, v, *, x, causal, key_padding_mask,
-return_state)`` and ``step(q, k, v, state, *, x)``. :class:`linattn.nn.MultiHeadAttention` passes it.
+Subclasses implement ``attend`` (the forward's work, with the same keywords) and, as they have
+them, ``initial_state``, ``step`` and ``functional_inputs``.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from ..config import Config
-from ..distributed import context, layers
-
+from ..functional import linear as _linear, local as _local, softmax as _softmax
+from ..functional import favor as _favor
 from ..functional.efficient import efficient_attention
 from ..functional.feature_maps import FEATURE_MAPS, resolve_feature_map
 from ..functional.hedgehog import HedgehogMaps, hedgehog_attention, hedgehog_attention_weights
@@ -72,7 +75,6 @@ __all__ = [
     "Mechanism",
     "SoftmaxConfig",
     "SoftmaxMechanism",
-    "check_context_parallel_call",
 ]
 
 
@@ -232,23 +234,6 @@ class KVCache(NamedTuple):
         return KVCache(self.k.clone(), self.v.clone(), self.length)
 
 
-def check_context_parallel_call(owner: str, *, causal: bool, key_padding_mask, return_state: bool,
-                                cu_seqlens) -> None:
-    """Raise ValueError, naming ``owner``, unless a forward with ``context_parallel`` is causal and
-    has no ``key_padding_mask``, ``return_state`` or ``cu_seqlens``: a shard of one sequence per
-    rank has no padding of its own, its decoding state would be one rank's, and packed documents
-    would cross the shards."""
-    if not causal:
-        raise ValueError(f"{owner}: context_parallel needs causal=True (a shard of a sequence sees the shards "
-                         "before it only through a causal mechanism)")
-    for name, value in (("key_padding_mask", key_padding_mask), ("cu_seqlens", cu_seqlens)):
-        if value is not None:
-            raise ValueError(f"{owner}: context_parallel is not supported together with {name}; pass None")
-    if return_state:
-        raise ValueError(f"{owner}: context_parallel is not supported together with return_state (a decoding "
-                         "state is the whole sequence's, not one rank's)")
-
-
 def _check_state_type(name: str, state, expected: type) -> None:
     if not isinstance(state, expected):
         raise TypeError(
@@ -263,30 +248,72 @@ def _check_state_type(name: str, state, expected: type) -> None:
 
 
 class Mechanism(nn.Module):
-    """Base class: one attention mechanism for ``n_heads`` heads of width ``head_dim``.
+    """Base class: one attention mechanism for ``n_heads`` heads of width ``head_dim``, behind the
+    one interface of the module docstring.
 
-    Subclasses implement :meth:`forward`; recurrent ones also :meth:`initial_state`, :meth:`step`.
+    Subclasses implement :meth:`attend`; recurrent ones also :meth:`initial_state`, :meth:`step`;
+    those with a sharded form :meth:`functional_inputs` (and :meth:`functional_output` when the module does
+    more than its functional form).
     """
 
     name: ClassVar[str]
     # True when the constructor takes ``max_len`` (parameters sized by the longest input)
     needs_max_len: ClassVar[bool] = False
-    # True when forward and step also take ``x``, the layer input ``(B, N, C)`` the q/k/v
-    # projections read: mechanisms whose gates are functions of it (linattn.nn.gated). Keyword-only,
-    # so that every other mechanism keeps its signature.
+    # True when forward and step read ``x``, the layer input ``(B, N, C)`` the q/k/v projections
+    # read: mechanisms whose gates are functions of it (linattn.nn.gated)
     needs_input: ClassVar[bool] = False
-    # Every mechanism with a causal form also takes ``cu_seqlens`` (int64 ``(n + 1,)`` offsets of n
-    # documents packed along N, batch size 1; see linattn.functional.varlen) in its causal
-    # forward: no position attends another document. MultiHeadAttention passes it only then.
+    # True when its causal forward takes ``cu_seqlens`` (int64 ``(n + 1,)`` offsets of n documents
+    # packed along N, batch size 1; see linattn.functional.varlen): no position attends another
+    # document. Without a packed form, cu_seqlens raises.
+    packed: ClassVar[bool] = False
+    # Its functional form's sharded form (linattn.functional.sharding), None without one
+    sharding: ClassVar[Any] = None
 
     def __init__(self, *, n_heads: int, head_dim: int) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-                key_padding_mask: Tensor | None = None, return_state: bool = False):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor | None = None, causal: bool = False,
+                key_padding_mask: Tensor | None = None, return_state: bool = False,
+                cu_seqlens: Tensor | None = None):
+        """``q, k, v (B, H, N, D)`` -> ``(B, H, N, D)`` (and the state after position N - 1 with
+        ``return_state``); the keywords are the module docstring's, the same for every mechanism."""
+        if cu_seqlens is not None and not self.packed:
+            raise ValueError(f"{type(self).__name__}: {self.name!r} attention has no packed form (cu_seqlens); "
+                             "the mechanisms with one: linattn.nn.MECHANISMS entries whose module sets packed")
+        if self.needs_input:
+            self._check_input("forward", q, x)
+        return self.attend(q, k, v, x=x, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
+                           cu_seqlens=cu_seqlens)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor | None, causal: bool,
+               key_padding_mask: Tensor | None, return_state: bool, cu_seqlens: Tensor | None):
+        """The forward's work, with its keywords (``cu_seqlens`` only when ``packed``)."""
         raise NotImplementedError
+
+    def _check_input(self, what: str, q: Tensor, x) -> None:
+        """``x`` must be the layer input ``(B, N, C)`` matching ``q (B, H, N, D)``."""
+        C = self.n_heads * self.head_dim
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{type(self).__name__}.{what}: x (the layer input the gates read) must be a tensor "
+                            f"(B, N, C = {C}), got {type(x).__name__}")
+        B, _, N, _ = q.shape
+        if tuple(x.shape) != (B, N, C):
+            raise ValueError(f"{type(self).__name__}.{what}: x must have shape (B, N, C) = ({B}, {N}, {C}) "
+                             f"to match q {tuple(q.shape)}, got {tuple(x.shape)}")
+
+    def functional_inputs(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor | None, *,
+                          causal: bool) -> tuple[tuple, dict]:
+        """Its registered functional form's positional inputs and keyword options (``causal``
+        among them where the form takes it) for ``q, k, v (B, H, N, D)`` and the layer input
+        ``x``: the module's computation, short of :meth:`functional_output`, is
+        ``function(*inputs, **options)`` (and its reference's the same)."""
+        raise NotImplementedError
+
+    def functional_output(self, o: Tensor, x: Tensor | None) -> Tensor:
+        """The module's output from its functional form's output ``o (B, H, N, D)``."""
+        return o
 
     def _no_recurrent(self, what: str):
         return ValueError(
@@ -297,7 +324,7 @@ class Mechanism(nn.Module):
     def initial_state(self, batch_size: int, *, device=None, dtype=None):
         raise self._no_recurrent("decoding state")
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor, state):
+    def step(self, q: Tensor, k: Tensor, v: Tensor, state, *, x: Tensor | None = None):
         raise self._no_recurrent("step()")
 
     def extra_repr(self) -> str:
@@ -306,19 +333,16 @@ class Mechanism(nn.Module):
 
 class SoftmaxMechanism(Mechanism):
     name = "softmax"
+    packed = True
+    # no summary of the past exists: every rank's keys and values are gathered (O(N) per rank)
+    sharding = _softmax.SHARDING
 
     def __init__(self, config: SoftmaxConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
-                context_parallel=None):
-        if context_parallel is not None:
-            # no summary of the past exists: every rank's keys and values are gathered (O(N) per rank)
-            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
-                                        return_state=return_state, cu_seqlens=cu_seqlens)
-            return layers.softmax_attention(q, k, v, group=context_parallel.group)
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         out = softmax_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
         if not return_state:
             return out
@@ -331,13 +355,16 @@ class SoftmaxMechanism(Mechanism):
             )
         return out, KVCache(k, v, k.shape[2])
 
+    def functional_inputs(self, q, k, v, x, *, causal):
+        return (q, k, v), {"causal": causal}
+
     def initial_state(self, batch_size: int, *, device=None, dtype=None, capacity: int = 16) -> KVCache:
         """An empty cache with room for ``capacity`` positions: k, v ``(B, H, capacity, D)``."""
         shape = (batch_size, self.n_heads, capacity, self.head_dim)
         return KVCache(torch.zeros(shape, device=device, dtype=dtype),
                        torch.zeros(shape, device=device, dtype=dtype), 0)
 
-    def step(self, q, k, v, state):
+    def step(self, q, k, v, state, *, x=None):
         _check_state_type(type(self).__name__, state, KVCache)
         L = state.length
         ck, cv = state.k, state.v
@@ -359,6 +386,8 @@ class SoftmaxMechanism(Mechanism):
 
 class LinearMechanism(Mechanism):
     name = "linear"
+    packed = True
+    sharding = _linear.SHARDING
 
     def __init__(self, config: LinearConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(n_heads=n_heads, head_dim=head_dim)
@@ -367,15 +396,12 @@ class LinearMechanism(Mechanism):
         self.feature_dim = phi(torch.zeros(1, head_dim)).shape[-1]  # F ("cos" adds one)
 
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
-                context_parallel=None):
-        if context_parallel is not None:
-            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
-                                        return_state=return_state, cu_seqlens=cu_seqlens)
-            return context.linear_attention(q, k, v, feature_map=self.config.feature_map,
-                                            group=context_parallel.group)
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         return linear_attention(q, k, v, feature_map=self.config.feature_map, causal=causal,
                                 key_padding_mask=key_padding_mask, return_state=return_state, cu_seqlens=cu_seqlens)
+
+    def functional_inputs(self, q, k, v, x, *, causal):
+        return (q, k, v), {"feature_map": self.config.feature_map, "causal": causal}
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LinearAttentionState:
         """Zero sums: S ``(B, H, F, D)``, z ``(B, H, F)`` (what no key at all contributes)."""
@@ -383,7 +409,7 @@ class LinearMechanism(Mechanism):
         return LinearAttentionState(torch.zeros(B, H, F, D, device=device, dtype=dtype),
                                     torch.zeros(B, H, F, device=device, dtype=dtype))
 
-    def step(self, q, k, v, state):
+    def step(self, q, k, v, state, *, x=None):
         _check_state_type(type(self).__name__, state, LinearAttentionState)
         return linear_attention(q, k, v, feature_map=self.config.feature_map, causal=True,
                                 initial_state=state, return_state=True)
@@ -399,10 +425,13 @@ class EfficientMechanism(Mechanism):
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None):
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         if return_state:
             raise self._no_recurrent("state to return")
         return efficient_attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+    def functional_inputs(self, q, k, v, x, *, causal):
+        return (q, k, v), {"causal": causal}
 
 
 class FavorMechanism(Mechanism):
@@ -410,6 +439,8 @@ class FavorMechanism(Mechanism):
     projection buffer ``(m, D)``."""
 
     name = "favor"
+    packed = True
+    sharding = _favor.SHARDING
 
     def __init__(self, config: FavorConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(n_heads=n_heads, head_dim=head_dim)
@@ -426,13 +457,13 @@ class FavorMechanism(Mechanism):
         self.feature_dim = 2 * m if config.features == "trig" else m
 
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
-                context_parallel=None):
-        if context_parallel is not None:
-            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
-                                        return_state=return_state, cu_seqlens=cu_seqlens)
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         return self.favor(q, k, v, causal=causal, key_padding_mask=key_padding_mask, return_state=return_state,
-                          cu_seqlens=cu_seqlens, context_parallel=context_parallel)
+                          cu_seqlens=cu_seqlens)
+
+    def functional_inputs(self, q, k, v, x, *, causal):
+        tensors, options = self.favor.inputs(q, k, v)
+        return tensors, {**options, "causal": causal}
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> LinearAttentionState:
         """Zero sums at the lowest finite scale (below every key's log-magnitude, so the first key
@@ -446,26 +477,23 @@ class FavorMechanism(Mechanism):
             torch.full((B, H), torch.finfo(dt).min, device=device, dtype=dt),
         )
 
-    def step(self, q, k, v, state):
+    def step(self, q, k, v, state, *, x=None):
         _check_state_type(type(self).__name__, state, LinearAttentionState)
         return self.favor(q, k, v, causal=True, initial_state=state, return_state=True)
 
 
 class LocalMechanism(Mechanism):
     name = "local"
+    packed = True
+    # a halo: the W keys and values before the shard, from the previous rank(s)
+    sharding = _local.SHARDING
 
     def __init__(self, config: LocalConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
-                context_parallel=None):
-        if context_parallel is not None:
-            # a halo: the W keys and values before the shard, from the previous rank(s)
-            check_context_parallel_call(type(self).__name__, causal=causal, key_padding_mask=key_padding_mask,
-                                        return_state=return_state, cu_seqlens=cu_seqlens)
-            return layers.local_attention(q, k, v, window=self.config.window, group=context_parallel.group)
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         return local_attention(q, k, v, window=self.config.window, causal=causal,
                                key_padding_mask=key_padding_mask, return_state=return_state, cu_seqlens=cu_seqlens)
 
@@ -477,7 +505,10 @@ class LocalMechanism(Mechanism):
             torch.zeros(batch_size, self.config.window, device=device, dtype=torch.bool), 0,
         )
 
-    def step(self, q, k, v, state):
+    def functional_inputs(self, q, k, v, x, *, causal):
+        return (q, k, v), {"window": self.config.window, "causal": causal}
+
+    def step(self, q, k, v, state, *, x=None):
         _check_state_type(type(self).__name__, state, LocalAttentionState)
         return local_attention(q, k, v, window=self.config.window, causal=True, initial_state=state,
                                return_state=True)
@@ -510,7 +541,7 @@ class LinformerMechanism(Mechanism):
         g = torch.Generator().manual_seed(config.seed)
         self.linformer = LinformerAttention(n, config.proj_len, share_kv=config.share_kv, generator=g)
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         if causal or return_state:
             raise ValueError(
                 "LinformerMechanism: Linformer has no causal (or recurrent) form: E and F mix all "
@@ -518,22 +549,21 @@ class LinformerMechanism(Mechanism):
             )
         return self.linformer(q, k, v, key_padding_mask=key_padding_mask)
 
+    def functional_inputs(self, q, k, v, x, *, causal):
+        return (q, k, v, *self.linformer.projections(q, k.shape[2])), {"causal": causal}
+
 
 class LSHMechanism(Mechanism):
     """Reformer LSH attention. Called with ``q is k`` (the shared query-key projection)."""
 
     name = "lsh"
+    packed = True
 
     def __init__(self, config: LSHConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(n_heads=n_heads, head_dim=head_dim)
         self.config = config
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False, cu_seqlens=None,
-                context_parallel=None):
-        if context_parallel is not None:
-            raise ValueError("LSHMechanism: LSH attention has no context-parallel form (its buckets sort the "
-                             "whole sequence's keys, so no rank can compute its shard from a summary or a halo of "
-                             "the others); pass context_parallel=None")
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         if return_state:
             raise self._no_recurrent("state to return")
         if q is not k:
@@ -542,6 +572,11 @@ class LSHMechanism(Mechanism):
         g = torch.Generator().manual_seed(c.seed)
         return lsh_attention(q, v, n_hashes=c.n_hashes, bucket_size=c.bucket_size, causal=causal,
                              key_padding_mask=key_padding_mask, generator=g, cu_seqlens=cu_seqlens)
+
+    def functional_inputs(self, q, k, v, x, *, causal):
+        c = self.config
+        return (q, v), {"n_hashes": c.n_hashes, "bucket_size": c.bucket_size, "causal": causal,
+                        "generator": torch.Generator(device=q.device).manual_seed(c.seed)}
 
     def extra_repr(self) -> str:
         c = self.config
@@ -574,10 +609,15 @@ class HedgehogMechanism(Mechanism):
     def maps(self) -> HedgehogMaps:
         return HedgehogMaps(self.q_weight, self.q_bias, self.k_weight, self.k_bias, self.log_gain)
 
-    def forward(self, q, k, v, *, causal=False, key_padding_mask=None, return_state=False):
+    def attend(self, q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens):
         if causal or return_state:
             raise ValueError("HedgehogMechanism: hedgehog attention is bidirectional only (no causal or recurrent form)")
         return hedgehog_attention(q, k, v, self.maps(), window=self.config.window, key_padding_mask=key_padding_mask)
+
+    def functional_inputs(self, q, k, v, x, *, causal):
+        if causal:
+            raise ValueError("HedgehogMechanism: hedgehog attention is bidirectional only (no causal form)")
+        return (q, k, v, self.maps()), {"window": self.config.window}
 
     def attention_weights(self, q: Tensor, k: Tensor, *, key_padding_mask: Tensor | None = None) -> Tensor:
         """The explicit ``(B, H, N, N)`` weights (O(N^2)), for distilling toward softmax weights."""

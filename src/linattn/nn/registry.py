@@ -35,9 +35,10 @@ bidirectional mode) raises, naming the mechanism. Their gates are functions of t
 so their modules set ``needs_input`` (see :mod:`linattn.nn.mechanisms`).
 
 Sharded forms (context parallelism, :mod:`linattn.distributed`): every causal mechanism but LSH.
-The recurrent ones pass a state summary between ranks; local attention a halo of the last
-``window`` keys; softmax gathers the keys and values of the ranks before it. LSH has none: its
-buckets are cut over the whole sequence.
+The form is the module's ``sharding``, the ``SHARDING`` of its functional file
+(:mod:`linattn.functional.sharding`): the recurrent ones pass a state summary between ranks, all
+through one driver; local attention a halo of the last ``window`` keys; softmax gathers the keys
+and values of the ranks before it. LSH has none: its buckets are cut over the whole sequence.
 """
 
 from __future__ import annotations
@@ -136,8 +137,13 @@ FORMS = ("bidirectional", "causal", "recurrent", "sharded")
 class MechanismSpec:
     """What a registered mechanism is and can do: the one place a mechanism is declared.
 
-    Benchmarks, experiments, conversion, training and the command line list and build mechanisms
-    from these specs; adding a mechanism is one entry in :data:`MECHANISMS` and its tests.
+    Benchmarks, experiments, conversion, training, the demo's error table and the command line list
+    and build mechanisms from these specs. Adding a mechanism is a functional file (its fast forms,
+    reference, and for a recurrent one its ``SHARDING``, :mod:`linattn.functional.sharding`), one
+    :class:`~linattn.nn.mechanisms.Mechanism` module (``attend``, ``functional_inputs``, and as it
+    has them ``initial_state``, ``step``, ``sharding``) and one entry in :data:`MECHANISMS`; it then
+    appears in every command, benchmark, the demo's error table and context parallelism
+    (tests/toy_mechanism.py is one, and tests/test_mechanism_interface.py checks each place).
 
     Attributes:
         name: registry key, also the ``"name"`` of its serialised config and its CLI name.
@@ -174,6 +180,10 @@ class MechanismSpec:
         for form in ("recurrent", "sharded"):
             if form in self.forms and "causal" not in self.forms:
                 raise ValueError(f"MechanismSpec {self.name!r}: a {form} form needs a causal one")
+        if "sharded" in self.forms and getattr(self.module_type, "sharding", None) is None:
+            raise ValueError(f"MechanismSpec {self.name!r}: a sharded form is its module's sharding (the SHARDING of "
+                             f"its functional file), and {getattr(self.module_type, '__name__', self.module_type)} "
+                             "has none")
 
     @property
     def bidirectional(self) -> bool:
@@ -201,7 +211,7 @@ class MechanismSpec:
 
     @property
     def step(self) -> Callable[..., Any] | None:
-        """The recurrent form, ``module.step(q, k, v, state) -> (out, state)``; None without one."""
+        """The recurrent form, ``module.step(q, k, v, state, *, x) -> (out, state)``; None without one."""
         return self.module_type.step if self.recurrent else None
 
     def default_config(self):

@@ -1,0 +1,63 @@
+"""The one chunk layout (functional/chunks.py): both tile orders cover every chunk of every row
+exactly once, and row tiles are views of the unchunked tensor except the filled last chunk."""
+
+import pytest
+import torch
+
+from linattn.functional.chunks import ChunkLayout
+
+
+@pytest.mark.parametrize("R,N,C,tile", [(1, 1, 64, 4096), (3, 7, 2, 4), (2, 100, 16, 40), (5, 64, 16, 4096),
+                                        (2, 65, 64, 64), (4, 33, 8, 1)])
+def test_row_tiles_cover_every_chunk_once_and_are_views_where_unfilled(R, N, C, tile):
+    lay = ChunkLayout.by_rows(R, N, C, tile)
+    assert lay.rows_per_tile == 1 or lay.per_tile == lay.Nc  # whole rows, or blocks of one row
+    x = torch.arange(R * N * 3, dtype=torch.float32).view(R, N, 3)
+    seen = torch.zeros(R, N, dtype=torch.int64)
+    for rows in lay.row_groups():
+        for chunks in lay.blocks():
+            block = lay.block(x[rows], chunks)
+            pos = lay.positions(chunks)
+            r, n = rows.stop - rows.start, pos.stop - pos.start
+            assert block.shape == (r * (chunks.stop - chunks.start), lay.C, 3)
+            # the block holds the positions in order, then zeros filling the last chunk
+            got = block.view(r, -1, 3)
+            torch.testing.assert_close(got[:, :n], x[rows, pos])
+            assert (got[:, n:] == 0).all()
+            assert lay.fills(chunks) == (n % lay.C != 0)
+            if not lay.fills(chunks):
+                assert block.data_ptr() == x[rows, pos].data_ptr()  # a view: no copy in
+                assert lay.target(x[rows], chunks).data_ptr() == block.data_ptr()  # nor out
+            else:
+                assert lay.target(x[rows], chunks) is None
+            seen[rows, pos] += 1
+            dst = torch.zeros_like(x)
+            lay.put_block(dst[rows], chunks, block)
+            torch.testing.assert_close(dst[rows, pos], x[rows, pos])
+    assert (seen == 1).all()
+    blocks_per_row = len(lay.blocks())
+    assert lay.block_starts() == (0 if lay.rows_per_tile > 1 or blocks_per_row == 1 else (blocks_per_row - 1) * R)
+
+
+@pytest.mark.parametrize("R,N,C,tile", [(3, 7, 2, 4), (2, 100, 16, 40), (1, 5, 64, 1)])
+def test_chunk_major_tiles_cover_every_chunk_once(R, N, C, tile):
+    lay = ChunkLayout.of(R, N, C, tile_positions=tile)
+    x = torch.randn(R, N, 2)
+    xc = lay.chunked(x)
+    assert xc.shape == (R, lay.Nc, lay.C, 2)
+    out = lay.new_chunked(x, 2)
+    covered = []
+    for sl in lay.tiles():
+        part = lay.take(xc, sl)
+        assert part.shape == (sl.stop - sl.start, R, lay.C, 2)
+        lay.put(out, sl, part)
+        covered += range(sl.start, sl.stop)
+    assert covered == list(range(lay.Nc))
+    torch.testing.assert_close(lay.unchunked(out), x)
+
+
+def test_of_needs_exactly_one_tile_size():
+    with pytest.raises(TypeError, match="exactly one of chunks_per_tile and tile_positions"):
+        ChunkLayout.of(2, 10, 4)
+    with pytest.raises(TypeError, match="exactly one of chunks_per_tile and tile_positions"):
+        ChunkLayout.of(2, 10, 4, chunks_per_tile=1, tile_positions=8)
