@@ -11,16 +11,17 @@ Why: `bench gated` rerun in this session found per-channel GLA at 3.33x linear a
     .venv/bin/python docs/benchmarks/custom_ops/channel_ab.py > docs/benchmarks/custom_ops/channel_ab_i.json
 """
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 sys.path.insert(0, "/tmp/oldpkg4")
+sys.path.insert(0, str(Path(__file__).parent.parent))  # docs/benchmarks: ab.py
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import linattn  # noqa: E402
 import linattn_old  # noqa: E402
+from ab import interleaved  # noqa: E402
 from linattn.bench.harness import OtherLoad  # noqa: E402
 
 torch.set_num_threads(2)
@@ -42,19 +43,6 @@ def linear(m):
 
 res = {}
 for name, f in (("gla channel", gla), ("linear", linear)):
-    for m in (linattn, linattn_old):
-        f(m)
-    t = {"new": [], "old": []}
-    for rep in range(6):
-        order = (("new", linattn), ("old", linattn_old))
-        if rep % 2:
-            order = order[::-1]
-        for label, m in order:
-            t0 = time.perf_counter()
-            f(m)
-            t[label].append(time.perf_counter() - t0)
-    row = {key: statistics.median(x) for key, x in t.items()}
-    row["new/old"] = row["new"] / row["old"]
-    res[name] = row
+    res[name] = interleaved(f, linattn, linattn_old, 6)
 print(json.dumps({"command": "python docs/benchmarks/custom_ops/channel_ab.py", "results": res,
                   "load": load.finish()}))

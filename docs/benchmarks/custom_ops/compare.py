@@ -11,16 +11,17 @@ A one-off comparison, not a `linattn bench` command: the old version is the pack
 docs/benchmarks/custom_ops/compare.py > docs/benchmarks/custom_ops/run_i.json`, three times.
 """
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 sys.path.insert(0, "/tmp/oldpkg2")
+sys.path.insert(0, str(Path(__file__).parent.parent))  # docs/benchmarks: ab.py
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import linattn  # noqa: E402
 import linattn_old  # noqa: E402
+from ab import interleaved  # noqa: E402
 from linattn.bench.harness import OtherLoad  # noqa: E402
 
 torch.set_num_threads(2)
@@ -42,18 +43,5 @@ for N in (256, 4096, 16384):
     }
     calls = 101 if N == 256 else 5  # short calls: more of them (noise there is +-8% with 25)
     for name, f in cases.items():
-        for m in (linattn, linattn_old):  # warm-up
-            f(m).sum().backward()
-        t = {"new": [], "old": []}
-        for rep in range(calls):
-            order = (("new", linattn), ("old", linattn_old))
-            if rep % 2:
-                order = order[::-1]
-            for label, m in order:
-                t0 = time.perf_counter()
-                f(m).sum().backward()
-                t[label].append(time.perf_counter() - t0)
-        row = {key: statistics.median(x) for key, x in t.items()}
-        row["new/old"] = row["new"] / row["old"]
-        res[f"{name} N={N}"] = row
+        res[f"{name} N={N}"] = interleaved(lambda m, f=f: f(m).sum().backward(), linattn, linattn_old, calls)
 print(json.dumps({"command": "python docs/benchmarks/custom_ops/compare.py", "results": res, "load": load.finish()}))

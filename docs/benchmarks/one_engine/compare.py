@@ -18,16 +18,17 @@ custom ops renamed so both can load in one process:
     .venv/bin/python docs/benchmarks/one_engine/compare.py > docs/benchmarks/one_engine/run_i.json
 """
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 sys.path.insert(0, "/tmp/oldpkg5")
+sys.path.insert(0, str(Path(__file__).parent.parent))  # docs/benchmarks: ab.py
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import linattn  # noqa: E402
 import linattn_old  # noqa: E402
+from ab import interleaved  # noqa: E402
 from linattn.bench.harness import OtherLoad  # noqa: E402
 
 torch.set_num_threads(2)
@@ -57,18 +58,5 @@ cases.append(("gla head N=16384", lambda m: m.gated_linear_attention(q2, k2, v2,
 cases.append(("gla channel N=16384", lambda m: m.gated_linear_attention(q2, k2, v2, chan)))
 
 for name, f in cases:
-    for m in (linattn, linattn_old):  # warm-up
-        f(m).sum().backward()
-    t = {"new": [], "old": []}
-    for rep in range(5):
-        order = (("new", linattn), ("old", linattn_old))
-        if rep % 2:
-            order = order[::-1]
-        for label, m in order:
-            t0 = time.perf_counter()
-            f(m).sum().backward()
-            t[label].append(time.perf_counter() - t0)
-    row = {key: statistics.median(x) for key, x in t.items()}
-    row["new/old"] = row["new"] / row["old"]
-    res[name] = row
+    res[name] = interleaved(lambda m, f=f: f(m).sum().backward(), linattn, linattn_old, 5)
 print(json.dumps({"command": "python docs/benchmarks/one_engine/compare.py", "results": res, "load": load.finish()}))

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..distributed import ContextParallel, check_context_parallel
 from ..functional.checks import check_values
 from ..functional.varlen import check_cu_seqlens
-from ..nn.attention import AttentionState, MultiHeadAttention
+from ..nn.attention import AttentionState, MultiHeadAttention, check_context_parallel_call
 from ..nn.positional import document_positions, sinusoidal_table
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TransformerConfig
@@ -292,12 +292,8 @@ class TransformerLM(_Transformer):
                          last_only, cu_seqlens) -> Tensor:
         """:meth:`forward` with ``context_parallel`` (see there)."""
         fn = "TransformerLM.forward"
-        for name, value in (("cu_seqlens", cu_seqlens), ("key_padding_mask", key_padding_mask)):
-            if value is not None:
-                raise ValueError(f"{fn}: context_parallel is not supported together with {name}; pass None")
-        if return_state:
-            raise ValueError(f"{fn}: context_parallel is not supported together with return_state (a decoding "
-                             "state is the whole sequence's, not one rank's)")
+        check_context_parallel_call(fn, causal=True, key_padding_mask=key_padding_mask, return_state=return_state,
+                                    cu_seqlens=cu_seqlens)
         # refused here, before any collective, the same way on every rank
         self.config.check_form("sharded", owner=fn, user="context_parallel (see docs/context_parallel.md)")
         self._check_ids(ids[:, :0], 0, "forward")  # the type and rank; the length against the whole sequence's

@@ -17,7 +17,7 @@ from .mechanisms import SoftmaxConfig
 from .positional import apply_rotary, document_positions, rotary_angles
 from .registry import MECHANISMS, build_mechanism, spec_for
 
-__all__ = ["AttentionState", "MultiHeadAttention"]
+__all__ = ["AttentionState", "MultiHeadAttention", "check_context_parallel_call"]
 
 
 class AttentionState(NamedTuple):
@@ -42,7 +42,7 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
         raise ValueError(f"MultiHeadAttention: {name} must be an int >= {minimum}, got {value!r}")
 
 
-def _check_context_parallel_call(owner: str, *, causal: bool, key_padding_mask, return_state: bool,
+def check_context_parallel_call(owner: str, *, causal: bool, key_padding_mask, return_state: bool,
                                 cu_seqlens) -> None:
     """Raise ValueError, naming ``owner``, unless a forward with ``context_parallel`` is causal and
     has no ``key_padding_mask``, ``return_state`` or ``cu_seqlens``: a shard of one sequence per
@@ -196,7 +196,7 @@ class MultiHeadAttention(nn.Module):
         positions = None
         start = 0
         if context_parallel is not None:
-            _check_context_parallel_call("MultiHeadAttention", causal=causal, key_padding_mask=key_padding_mask,
+            check_context_parallel_call("MultiHeadAttention", causal=causal, key_padding_mask=key_padding_mask,
                                         return_state=return_state, cu_seqlens=cu_seqlens)
             if not self.spec.sharded:
                 raise ValueError(f"MultiHeadAttention: {self.spec.name!r} attention has no context-parallel form "
