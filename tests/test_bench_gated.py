@@ -9,6 +9,7 @@ from linattn.bench.gated import (
     BASE,
     ENGINE_PROBES,
     OURS,
+    WITHIN,
     _memory_child,
     claims,
     favor_product_on_gated_engine,
@@ -30,7 +31,9 @@ def test_gated_bench_tiny(tmp_path):
     assert "memory" not in saved  # memory_n = 0 skips it
     md = (tmp_path / "gated.md").read_text()
     assert "## Claims" in md
-    assert md.count("- holds: ") + md.count("- **does not hold**: ") == len(result["claims"]) == len(OURS) * 2 + 2
+    # per contender a step claim, a time claim for those with a target, transformers' two, KDA's two
+    n_claims = len(OURS) + len(WITHIN) + 2 + 2
+    assert md.count("- holds: ") + md.count("- **does not hold**: ") == len(result["claims"]) == n_claims
 
 
 def test_engine_probes_compute_what_the_engines_they_replace_compute():
@@ -57,11 +60,14 @@ def test_claims_follow_the_median_not_the_best_run():
     result = {"config": {"ns": [64], "memory_n": 0},
               "ratios": {"64": {"gla_head": s(1.2, 1.6, 1.7), "gla_channel": s(1.0, 1.0, 1.0),
                                 "delta": s(2.0, 2.0, 2.0), "gated_delta": s(2.0, 2.0, 2.0)}},
-              "hf_ratios": {"64": s(9.0, 9.5, 30.0)}, "step_ratios": {name: s(1.0, 1.0, 1.0) for name in OURS}}
+              "hf_ratios": {"64": s(9.0, 9.5, 30.0)}, "step_ratios": {name: s(1.0, 1.0, 1.0) for name in OURS},
+              "kda_ratios": {"64": s(1.5, 2.1, 2.2)}, "kda_step_ratio": s(1.0, 1.1, 1.2)}
     c = claims(result)
     assert not c["gla_head within 1.5x of linear at N = 64"]["holds"]  # one run at 1.2x is not enough
     assert c["delta within 3.0x of linear at N = 64"]["holds"]
     assert not c["10x faster than transformers at N = 64"]["holds"]  # nor one run at 30x
+    assert not c["kda within 2x of Gated DeltaNet at N = 64"]["holds"]  # nor one at 1.5x
+    assert c["kda step within 2x of Gated DeltaNet's"]["holds"]
 
 
 def test_cli_reaches_the_benchmark(tmp_path, monkeypatch):

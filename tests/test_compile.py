@@ -47,6 +47,11 @@ FORMS = {
     "gated deltanet packed": (("q", "kn", "v", "beta", "head"),
                               lambda q, k, v, b, g: linattn.delta_rule_attention(q, k, v, b, log_decay=g,
                                                                                  cu_seqlens=CU)),
+    "kda": (("q", "kn", "v", "beta", "channel"),
+            lambda q, k, v, b, g: linattn.delta_rule_attention(q, k, v, b, log_decay=g)),
+    "kda grouped packed": (("q", "kn", "v", "beta", "channel"),
+                           lambda q, k, v, b, g: linattn.delta_rule_attention(q[:, :1], k[:, :1], v, b, log_decay=g,
+                                                                              cu_seqlens=CU)),
 }
 
 
@@ -80,7 +85,7 @@ def test_fast_forms_compile_whole_and_match_eager(name):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["linear", "favor", "gla", "gated_deltanet"])
+@pytest.mark.parametrize("name", ["linear", "favor", "gla", "gated_deltanet", "kda"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_model_compiles_whole_and_matches_eager(name, packed):
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ from linattn.nn import (
     DeltaNetConfig,
     GatedDeltaNetConfig,
     GLAConfig,
+    KDAConfig,
     LocalConfig,
     MultiHeadAttention,
     RetNetConfig,
@@ -28,9 +29,9 @@ from linattn.nn import (
 )
 
 GATED = {"retnet": RetNetConfig(), "gla": GLAConfig(gate_rank=4), "deltanet": DeltaNetConfig(),
-         "gated_deltanet": GatedDeltaNetConfig()}
+         "gated_deltanet": GatedDeltaNetConfig(), "kda": KDAConfig()}
 # the recipe's short convolution of the delta-rule models is the model's (see DeltaNetConfig)
-SHORT_CONV = {"retnet": 0, "gla": 0, "deltanet": 4, "gated_deltanet": 4}
+SHORT_CONV = {"retnet": 0, "gla": 0, "deltanet": 4, "gated_deltanet": 4, "kda": 4}
 
 
 def _heads(t, H):
@@ -65,9 +66,14 @@ def _by_hand(mha, x, mask):
         if name == "gated_deltanet":
             dt = F.softplus(x @ m.decay_proj.weight.T + m.dt_bias)
             g = (-m.A_log.exp() * dt).transpose(1, 2)
+        elif name == "kda":  # one decay per key channel (arXiv 2510.26692, Eq. 10)
+            dt = F.softplus(x @ m.decay_down.weight.T @ m.decay_up.weight.T + m.dt_bias)  # (B, N, C)
+            g = _heads(dt, H) * -m.A_log.exp().view(1, H, 1, 1)  # (B, H, N, D)
         o = delta_rule_attention_reference(unit(q), unit(k), F.silu(v), beta, log_decay=g, key_padding_mask=mask)
     o = _rms(o, m.out_norm.weight)
-    if m.gate_proj is not None:
+    if name == "kda":  # the low-rank sigmoid output gate
+        o = o * _heads(torch.sigmoid(x @ m.gate_down.weight.T @ m.gate_up.weight.T), H)
+    elif m.gate_proj is not None:
         o = o * _heads(F.silu(F.linear(x, m.gate_proj.weight, m.gate_proj.bias)), H)
     B, _, N, D = o.shape
     return mha.out_proj(o.transpose(1, 2).reshape(B, N, H * D))

@@ -19,6 +19,7 @@ from linattn.nn import (
     EfficientConfig,
     FavorConfig,
     GatedDeltaNetConfig,
+    KDAConfig,
     GLAConfig,
     HedgehogConfig,
     KVCache,
@@ -48,11 +49,12 @@ ALL_CONFIGS = [
     GLAConfig(gate_rank=4, gate_temperature=8.0),
     DeltaNetConfig(output_gate=True),
     GatedDeltaNetConfig(a_max=8.0, seed=3),
+    KDAConfig(gate_rank=3, seed=2),
 ]
 
 
 def test_registry_names_and_specs():
-    gated = {"retnet", "gla", "deltanet", "gated_deltanet"}
+    gated = {"retnet", "gla", "deltanet", "gated_deltanet", "kda"}
     assert sorted(MECHANISMS) == sorted(["efficient", "favor", "hedgehog", "linear", "linformer", "local", "lsh",
                                          "softmax", *gated])
     assert {n for n, s in MECHANISMS.items() if s.causal} == {"softmax", "linear", "favor", "local", "lsh", *gated}
@@ -60,7 +62,7 @@ def test_registry_names_and_specs():
     assert {n for n, s in MECHANISMS.items() if not s.bidirectional} == gated
     assert {n for n, s in MECHANISMS.items() if s.needs_input} == gated
     assert {n for n, s in MECHANISMS.items() if not s.rotary} == {"efficient", "hedgehog", "linformer", "deltanet",
-                                                                  "gated_deltanet"}
+                                                                  "gated_deltanet", "kda"}
     assert get_mechanism("lsh").shared_qk and get_mechanism("softmax").state_type is KVCache
     assert {type(c) for c in ALL_CONFIGS} == {s.config_type for s in MECHANISMS.values()}
 

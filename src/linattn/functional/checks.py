@@ -178,6 +178,29 @@ def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
+def expand_key_heads(fn: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped value heads: ``q, k (B, Hk, N, D)`` and ``v (B, H, N, Dv)`` with H a multiple of Hk
+    -> q and k repeated to H heads, value head h reading query/key head ``h // (H / Hk)`` (the
+    convention of flash-linear-attention and transformers: Qwen3-Next, Qwen3.5). Their gradients
+    sum over each group (``repeat_interleave``'s backward). Equal head counts, and inputs that
+    :func:`check_qkv` will refuse anyway, come back as they are.
+
+    Raises:
+        ValueError: q and k differ in their number of heads, or H is not a multiple of Hk.
+    """
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)) or q.shape[1] == v.shape[1]:
+        return q, k
+    Hk, H = q.shape[1], v.shape[1]
+    if k.shape[1] != Hk:
+        raise ValueError(f"{fn}: q and k must have the same number of heads (grouped value heads: q, k "
+                         f"(B, Hk, N, D), v (B, H, N, Dv)), got q {shape_str(q)} and k {shape_str(k)}")
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"{fn}: v's number of heads H must be a multiple of q's and k's Hk (value head h reads "
+                         f"query/key head h // (H / Hk)), got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
+    G = H // Hk
+    return q.repeat_interleave(G, dim=1), k.repeat_interleave(G, dim=1)  # (B, H, N, D)
+
+
 def engine_op(name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = ()):
     """``impl`` registered as the ``torch.library`` custom op ``name`` (``schema``: its arguments in
     order, and its outputs), run with autocast off on the first tensor argument's device: the

@@ -47,7 +47,7 @@ from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
 from .normaliser import guarded_normaliser, normaliser_floor
 
-__all__ = ["CHUNK_SIZES", "decayed_product"]
+__all__ = ["CHUNK_SIZES", "channel_scores", "channel_scores_backward", "decayed_product", "sub_chunk_length"]
 
 # Default chunk length per kind of gate, each the fastest measured (docs/benchmarks/README.md,
 # History): no gate and per head 64, per key channel 32 (sub-chunks, below).
@@ -461,7 +461,7 @@ _ungated_chunked.register_autograd(_ungated_autograd, setup_context=_ungated_set
 # <= 0 since s <= (end of i-1) < t, which makes it one bmm; only the c x c diagonal blocks are
 # formed explicitly, and of them only the c (c - 1) / 2 pairs s < t (s = t has a decay of 1), D
 # values each. The factor exp(r_{i-1} - b_s) is itself split at the end of the key's sub-chunk (see
-# _intra_channel). Every factor within one sub-chunk (the diagonal pairs, and the factors to and from
+# channel_scores). Every factor within one sub-chunk (the diagonal pairs, and the factors to and from
 # its ends) is a product of at most c decays exp(g) rather than an exp of a difference: one exp per
 # position and channel, and no digit lost however large the decays before.
 #
@@ -481,7 +481,7 @@ _ungated_chunked.register_autograd(_ungated_autograd, setup_context=_ungated_set
 # a sum of N terms instead of C.
 # ---------------------------------------------------------------------------------------------
 
-def _sub_length(C: int, sub_chunk_size: int) -> int:
+def sub_chunk_length(C: int, sub_chunk_size: int) -> int:
     """The sub-chunk length c: the largest divisor of C up to ``sub_chunk_size``."""
     return max(d for d in range(1, min(C, sub_chunk_size) + 1) if C % d == 0)
 
@@ -520,7 +520,7 @@ def _sub_chunk_pairs(a: Tensor) -> Tensor:
     return torch.stack([runs[t - s][:, :, s] for t in range(1, c) for s in range(t)], dim=2)
 
 
-def _intra_channel(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
+def channel_scores(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
     """Per-channel gate: ``q, k (M, C, D)``, log decays ``g (M, C, D)`` and their cumulative sums
     ``b (M, C, D)`` -> ``A (M, C, C)`` and what the backward needs (sub-chunks of length ``c``, as
     described at the top of this section)."""
@@ -562,8 +562,8 @@ def _intra_channel(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: in
     return A, (E, off)
 
 
-def _intra_channel_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> tuple[Tensor, Tensor]:
-    """``dq, dk (M, C, D)`` of the intra-chunk product ``A v`` of :func:`_intra_channel`, from
+def channel_scores_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> tuple[Tensor, Tensor]:
+    """``dq, dk (M, C, D)`` of the intra-chunk product ``A v`` of :func:`channel_scores`, from
     ``dA (M, C, C)`` (entries above the diagonal are ignored)."""
     M, C, D = q.shape
     n, P = C // c, C - c
@@ -606,7 +606,7 @@ def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
     if b.shape[-1] == 1:
         A, saved = _intra_head(q2, k2, b2)
     else:
-        A, saved = _intra_channel(q2, k2, g2, b2, c)
+        A, saved = channel_scores(q2, k2, g2, b2, c)
     return A.view(m, R, C, C), saved
 
 
@@ -628,7 +628,7 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
     else:
         states[0] = s0.reshape(R, D, Dv)
     o = lay.new_chunked(q, Dv)
-    c = _sub_length(C, sub_chunk_size)
+    c = sub_chunk_length(C, sub_chunk_size)
     for sl in lay.tiles():
         q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
         k_, v_, g_ = (lay.take(t, sl) for t in (k3, v3, g3))
@@ -656,7 +656,7 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
     T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
     T[Nc] = ds_final.reshape(R, D, Dv)
     dq3, dk3, dv3, dg3 = (lay.new_chunked(q, X) for X in (D, D, Dv, G))
-    c = _sub_length(C, sub_chunk_size)
+    c = sub_chunk_length(C, sub_chunk_size)
     for sl in reversed(lay.tiles()):
         q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
         k_, v_, g_, do_ = (lay.take(t, sl) for t in (k3, v3, g3, do3))
@@ -679,7 +679,7 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
             dqi = torch.bmm(dP, k_.reshape(M, C, D))
             dki = torch.bmm(dP.transpose(1, 2), q_.reshape(M, C, D))
         else:
-            dqi, dki = _intra_channel_backward(q_.reshape(M, C, D), k_.reshape(M, C, D), c, saved,
+            dqi, dki = channel_scores_backward(q_.reshape(M, C, D), k_.reshape(M, C, D), c, saved,
                                                dA.view(M, C, C))
         dqi, dki = dqi.view_as(q_), dki.view_as(k_)
         x = _g_sum(q_ * dqi - k_ * dki, G)

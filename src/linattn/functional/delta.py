@@ -1,15 +1,18 @@
-"""Delta-rule linear attention (DeltaNet, Gated DeltaNet): a causal recurrence with a chunked form,
-a recurrent step and a plain reference.
+"""Delta-rule linear attention (DeltaNet, Gated DeltaNet, Kimi Delta Attention): a causal
+recurrence with a chunked form, a recurrent step and a plain reference.
 
-DeltaNet (Schlag et al. 2021; parallelised by Yang et al., arXiv 2406.06484) and Gated DeltaNet
-(Yang, Kautz and Hatamizadeh, arXiv 2412.06464) keep one matrix state per head and, at every
-position, first decay it, then move the value it predicts for ``k_t`` a step ``beta_t`` towards
-``v_t`` (one step of online regression):
+DeltaNet (Schlag et al. 2021; parallelised by Yang et al., arXiv 2406.06484), Gated DeltaNet
+(Yang, Kautz and Hatamizadeh, arXiv 2412.06464) and Kimi Delta Attention (KDA, arXiv 2510.26692,
+section 3) keep one matrix state per head and, at every position, first decay it, then move the
+value it predicts for ``k_t`` a step ``beta_t`` towards ``v_t`` (one step of online regression):
 
-    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T        o_t = scale * S_t^T q_t
+    S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T        o_t = scale * S_t^T q_t
 
-``g = log_decay`` (0 when None: DeltaNet). There is no bidirectional form: the state at position t
-is defined by a recurrence in time, not by a sum over a set of keys.
+``g = log_decay``: 0 when None (DeltaNet), one value per head and position (Gated DeltaNet: the
+diagonal is then a scalar and commutes with the delta step), or one per key channel (KDA: it
+scales the rows of S). There is no bidirectional form: the state at position t is defined by a
+recurrence in time, not by a sum over a set of keys. Queries and keys may have fewer heads than
+the values (grouped value heads, ``linattn.functional.checks.expand_key_heads``).
 
 Dimension legend: B batch, H heads, N positions, D query/key width, Dv value width, R = B*H rows
 (independent sequences), C chunk length, Nc number of chunks, m chunks in a batch of chunks.
@@ -51,6 +54,15 @@ products block by block, runs the state gradient back through ``dU = P^T dO + Kd
 gradient in batched products (the derivation is written out at ``_block_backward``; the triangular
 inverse's is ``dA = -T^T dT T^T``). Chunks and blocks follow ``linattn.functional.chunks``, the
 layout the gated engine uses too.
+
+A gate per key channel (KDA, arXiv 2510.26692 section 3.1) changes only the chunk-local parts:
+``gamma_t`` becomes a diagonal matrix ``Diag(exp(G_t))`` (G cumulative per channel), so the ratios
+``gamma_t / gamma_i`` no longer factor out of ``k_t . k_i`` and ``q_t . k_i``. Those two decayed
+score matrices, ``A_ti = beta_t sum_d k_td k_id exp(G_td - G_id)`` and
+``P_ti = sum_d q_td k_id exp(G_td - G_id)``, are the per-channel gated engine's
+(``decayed.channel_scores``: sub-chunks, every exponent <= 0) and their gradients its backward's;
+``W = T diag(beta) (K o gamma)``, ``Kd = K o gamma_C / gamma`` and the state's row decay
+``gamma_C`` carry one value per channel, and so does every decay gradient.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ from torch import Tensor
 from .checks import (
     check_key_padding_mask,
     check_positive_int,
+    expand_key_heads,
     check_qkv,
     check_scale,
     check_values,
@@ -73,6 +86,7 @@ from .checks import (
 )
 from .chunks import ChunkLayout
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
+from .decayed import channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, varlen_layout
@@ -84,24 +98,29 @@ __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_gate(fn: str, name: str, x, q: Tensor) -> None:
-    """``beta`` or ``log_decay``: a floating-point ``(B, H, N)`` tensor on q's device."""
+def _check_gate(fn: str, name: str, x, q: Tensor, *, per_channel: bool = False) -> None:
+    """``beta`` or ``log_decay``: a floating-point ``(B, H, N)`` tensor on q's device (``log_decay``
+    also ``(B, H, N, D)`` with ``per_channel``)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor (B, H, N), got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{fn}: {name} must be a floating-point tensor, got dtype {x.dtype}")
-    if tuple(x.shape) != tuple(q.shape[:3]):
-        raise ValueError(f"{fn}: {name} must have shape (B, H, N) = {tuple(q.shape[:3])} for q {shape_str(q)}, "
-                         f"got {shape_str(x)}")
+    if tuple(x.shape) != tuple(q.shape[:3]) and not (per_channel and tuple(x.shape) == tuple(q.shape)):
+        also = f" or (B, H, N, D) = {tuple(q.shape)} (one per key channel, KDA)" if per_channel else ""
+        raise ValueError(f"{fn}: {name} must have shape (B, H, N) = {tuple(q.shape[:3])}{also} for q "
+                         f"{shape_str(q)}, got {shape_str(x)}")
     if x.device != q.device:
         raise ValueError(f"{fn}: {name} is on {x.device}, q on {q.device}")
 
 
 def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_state, cu_seqlens=None):
-    """Validate every argument; return the compute dtype, the scale and ``beta``, ``log_decay``
+    """Validate every argument; return the compute dtype, the scale, ``beta``, ``log_decay``
     (or None), k and v in it, with padded positions made identity steps (beta = g = 0, k = v = 0;
-    ``torch.where``, so NaN in padding cannot leak). With ``cu_seqlens`` (checked here), B = 1
-    and ``initial_state`` holds one state per document, ``(n, H, D, Dv)``."""
+    ``torch.where``, so NaN in padding cannot leak), and q (still in its dtype). Grouped value
+    heads (q, k with Hk heads, v with H) come back as H heads (:func:`expand_key_heads`). With
+    ``cu_seqlens`` (checked here), B = 1 and ``initial_state`` holds one state per document,
+    ``(n, H, D, Dv)``."""
+    q, k = expand_key_heads(fn, q, k, v)
     check_qkv(fn, q, k, v, causal=True)
     n_states = q.shape[0]
     if cu_seqlens is not None:
@@ -109,7 +128,7 @@ def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_stat
     check_key_padding_mask(fn, key_padding_mask, k)
     _check_gate(fn, "beta", beta, q)
     if log_decay is not None:
-        _check_gate(fn, "log_decay", log_decay, q)
+        _check_gate(fn, "log_decay", log_decay, q, per_channel=True)
     B, H, N, D = q.shape
     if initial_state is not None:
         check_decayed_state(fn, initial_state, n_states, H, D, v.shape[-1], q.device)
@@ -126,14 +145,15 @@ def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_stat
     if log_decay is not None:
         log_decay = log_decay.to(dt)
         if real is not None:
-            log_decay = torch.where(real, log_decay, log_decay.new_zeros(()))
+            where = real if log_decay.dim() == 3 else real[..., None]  # (B, 1, N[, 1])
+            log_decay = torch.where(where, log_decay, log_decay.new_zeros(()))
         with torch.no_grad():
             ok = log_decay <= 0
             check_values(ok, lambda: f"{fn}: log_decay must be <= 0 (a decay exp(g) in [0, 1]) at every real "
                          f"position, got {log_decay[~ok][0].item()}")
     k = sanitize_padded(k, key_padding_mask).to(dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
-    return dt, scale, beta, log_decay, k, v
+    return dt, scale, beta, log_decay, q, k, v
 
 
 def _zero_padded_outputs(out: Tensor, key_padding_mask: Tensor | None) -> Tensor:
@@ -154,7 +174,9 @@ class _Locals(NamedTuple):
     are None without decay (E is then the lower-triangular ones matrix, applied as ``tril``).
     ``KK (m, C, C)``: k_t . k_i; ``Tinv (m, C, C)``: ``T = (I + A)^-1``; ``X (m, C, Dv + D)``:
     ``[Uv, W] = T [diag(beta) V, diag(beta gamma) K]``; ``P (m, C, C)``; ``Kd (m, C, D)``: delta k;
-    ``GQ (m, C, D)``: gamma q.
+    ``GQ (m, C, D)``: gamma q. With a gate per key channel (KDA) gamma, delta ``(m, C, D)`` and
+    gC ``(m, D)`` hold one decay per channel, E is None, KK holds the decayed ``k_t . k_i`` scores
+    (``sum_d k_td k_id gamma_td / gamma_id``, i < t) and ``channel`` what their backward needs.
     """
 
     E: Tensor | None
@@ -167,6 +189,7 @@ class _Locals(NamedTuple):
     P: Tensor
     Kd: Tensor
     GQ: Tensor
+    channel: tuple | None = None  # per key channel (KDA): (c, the saved parts of A's and P's scores)
 
 
 
@@ -193,9 +216,13 @@ def _unit_lower_inverse(A: Tensor, solve_block: int) -> Tensor:
     return T
 
 
-def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_block: int) -> _Locals:
-    """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b, g (m, C)`` -> :class:`_Locals`
-    (``solve_block``: see :func:`_unit_lower_inverse`)."""
+def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_block: int,
+            sub_chunk_size: int = 4) -> _Locals:
+    """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b (m, C)``, ``g (m, C)`` (per head),
+    ``(m, C, D)`` (per key channel) or None -> :class:`_Locals` (``solve_block``: see
+    :func:`_unit_lower_inverse`; ``sub_chunk_size``: the per-channel scores' sub-chunks)."""
+    if g is not None and g.dim() == 3:
+        return _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size)
     m, C, D = k.shape
     dt = k.dtype
     E = gam = delta = gC = None
@@ -223,6 +250,26 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_
     return _Locals(E, gam, delta, gC, KK, Tinv, X, P, Kd, GQ)
 
 
+def _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size) -> _Locals:
+    """:func:`_locals` for a gate per key channel, ``g (m, C, D)`` (KDA). The decayed scores
+    ``sum_d x_td y_id exp(G_td - G_id)`` of A (x = y = k) and P (x = q) are the per-channel gated
+    engine's (:func:`~linattn.functional.decayed.channel_scores`: sub-chunks, no exponent above 0);
+    gamma, delta and gamma_C carry one decay per channel."""
+    m, C, D = k.shape
+    G = CumulativeLogDecay.of(g, 1)  # along the chunk, per channel
+    c = sub_chunk_length(C, sub_chunk_size)
+    KK, saved_kk = channel_scores(k, k, g, G, c)  # (m, C, C): k_t . k_i decayed, i <= t
+    KK = KK.tril_(-1)
+    P, saved_p = channel_scores(q, k, g, G, c)  # (m, C, C), i <= t
+    gam = G.exp()  # (m, C, D)
+    delta = (G[:, -1:] - G).exp_()  # (m, C, D): gamma_C / gamma_t
+    gC = gam[:, -1]  # (m, D)
+    bcol = b[:, :, None]
+    Tinv = _unit_lower_inverse(KK * bcol, solve_block)  # (I + A)^-1, A = diag(beta) KK
+    X = torch.bmm(Tinv, torch.cat([v * bcol, k * gam * bcol], dim=-1))  # [Uv, W], (m, C, Dv + D)
+    return _Locals(None, gam, delta, gC, KK, Tinv, X, P, k * delta, q * gam, (c, saved_kk, saved_p))
+
+
 def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice) -> Tensor | None:
     """A tile's chunks of ``xc (R, Nc, C, ...)`` as the block functions take them: chunk-major and
     contiguous, ``(m*R, C, ...)`` (the R rows of one chunk side by side)."""
@@ -244,7 +291,7 @@ def _block_forward(q, k, v, b, g, st, solve_block):
     x = _locals(q, k, v, b, g, solve_block)
     Uv, W = x.X[..., :Dv].view(n, R, C, Dv), x.X[..., Dv:].view(n, R, C, D)
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
-    gC = None if x.gC is None else x.gC.view(n, R, 1, 1)
+    gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
     U = st.new_empty(n, R, C, Dv)
     for c in range(n):  # the only sequential part, two (R, C|D, D) x (R, D, Dv) products a chunk
         torch.baddbmm(Uv[c], W[c], st[c], alpha=-1, out=U[c])
@@ -304,7 +351,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
     PtdO = torch.bmm(x.P.transpose(1, 2), do).view(n, R, C, Dv)  # P^T dO
     QtdO = torch.bmm(x.GQ.transpose(1, 2), do).view(n, R, D, Dv)  # (diag(gamma) Q)^T dO
     Kd4, WT = x.Kd.view(n, R, C, D), W.view(n, R, C, D).transpose(2, 3)
-    gC = None if x.gC is None else x.gC.view(n, R, 1, 1)
+    gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
     dU = st.new_empty(n, R, C, Dv)
     for c in reversed(range(n)):
         torch.baddbmm(PtdO[c], Kd4[c], dst[c + 1], out=dU[c])
@@ -317,6 +364,8 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
     S, dSn, dU = st[:n].reshape(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
     U = torch.baddbmm(x.X[..., :Dv], W, S, alpha=-1)  # (m, C, Dv)
     dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
+    if x.channel is not None:
+        return _channel_block_grads(x, qf, kf, vf, bf, g, dof, S, dSn, U, dU, dP, need_g)
     YP = dP * x.P if need_g else None  # dE o E through P
     dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
     dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
@@ -360,6 +409,46 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
     return dq, dk, dv, db, dg
 
 
+def _channel_block_grads(x: _Locals, q, k, v, b, g, do, S, dSn, U, dU, dP, need_g):
+    """The end of :func:`_block_backward` for a gate per key channel (KDA): the same gradients,
+    with the decayed scores' through the per-channel engine's backward
+    (:func:`~linattn.functional.decayed.channel_scores_backward`) and one decay per channel in
+    gamma, delta and gamma_C. A per-channel cumulative decay G_td enters a score
+    ``sum_d x_td y_id exp(G_td - G_id)`` as ``x_td dx_td - y_id dy_id`` (dx, dy the score's
+    gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
+    case, channel by channel."""
+    c, saved_kk, saved_p = x.channel
+    Dv = v.shape[-1]
+    W = x.X[..., Dv:]
+    dq, dk_p = channel_scores_backward(q, k, c, saved_p, dP)  # through P (m, C, D) each
+    dG = q * dq - k * dk_p if need_g else None
+    dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
+    dOS = torch.bmm(do, S.transpose(1, 2))  # dO S^T, (m, C, D)
+    dX = torch.cat([dU, torch.bmm(dU, S.transpose(1, 2)).neg_()], dim=-1)  # [dUv, dW]
+    dRhs = torch.bmm(x.Tinv.transpose(1, 2), dX)  # [dRv, dRw]
+    dRv, dRw = dRhs[..., :Dv], dRhs[..., Dv:]
+    dA = torch.bmm(dRhs, x.X.transpose(1, 2)).neg_().tril_(-1)  # (m, C, C), A = diag(beta) KK
+    bcol = b[:, :, None]
+    kgam = k * x.gam
+    db = torch.linalg.vecdot(dRv, v, dim=-1).add_((dA * x.KK).sum(-1)).add_(torch.linalg.vecdot(dRw, kgam, dim=-1))
+    d1, d2 = channel_scores_backward(k, k, c, saved_kk, dA.mul_(bcol))  # through KK: its two factors
+    if need_g:
+        dG.add_(k * d1).sub_(k * d2)
+    dk = dk_p.add_(d1).add_(d2).addcmul_(dRw, bcol * x.gam).addcmul_(dKd, x.delta)
+    dq.addcmul_(dOS, x.gam)
+    dv = dRv * bcol
+    dg = None
+    if need_g:
+        dgam = q * dOS + bcol * k * dRw  # d loss / d gamma_td
+        ddel = (k * dKd).mul_(x.delta)  # (d loss / d delta_td) delta_td
+        dG.addcmul_(dgam, x.gam).sub_(ddel)
+        dgC = (S * dSn).sum(-1)  # (m, D): the state's rows decay by gamma_C
+        dG[:, -1].add_(ddel.sum(1)).addcmul_(dgC, x.gC)
+        # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
+        dg = dG.flip(1).cumsum_(1).flip(1).masked_fill_(g < RESET_LOG_DECAY, 0)
+    return dq, dk, dv, db, dg
+
+
 def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, solve_block, need_g):
     """Gradients of :func:`_chunked_forward`: ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
     ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards."""
@@ -368,7 +457,7 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, solve_blo
     qc, kc, vc, bc, gc, doc = (lay.chunked(t) for t in (q, k, v, b, g, do))
     dq, dk, dv = lay.new_chunked(q, D), lay.new_chunked(q, D), lay.new_chunked(v, Dv)
     db = lay.new_chunked(b)
-    dg = lay.new_chunked(b) if need_g else None
+    dg = (lay.new_chunked(b) if g.dim() == 2 else lay.new_chunked(b, g.shape[-1])) if need_g else None
     ds = ds_final
     for blk in reversed(lay.tiles()):
         dst = ds.new_empty(blk.stop - blk.start + 1, R, D, Dv)
@@ -429,7 +518,7 @@ def _delta_rule_chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chu
 
 @_delta_rule_chunked_backward.register_fake
 def _(q, k, v, b, g, states, do, ds_final, scale, chunk_size, chunks_per_block, solve_block, need_g):
-    dg = b.new_empty(b.shape) if need_g else b.new_empty(0)
+    dg = g.new_empty(g.shape) if need_g else b.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), b.new_empty(b.shape), dg, \
         ds_final.new_empty(ds_final.shape)
 
@@ -464,15 +553,16 @@ _delta_rule_chunked.register_autograd(_delta_rule_autograd, setup_context=_delta
 # ---------------------------------------------------------------------------------------------
 
 def _step(q, k, v, beta, log_decay, scale, s0):
-    """One position, ``N == 1``: ``S = exp(g) (S0 - beta k (k^T S0)) + beta k v^T``, ``o = scale S^T q``,
-    in O(D Dv) with plain autograd. ``q, k (B, H, 1, D)``, ``v (B, H, 1, Dv)``, ``beta, g (B, H, 1)``,
-    ``s0 (B, H, D, Dv)``, all in the compute dtype."""
+    """One position, ``N == 1``: ``S = (I - beta k k^T) Diag(exp(g)) S0 + beta k v^T``,
+    ``o = scale S^T q``, in O(D Dv) with plain autograd. ``q, k (B, H, 1, D)``, ``v (B, H, 1, Dv)``,
+    ``beta (B, H, 1)``, ``g (B, H, 1)`` or ``(B, H, 1, D)``, ``s0 (B, H, D, Dv)``, all in the compute
+    dtype."""
     kt = k.transpose(-1, -2)  # (B, H, D, 1)
     b = beta[..., None]  # (B, H, 1, 1)
-    s = s0 - kt @ ((b * k) @ s0)  # (I - beta k k^T) S0
-    if log_decay is not None:
-        s = torch.exp(log_decay)[..., None] * s
-    s = s + kt @ (b * v)  # (B, H, D, Dv)
+    s = s0
+    if log_decay is not None:  # per head (B, H, 1, 1), or per key channel on the rows (B, H, D, 1)
+        s = torch.exp(log_decay)[..., None] * s if log_decay.dim() == 3 else torch.exp(log_decay).transpose(-1, -2) * s
+    s = s - kt @ ((b * k) @ s) + kt @ (b * v)  # (I - beta k k^T) s + beta k v^T, (B, H, D, Dv)
     return scale * (q @ s), s
 
 
@@ -487,7 +577,8 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     lay = varlen_layout(cu_seqlens, q.shape[2], D, write_states=s0 is not None, read_states=return_state)
     g = beta.new_zeros(beta.shape) if log_decay is None else log_decay
-    b, g = beta.unsqueeze(-1), g.unsqueeze(-1)  # (1, H, T, 1)
+    b = beta.unsqueeze(-1)  # (1, H, T, 1)
+    g = g.unsqueeze(-1) if g.dim() == 3 else g  # (1, H, T, 1 | D)
     if lay.gather is not None:
         # inserted positions read with scale 1: scale the real queries here instead
         q, scale = lay.expand(q * scale, lay.zeros(q), lay.basis(q)), 1.0
@@ -497,7 +588,8 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
         g = lay.expand(g, lay.zeros(g), lay.zeros(g))
     g = lay.with_resets(g)
     Tx = lay.total
-    o, _, _ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g.view(H, Tx), q.new_zeros(H, D, Dv), scale,
+    g = g.view(H, Tx) if g.shape[-1] == 1 and (log_decay is None or log_decay.dim() == 3) else g.view(H, Tx, D)
+    o, _, _ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
                                   chunk_size, *knobs)  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
     return lay.packed(o), (lay.states(o) if return_state else None)
@@ -530,8 +622,10 @@ def delta_rule_attention(
     ``N == 1`` with an ``initial_state`` (a generation step), the recurrence itself, O(D Dv).
 
     Args:
-        q: ``(B, H, N, D)`` queries.
-        k: ``(B, H, N, D)`` keys, expected L2-normalised (``||k_t|| = 1``). Why: with a unit key and
+        q: ``(B, H, N, D)`` queries, or ``(B, Hk, N, D)`` with H a multiple of Hk (grouped value
+            heads, as Qwen3-Next and Qwen3.5: value head h reads query/key head ``h // (H / Hk)``;
+            q and k are repeated inside, their gradients summed over each group).
+        k: ``(B, H, N, D)`` keys (``(B, Hk, N, D)`` with q), expected L2-normalised (``||k_t|| = 1``). Why: with a unit key and
             ``beta`` in [0, 2] the transition ``I - beta k k^T`` has eigenvalues 1 (D - 1 times) and
             ``1 - beta`` in [-1, 1], so its spectral norm is <= 1 and the state cannot grow from step
             to step; with longer keys it can blow up exponentially. The function does not normalise
@@ -539,9 +633,12 @@ def delta_rule_attention(
         v: ``(B, H, N, Dv)`` values.
         beta: ``(B, H, N)`` write strength in [0, 2] at every real position (ValueError otherwise):
             0 leaves the state as it is, 1 replaces the value stored under k by v, 2 reflects it.
-        log_decay: None (DeltaNet), or ``(B, H, N)``: the log of the decay ``exp(g_t)`` applied to
-            the whole state before the write (Gated DeltaNet, arXiv 2412.06464); entries <= 0 (-inf
-            is a decay of 0; a positive entry raises ValueError). Inside the chunked form an entry
+        log_decay: None (DeltaNet); ``(B, H, N)``, the log of the decay ``exp(g_t)`` applied to
+            the whole state before the write (Gated DeltaNet, arXiv 2412.06464); or ``(B, H, N, D)``,
+            one per key channel, applied to the rows of the state before the write (Kimi Delta
+            Attention, arXiv 2510.26692; in the chunked form the decayed in-chunk scores are the
+            per-channel gated engine's, with its sub-chunks). Entries <= 0 (-inf is a decay of 0;
+            a positive entry raises ValueError). Inside the chunked form an entry
             below -40 is a reset, a decay of exactly 0 (exp(-40) is 4e-18; its gradient is taken as
             0): see ``linattn.functional.log_decays``.
         scale: multiplies the read-out; None means ``1/sqrt(D)``.
@@ -593,8 +690,9 @@ def delta_rule_attention(
     check_positive_int(fn, "chunks_per_block", chunks_per_block)
     check_positive_int(fn, "solve_block", solve_block)
     with no_autocast(q.device.type):
-        dt, scale, beta, log_decay, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
-                                                      initial_state, cu_seqlens)
+        in_dtype = q.dtype
+        dt, scale, beta, log_decay, q, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
+                                                         initial_state, cu_seqlens)
         B, H, N, D = q.shape
         Dv = v.shape[-1]
         s0 = None if initial_state is None else initial_state.s.to(dt)
@@ -620,7 +718,7 @@ def delta_rule_attention(
                                           None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
                                           chunks_per_block, solve_block)
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
-        out = _zero_padded_outputs(out, key_padding_mask).to(q.dtype)
+        out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
 
 
@@ -641,8 +739,8 @@ def delta_rule_attention_reference(
     (no ``chunk_size``)."""
     fn = "delta_rule_attention_reference"
     in_dtype = q.dtype
-    dt, scale, beta, log_decay, k, v = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
-                                                initial_state)
+    dt, scale, beta, log_decay, q, k, v = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
+                                                   initial_state)
     B, H, N, D = q.shape
     Dv = v.shape[-1]
     s0 = None if initial_state is None else initial_state.s.to(dt)
@@ -656,9 +754,10 @@ def delta_rule_attention_reference(
         for t in range(N):
             kt, vt = k[:, :, t, :, None], v[:, :, t, None, :]  # (B, H, D, 1), (B, H, 1, Dv)
             bt = beta[:, :, t, None, None]  # (B, H, 1, 1)
-            s = s - bt * kt @ (kt.transpose(-1, -2) @ s)  # (I - beta k k^T) S, (B, H, D, Dv)
-            if log_decay is not None:
-                s = torch.exp(log_decay[:, :, t, None, None]) * s
+            if log_decay is not None:  # Diag(alpha_t) S: all of S (per head) or its rows (per key channel)
+                gt = log_decay[:, :, t, None, None] if log_decay.dim() == 3 else log_decay[:, :, t, :, None]
+                s = torch.exp(gt) * s
+            s = s - bt * kt @ (kt.transpose(-1, -2) @ s)  # (I - beta k k^T) Diag(alpha) S, (B, H, D, Dv)
             s = s + bt * kt @ vt
             outs.append(scale * (q[:, :, t, None, :] @ s))  # (B, H, 1, Dv)
         out = torch.cat(outs, dim=2)
@@ -678,6 +777,7 @@ def _shard_summarize(fn: str, first: bool, initial_state, tensors: tuple, option
     are ``scale M_t^T q_t``, so a later rank's output from ``S_in`` is the first Dv columns plus
     ``(scale M_t^T q_t)^T S_in``."""
     q, k, v, beta = tensors
+    q, k = expand_key_heads(fn, q, k, v)  # grouped value heads: the extended call's state is per value head
     log_decay, scale = options.get("log_decay"), options.get("scale")
     kept = None
     if first:

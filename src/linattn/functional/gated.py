@@ -30,6 +30,7 @@ from .checks import (
     check_scale,
     check_values,
     compute_dtype,
+    expand_key_heads,
     no_autocast,
     shape_str,
 )
@@ -79,7 +80,9 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
 def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state, *, scaled=True, cu_seqlens=None):
     """Checks, then ``q * scale`` (``q`` and the scale with ``scaled=False``), ``k, v (B, H, N, *)``, ``g (B, H, N, G)`` and ``s0 (B, H, D, Dv)``
     or None, all in the compute dtype, padded positions zeroed (q too: their output is zeros).
-    With ``cu_seqlens`` (checked here), B = 1 and ``s0`` has one state per document, ``(n, H, D, Dv)``."""
+    With ``cu_seqlens`` (checked here), B = 1 and ``s0`` has one state per document, ``(n, H, D, Dv)``.
+    Grouped value heads (q, k with Hk heads, v with H) come back as H heads (:func:`expand_key_heads`)."""
+    q, k = expand_key_heads(fn, q, k, v)
     check_qkv(fn, q, k, v, causal=True)
     n_states = q.shape[0]
     if cu_seqlens is not None:
@@ -191,8 +194,10 @@ def gated_linear_attention(
     O(D*Dv), without the chunk machinery.
 
     Args:
-        q: ``(B, H, N, D)`` queries.
-        k: ``(B, H, N, D)`` keys.
+        q: ``(B, H, N, D)`` queries, or ``(B, Hk, N, D)`` with H a multiple of Hk (grouped value
+            heads: value head h reads query/key head ``h // (H / Hk)``; q and k are repeated inside,
+            their gradients summed over each group).
+        k: ``(B, H, N, D)`` keys (``(B, Hk, N, D)`` with q).
         v: ``(B, H, N, Dv)`` values.
         log_decay: ``(B, H, N)``, one gate per head and position (RetNet, Mamba-2, simple GLA), or
             ``(B, H, N, D)``, one per key channel, scaling the rows of S (GLA). Entries must be
@@ -282,6 +287,7 @@ def _shard_summarize(fn: str, first: bool, initial_state, tensors: tuple, option
     after position t is ``exp(b_t) * S_in + (local state)_t``, so its output is the local one plus
     ``scale (q_t * exp(b_t))^T S_in`` (exact, one product, every exponent <= 0)."""
     q, k, v, log_decay = tensors
+    q, k = expand_key_heads(fn, q, k, v)  # grouped value heads: the correction reads q per value head
     scale = options.get("scale")
     if first:
         out, st = gated_linear_attention(q, k, v, log_decay, initial_state=initial_state, return_state=True,

@@ -8,7 +8,7 @@ registered in :mod:`linattn.nn.registry`.
 from .attention import AttentionState, MultiHeadAttention
 from .conv import ShortConv
 from .favor import FavorAttention, FavorConfig
-from .gated import DeltaNetConfig, GatedDeltaNetConfig, GatedMechanism, GLAConfig, RetNetConfig
+from .gated import DeltaNetConfig, GatedDeltaNetConfig, GatedMechanism, GLAConfig, KDAConfig, RetNetConfig
 from .linformer import LinformerAttention
 from .mechanisms import (
     EfficientConfig,
@@ -42,6 +42,7 @@ __all__ = [
     "FavorConfig",
     "GLAConfig",
     "GatedDeltaNetConfig",
+    "KDAConfig",
     "GatedMechanism",
     "HedgehogConfig",
     "KVCache",

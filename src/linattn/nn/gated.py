@@ -58,6 +58,8 @@ __all__ = [
     "GatedDeltaNetConfig",
     "GatedDeltaNetMechanism",
     "GatedMechanism",
+    "KDAConfig",
+    "KDAMechanism",
     "RetNetConfig",
     "RetNetMechanism",
 ]
@@ -192,6 +194,51 @@ class GatedDeltaNetConfig(Config):
     def __post_init__(self) -> None:
         owner = "GatedDeltaNetConfig"
         _check_bools(owner, self, ("output_gate", "output_norm"))
+        for name in ("a_min", "a_max", "dt_min", "dt_max"):
+            _check_positive(owner, name, getattr(self, name))
+        if self.a_min > self.a_max or self.dt_min > self.dt_max:
+            raise ValueError(f"{owner}: need a_min <= a_max and dt_min <= dt_max, got a = [{self.a_min}, "
+                             f"{self.a_max}], dt = [{self.dt_min}, {self.dt_max}]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"{owner}: seed must be an int, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class KDAConfig(Config):
+    """Kimi Delta Attention (arXiv 2510.26692, sections 3-4; Kimi Linear's layer): the delta rule
+    with one decay per key channel, g_t = -exp(A_log) * softplus(x_t W_down W_up + dt_bias)
+    (W_down: C -> R, W_up: R -> C, dt_bias one per channel, A_log one per head), beta_t =
+    sigmoid(x_t W_beta) per head, q and k through SiLU then L2 normalisation, v through SiLU, and the
+    output RMSNorm-ed per head then gated by sigmoid(x W_gdown W_gup) (a low-rank gate, rank R).
+
+    ``S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+
+    As for :class:`DeltaNetConfig`, the paper's short convolutions are the model's ``short_conv``
+    (one convolution of the layer input before the projections; set 4).
+
+    Attributes:
+        gate_rank: R, the rank of the decay's and of the output gate's projections; None is the
+            head width D (the paper's choice).
+        output_norm: normalise each head's output over its D channels (RMSNorm) before the gate.
+        a_min, a_max: A = exp(A_log) starts uniform in [a_min, a_max] per head.
+        dt_min, dt_max: softplus(dt_bias) starts log-uniform in [dt_min, dt_max] per channel.
+        seed: seeds the generator that draws the initial A_log and dt_bias.
+    """
+
+    gate_rank: int | None = None
+    output_norm: bool = True
+    a_min: float = 1.0
+    a_max: float = 16.0
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "KDAConfig"
+        _check_bools(owner, self, ("output_norm",))
+        if self.gate_rank is not None and (isinstance(self.gate_rank, bool) or not isinstance(self.gate_rank, int)
+                                           or self.gate_rank < 1):
+            raise ValueError(f"{owner}: gate_rank must be an int >= 1 or None, got {self.gate_rank!r}")
         for name in ("a_min", "a_max", "dt_min", "dt_max"):
             _check_positive(owner, name, getattr(self, name))
         if self.a_min > self.a_max or self.dt_min > self.dt_max:
@@ -422,3 +469,52 @@ class GatedDeltaNetMechanism(DeltaNetMechanism):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, seed={self.config.seed}"
+
+
+class KDAMechanism(DeltaNetMechanism):
+    """Kimi Delta Attention: DeltaNet's ``beta_proj`` plus the per-channel decay's low-rank
+    projection (``decay_down`` C -> R, ``decay_up`` R -> C), ``dt_bias (C,)`` and ``A_log (H,)``,
+    and the low-rank sigmoid output gate (``gate_down`` C -> R, ``gate_up`` R -> C)."""
+
+    name = "kda"
+    sharding = _delta.SHARDING
+
+    def __init__(self, config: KDAConfig, *, n_heads: int, head_dim: int) -> None:
+        GatedMechanism.__init__(self, config, n_heads=n_heads, head_dim=head_dim, output_gate=False,
+                                output_norm=config.output_norm)
+        C, R = self.d_model, config.gate_rank or head_dim
+        self.beta_proj = nn.Linear(C, n_heads, bias=False)
+        self.decay_down = nn.Linear(C, R, bias=False)
+        self.decay_up = nn.Linear(R, C, bias=False)
+        self.gate_down = nn.Linear(C, R, bias=False)
+        self.gate_up = nn.Linear(R, C, bias=False)
+        g = torch.Generator().manual_seed(config.seed)
+        a = torch.empty(n_heads, dtype=torch.float64).uniform_(config.a_min, config.a_max, generator=g)
+        lo, hi = math.log(config.dt_min), math.log(config.dt_max)
+        dt = torch.exp(torch.empty(C, dtype=torch.float64).uniform_(lo, hi, generator=g))
+        self.A_log = nn.Parameter(torch.log(a).float())
+        # the inverse of softplus, so that softplus(dt_bias) = dt: log(exp(dt) - 1) = dt + log(1 - exp(-dt))
+        self.dt_bias = nn.Parameter((dt + torch.log(-torch.expm1(-dt))).float())
+
+    def log_decay(self, x: Tensor) -> Tensor:
+        """``x (B, N, C)`` -> g ``(B, H, N, D)``, each <= 0: one decay per key channel."""
+        f = F.softplus(self.decay_up(self.decay_down(x)) + self.dt_bias)  # (B, N, C)
+        return _heads(f, self.n_heads) * -torch.exp(self.A_log)[:, None, None]  # (B, H, N, D)
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Per-head RMSNorm, then the low-rank sigmoid gate: ``(B, H, N, D)``."""
+        if self.out_norm is not None:
+            o = self.out_norm(o)
+        return o * _heads(torch.sigmoid(self.gate_up(self.gate_down(x))), self.n_heads)
+
+    def functional_inputs(self, q, k, v, x, *, causal):
+        self._causal_only(causal)
+        return (_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x)), {"log_decay": self.log_decay(x)}
+
+    def recur(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
+        return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x), log_decay=self.log_decay(x),
+                                    key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                    return_state=return_state)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gate_rank={self.decay_down.out_features}, seed={self.config.seed}"

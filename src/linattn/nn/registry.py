@@ -22,13 +22,13 @@ Rotary positions are applied to q and k before the mechanism (before any feature
   rotary softmax layers use one positional scheme, but a score is not a function of position
   differences alone (the decays differ between the two channels of a rotated pair), and the paper
   uses no positions beyond its decays.
-- deltanet, gated_deltanet: rejected. The delta rule overwrites what the state holds under a key:
+- deltanet, gated_deltanet, kda: rejected. The delta rule overwrites what the state holds under a key:
   k_t's write first erases the value stored along k_t. Rotating keys by position would store the
   same key at two positions along two different directions, so a later write no longer corrects
   an earlier one, which is the point of the rule; the papers use no positional encoding (the
   decays and the short convolution give order).
 
-Bidirectional forms: retnet, gla, deltanet and gated_deltanet have none. They are recurrences in
+Bidirectional forms: retnet, gla, deltanet, gated_deltanet and kda have none. They are recurrences in
 time (each position's state is the previous one decayed, corrected and written to), so "every
 position sees every other" is no form of theirs; a request for one (an encoder layer, the sweep's
 bidirectional mode) raises, naming the mechanism. Their gates are functions of the layer input,
@@ -75,6 +75,8 @@ from .gated import (
     GatedDeltaNetMechanism,
     GLAConfig,
     GLAMechanism,
+    KDAConfig,
+    KDAMechanism,
     RetNetConfig,
     RetNetMechanism,
 )
@@ -123,7 +125,7 @@ __all__ = [
 
 AttentionConfig = Union[
     SoftmaxConfig, LinearConfig, EfficientConfig, FavorConfig, LocalConfig, LinformerConfig, LSHConfig, HedgehogConfig,
-    RetNetConfig, GLAConfig, DeltaNetConfig, GatedDeltaNetConfig,
+    RetNetConfig, GLAConfig, DeltaNetConfig, GatedDeltaNetConfig, KDAConfig,
 ]
 
 
@@ -275,6 +277,9 @@ MECHANISMS: dict[str, MechanismSpec] = {
         _spec("gated_deltanet", GatedDeltaNetConfig, GatedDeltaNetMechanism, delta_rule_attention,
               delta_rule_attention_reference, _CAUSAL, rotary=False, state_type=DecayedState,
               summary="Gated DeltaNet: delta rule with Mamba-2 decays and output gate; O(1) state per token"),
+        _spec("kda", KDAConfig, KDAMechanism, delta_rule_attention, delta_rule_attention_reference, _CAUSAL,
+              rotary=False, state_type=DecayedState,
+              summary="Kimi Delta Attention: delta rule with low-rank per-channel decays; O(1) state per token"),
     )
 }
 
