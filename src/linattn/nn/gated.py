@@ -160,6 +160,18 @@ class DeltaNetConfig(Config):
         _check_bools("DeltaNetConfig", self, ("output_gate", "output_norm"))
 
 
+def _check_mamba_decay(owner: str, config) -> None:
+    """The Mamba-2 decay options of ``config``: a_min <= a_max and dt_min <= dt_max, all > 0, and
+    an int seed."""
+    for name in ("a_min", "a_max", "dt_min", "dt_max"):
+        _check_positive(owner, name, getattr(config, name))
+    if config.a_min > config.a_max or config.dt_min > config.dt_max:
+        raise ValueError(f"{owner}: need a_min <= a_max and dt_min <= dt_max, got a = [{config.a_min}, "
+                         f"{config.a_max}], dt = [{config.dt_min}, {config.dt_max}]")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int):
+        raise TypeError(f"{owner}: seed must be an int, got {config.seed!r}")
+
+
 @dataclass(frozen=True)
 class GatedDeltaNetConfig(Config):
     """Gated DeltaNet (arXiv 2412.06464): the delta rule with a Mamba-2 decay per head and position,
@@ -194,13 +206,7 @@ class GatedDeltaNetConfig(Config):
     def __post_init__(self) -> None:
         owner = "GatedDeltaNetConfig"
         _check_bools(owner, self, ("output_gate", "output_norm"))
-        for name in ("a_min", "a_max", "dt_min", "dt_max"):
-            _check_positive(owner, name, getattr(self, name))
-        if self.a_min > self.a_max or self.dt_min > self.dt_max:
-            raise ValueError(f"{owner}: need a_min <= a_max and dt_min <= dt_max, got a = [{self.a_min}, "
-                             f"{self.a_max}], dt = [{self.dt_min}, {self.dt_max}]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"{owner}: seed must be an int, got {self.seed!r}")
+        _check_mamba_decay(owner, self)
 
 
 @dataclass(frozen=True)
@@ -239,13 +245,7 @@ class KDAConfig(Config):
         if self.gate_rank is not None and (isinstance(self.gate_rank, bool) or not isinstance(self.gate_rank, int)
                                            or self.gate_rank < 1):
             raise ValueError(f"{owner}: gate_rank must be an int >= 1 or None, got {self.gate_rank!r}")
-        for name in ("a_min", "a_max", "dt_min", "dt_max"):
-            _check_positive(owner, name, getattr(self, name))
-        if self.a_min > self.a_max or self.dt_min > self.dt_max:
-            raise ValueError(f"{owner}: need a_min <= a_max and dt_min <= dt_max, got a = [{self.a_min}, "
-                             f"{self.a_max}], dt = [{self.dt_min}, {self.dt_max}]")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"{owner}: seed must be an int, got {self.seed!r}")
+        _check_mamba_decay(owner, self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +264,19 @@ def _silu_l2(t: Tensor) -> Tensor:
     Unit keys keep the transition I - beta k k^T's eigenvalues in [-1, 1] for beta in [0, 2], so
     the state cannot grow (arXiv 2406.06484); eps guards a key whose every channel SiLU zeroed."""
     return F.normalize(F.silu(t), dim=-1, eps=1e-6)
+
+
+def _mamba_decay_parameters(config, n_heads: int, n_gates: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """Mamba-2's decay parameters, drawn from ``config.seed``: ``A_log (n_heads,)`` with
+    A = exp(A_log) uniform in [a_min, a_max], and ``dt_bias (n_gates,)`` (one per head, or per key
+    channel) with softplus(dt_bias) log-uniform in [dt_min, dt_max], so that the decay
+    exp(-A softplus(dt_bias)) of a zero input spans short and long memories."""
+    g = torch.Generator().manual_seed(config.seed)
+    a = torch.empty(n_heads, dtype=torch.float64).uniform_(config.a_min, config.a_max, generator=g)
+    lo, hi = math.log(config.dt_min), math.log(config.dt_max)
+    dt = torch.exp(torch.empty(n_gates, dtype=torch.float64).uniform_(lo, hi, generator=g))
+    # the inverse of softplus, so that softplus(dt_bias) = dt: log(exp(dt) - 1) = dt + log(1 - exp(-dt))
+    return nn.Parameter(torch.log(a).float()), nn.Parameter((dt + torch.log(-torch.expm1(-dt))).float())
 
 
 class GatedMechanism(Mechanism):
@@ -445,13 +458,7 @@ class GatedDeltaNetMechanism(DeltaNetMechanism):
     def __init__(self, config: GatedDeltaNetConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(config, n_heads=n_heads, head_dim=head_dim)  # norm, gate and beta_proj as DeltaNet's
         self.decay_proj = nn.Linear(self.d_model, n_heads, bias=False)
-        g = torch.Generator().manual_seed(config.seed)
-        a = torch.empty(n_heads, dtype=torch.float64).uniform_(config.a_min, config.a_max, generator=g)
-        lo, hi = math.log(config.dt_min), math.log(config.dt_max)
-        dt = torch.exp(torch.empty(n_heads, dtype=torch.float64).uniform_(lo, hi, generator=g))
-        self.A_log = nn.Parameter(torch.log(a).float())
-        # the inverse of softplus, so that softplus(dt_bias) = dt: log(exp(dt) - 1) = dt + log(1 - exp(-dt))
-        self.dt_bias = nn.Parameter((dt + torch.log(-torch.expm1(-dt))).float())
+        self.A_log, self.dt_bias = _mamba_decay_parameters(config, n_heads, n_heads)
 
     def log_decay(self, x: Tensor) -> Tensor:
         """``x (B, N, C)`` -> g ``(B, H, N)``, each <= 0 (Mamba-2's discretised decay)."""
@@ -471,7 +478,7 @@ class GatedDeltaNetMechanism(DeltaNetMechanism):
         return f"{super().extra_repr()}, seed={self.config.seed}"
 
 
-class KDAMechanism(DeltaNetMechanism):
+class KDAMechanism(GatedDeltaNetMechanism):
     """Kimi Delta Attention: DeltaNet's ``beta_proj`` plus the per-channel decay's low-rank
     projection (``decay_down`` C -> R, ``decay_up`` R -> C), ``dt_bias (C,)`` and ``A_log (H,)``,
     and the low-rank sigmoid output gate (``gate_down`` C -> R, ``gate_up`` R -> C)."""
@@ -488,13 +495,7 @@ class KDAMechanism(DeltaNetMechanism):
         self.decay_up = nn.Linear(R, C, bias=False)
         self.gate_down = nn.Linear(C, R, bias=False)
         self.gate_up = nn.Linear(R, C, bias=False)
-        g = torch.Generator().manual_seed(config.seed)
-        a = torch.empty(n_heads, dtype=torch.float64).uniform_(config.a_min, config.a_max, generator=g)
-        lo, hi = math.log(config.dt_min), math.log(config.dt_max)
-        dt = torch.exp(torch.empty(C, dtype=torch.float64).uniform_(lo, hi, generator=g))
-        self.A_log = nn.Parameter(torch.log(a).float())
-        # the inverse of softplus, so that softplus(dt_bias) = dt: log(exp(dt) - 1) = dt + log(1 - exp(-dt))
-        self.dt_bias = nn.Parameter((dt + torch.log(-torch.expm1(-dt))).float())
+        self.A_log, self.dt_bias = _mamba_decay_parameters(config, n_heads, C)
 
     def log_decay(self, x: Tensor) -> Tensor:
         """``x (B, N, C)`` -> g ``(B, H, N, D)``, each <= 0: one decay per key channel."""
@@ -507,14 +508,5 @@ class KDAMechanism(DeltaNetMechanism):
             o = self.out_norm(o)
         return o * _heads(torch.sigmoid(self.gate_up(self.gate_down(x))), self.n_heads)
 
-    def functional_inputs(self, q, k, v, x, *, causal):
-        self._causal_only(causal)
-        return (_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x)), {"log_decay": self.log_decay(x)}
-
-    def recur(self, q, k, v, x, *, key_padding_mask, initial_state, return_state, cu_seqlens=None):
-        return delta_rule_attention(_silu_l2(q), _silu_l2(k), F.silu(v), self.beta(x), log_decay=self.log_decay(x),
-                                    key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=initial_state,
-                                    return_state=return_state)
-
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, gate_rank={self.decay_down.out_features}, seed={self.config.seed}"
+        return f"{super().extra_repr()}, gate_rank={self.decay_down.out_features}"
