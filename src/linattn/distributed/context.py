@@ -444,7 +444,7 @@ def delta_rule_attention(
     key_padding_mask: Tensor | None = None,
     initial_state: DecayedState | None = None,
     return_state: bool = False,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
     check_shards: bool = True,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Delta-rule attention (:func:`linattn.functional.delta_rule_attention`, DeltaNet / Gated

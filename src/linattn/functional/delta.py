@@ -98,6 +98,10 @@ __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 # ---------------------------------------------------------------------------------------------
 
 
+# Default chunk length by the decay's width (why: the chunk_size argument of delta_rule_attention).
+CHUNK_SIZES = {"head": 32, "channel": 16}
+
+
 def _check_gate(fn: str, name: str, x, q: Tensor, *, per_channel: bool = False) -> None:
     """``beta`` or ``log_decay``: a floating-point ``(B, H, N)`` tensor on q's device (``log_decay``
     also ``(B, H, N, D)`` with ``per_channel``)."""
@@ -606,7 +610,7 @@ def delta_rule_attention(
     key_padding_mask: Tensor | None = None,
     initial_state: DecayedState | None = None,
     return_state: bool = False,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
     chunks_per_block: int = 32,
     solve_block: int = 16,
     cu_seqlens: Tensor | None = None,
@@ -649,9 +653,11 @@ def delta_rule_attention(
             prefix, to resume from (None: zeros). Gradients flow into it.
         return_state: also return the state after the last position.
         chunk_size: a tuning knob, the chunk length C of the chunked form. Any C >= 1 gives the same
-            result up to rounding. Default 32: the C x C products and the triangular inverses cost C
-            per position, the sequential loop over chunks and the saved states N / C, and at
-            C = 32 the first still dominates (the timings: docs/benchmarks/README.md, History).
+            result up to rounding. None: 32 without a decay or with one per head (the C x C products
+            and the triangular inverses cost C per position, the sequential loop over chunks and the
+            saved states N / C, and at C = 32 the first still dominates), 16 with one per key channel
+            (its sub-chunked decayed scores grow faster with C). Timings: docs/benchmarks/README.md,
+            History.
         chunks_per_block: a tuning knob, how many chunks (all rows together) the chunked form
             works on at a time; any value >= 1 gives the same result. The batched per-chunk
             temporaries (C x C scores, D x D transitions) then exist for one block only.
@@ -686,6 +692,8 @@ def delta_rule_attention(
         ``initial_state.s``).
     """
     fn = "delta_rule_attention"
+    if chunk_size is None:
+        chunk_size = CHUNK_SIZES["channel" if isinstance(log_decay, Tensor) and log_decay.dim() == 4 else "head"]
     check_positive_int(fn, "chunk_size", chunk_size)
     check_positive_int(fn, "chunks_per_block", chunks_per_block)
     check_positive_int(fn, "solve_block", solve_block)
