@@ -580,9 +580,10 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     T, H >= 1: delta_rule_attention answers inputs without a position itself."""
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     lay = varlen_layout(cu_seqlens, q.shape[2], D, write_states=s0 is not None, read_states=return_state)
+    per_channel = log_decay is not None and log_decay.dim() == 4  # KDA: g (1, H, T, D)
     g = beta.new_zeros(beta.shape) if log_decay is None else log_decay
     b = beta.unsqueeze(-1)  # (1, H, T, 1)
-    g = g.unsqueeze(-1) if g.dim() == 3 else g  # (1, H, T, 1 | D)
+    g = g if per_channel else g.unsqueeze(-1)  # (1, H, T, 1 | D)
     if lay.gather is not None:
         # inserted positions read with scale 1: scale the real queries here instead
         q, scale = lay.expand(q * scale, lay.zeros(q), lay.basis(q)), 1.0
@@ -592,7 +593,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
         g = lay.expand(g, lay.zeros(g), lay.zeros(g))
     g = lay.with_resets(g)
     Tx = lay.total
-    g = g.view(H, Tx) if g.shape[-1] == 1 and (log_decay is None or log_decay.dim() == 3) else g.view(H, Tx, D)
+    g = g.view(H, Tx, D) if per_channel else g.view(H, Tx)
     o, _, _ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
                                   chunk_size, *knobs)  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
