@@ -27,6 +27,7 @@ from linattn.nn import (
     FavorConfig,
     GatedDeltaNetConfig,
     GLAConfig,
+    KDAConfig,
     LinearConfig,
     LocalConfig,
     LSHConfig,
@@ -47,6 +48,9 @@ MODELS = [
     ("gla", GLAConfig(gate_rank=3), {}, "learned", 2),
     ("deltanet", DeltaNetConfig(), {}, "learned", 4),
     ("gated_deltanet", GatedDeltaNetConfig(), {}, "learned", 0),
+    # grouped value heads: q and k of one head serve both value heads
+    ("gated_deltanet-grouped", GatedDeltaNetConfig(n_key_heads=1), {}, "learned", 2),
+    ("kda-grouped", KDAConfig(n_key_heads=1), {}, "learned", 3),
     ("hybrid-conv", LinearConfig(), {0: SoftmaxConfig(), 1: LocalConfig(window=WINDOW), 2: GatedDeltaNetConfig()},
      "learned", 3),
     ("hybrid-rotary", LinearConfig(), {0: SoftmaxConfig(), 1: LocalConfig(window=WINDOW), 2: GLAConfig(gate_rank=3)},

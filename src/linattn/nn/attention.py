@@ -78,7 +78,10 @@ class MultiHeadAttention(nn.Module):
             (:class:`linattn.nn.ShortConv`, identity at initialisation) in front of the q/k/v
             projections, so every position also sees its K - 1 predecessors' inputs; 0 = none.
 
-    The q, k and v projections are one ``in_proj`` (C -> 3C, weight rows [W_q; W_k; W_v]); LSH
+    The q, k and v projections are one ``in_proj`` (C -> 3C, weight rows [W_q; W_k; W_v]). A
+    mechanism with grouped value heads (``n_key_heads`` Hk < H in the delta-rule configs) has q and k
+    of Hk heads: C -> 2 Hk D + C, same row order, and value head h reads query/key head
+    h // (H / Hk). LSH
     attention shares queries and keys, so its ``in_proj`` is C -> 2C, rows [W_qk; W_v]. (State dicts
     with the separate ``q_proj``/``k_proj``/``v_proj`` of linattn before 0.2 were merged on load
     until 0.3; load and save them once with linattn 0.2 to convert them.)
@@ -123,25 +126,37 @@ class MultiHeadAttention(nn.Module):
         # [qk; v]). One matrix product instead of three: in training one larger GEMM, in decoding
         # (a matrix-vector product per projection, bound by reading the weights) one call's
         # overhead instead of three.
-        self.in_proj = nn.Linear(d_model, (2 if self.spec.shared_qk else 3) * d_model, bias=bias)
+        mechanism = build_mechanism(attention, n_heads=n_heads, head_dim=self.head_dim, max_len=max_len)
+        # grouped value heads (the delta-rule mechanisms' n_key_heads): q and k get Hk heads, v H
+        self.n_key_heads = mechanism.n_key_heads
+        qk_width = self.n_key_heads * self.head_dim
+        self.in_proj = nn.Linear(d_model, (1 if self.spec.shared_qk else 2) * qk_width + d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.mechanism = build_mechanism(attention, n_heads=n_heads, head_dim=self.head_dim, max_len=max_len)
+        self.mechanism = mechanism  # registered after the projections: the state dict's order is unchanged
         self.conv = ShortConv(d_model, short_conv) if short_conv else None
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _qkv(self, x: Tensor, start: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v ``(B, H, N, D)`` for positions ``start .. start + N - 1``, or ``positions (N,)``
-        when given (rotary applied): views into one ``(B, N, 3 | 2, H, D)`` projection."""
+        """q, k ``(B, Hk, N, D)`` and v ``(B, H, N, D)`` for positions ``start .. start + N - 1``, or
+        ``positions (N,)`` when given (rotary applied): views into one projection, ``(B, N, 3 | 2, H,
+        D)`` when Hk = H."""
         B, N, _ = x.shape
-        # the count of projections spelled out, not -1: an empty shard (N = 0) cannot infer it
-        p = self.in_proj(x).view(B, N, 2 if self.spec.shared_qk else 3, self.n_heads, self.head_dim)
-        p = p.permute(2, 0, 3, 1, 4)  # (3 | 2, B, H, N, D)
-        if self.spec.shared_qk:
-            q = k = p[0]
-            v = p[1]
+        H, Hk, D = self.n_heads, self.n_key_heads, self.head_dim
+        # the counts spelled out, not -1: an empty shard (N = 0) cannot infer them
+        if Hk == H:
+            p = self.in_proj(x).view(B, N, 2 if self.spec.shared_qk else 3, H, D)
+            p = p.permute(2, 0, 3, 1, 4)  # (3 | 2, B, H, N, D)
+            if self.spec.shared_qk:
+                q = k = p[0]
+                v = p[1]
+            else:
+                q, k, v = p.unbind(0)
         else:
-            q, k, v = p.unbind(0)
+            p = self.in_proj(x)  # (B, N, 2 Hk D + H D): rows [q; k; v]
+            qk = p[..., : 2 * Hk * D].view(B, N, 2, Hk, D).permute(2, 0, 3, 1, 4)  # (2, B, Hk, N, D)
+            q, k = qk.unbind(0)
+            v = p[..., 2 * Hk * D :].view(B, N, H, D).transpose(1, 2)  # (B, H, N, D)
         if self.rotary:
             pos = torch.arange(start, start + x.shape[1], device=x.device) if positions is None else positions
             cos, sin = rotary_angles(pos, self.head_dim, base=self.rotary_base)
@@ -292,5 +307,7 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         conv = f", short_conv={self.conv.kernel_size}" if self.conv is not None else ""
-        return f"d_model={self.d_model}, n_heads={self.n_heads}, mechanism={self.spec.name!r}, rotary={self.rotary}{conv}"
+        keys = f", n_key_heads={self.n_key_heads}" if self.n_key_heads != self.n_heads else ""
+        return (f"d_model={self.d_model}, n_heads={self.n_heads}{keys}, mechanism={self.spec.name!r}, "
+                f"rotary={self.rotary}{conv}")
 

@@ -151,13 +151,35 @@ class DeltaNetConfig(Config):
             DeltaNet, on in Gated DeltaNet.
         output_norm: normalise each head's output over its D channels (RMSNorm, gain shared by the
             heads), as the paper does before the output projection.
+        n_key_heads: Hk, the heads of q and k (grouped value heads, as Qwen3-Next and Qwen3.5
+            have them): None = the layer's n_heads H; else it must divide H, and value head h
+            reads query/key head h // (H / Hk). The q and k projections shrink to Hk heads; the
+            state stays one (D, D) matrix per value head.
     """
 
     output_gate: bool = False
     output_norm: bool = True
+    n_key_heads: int | None = None
 
     def __post_init__(self) -> None:
         _check_bools("DeltaNetConfig", self, ("output_gate", "output_norm"))
+        _check_key_heads("DeltaNetConfig", self.n_key_heads)
+
+
+def _check_key_heads(owner: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{owner}: n_key_heads must be an int >= 1 or None, got {value!r}")
+
+
+def _key_heads(config, n_heads: int) -> int:
+    """Hk from ``config.n_key_heads``: None is ``n_heads``; else it must divide ``n_heads``."""
+    hk = config.n_key_heads
+    if hk is None:
+        return n_heads
+    if n_heads % hk:
+        raise ValueError(f"{type(config).__name__}: n_key_heads = {hk} must divide the layer's n_heads = {n_heads} "
+                         "(each query/key head serves n_heads / n_key_heads value heads)")
+    return hk
 
 
 def _check_mamba_decay(owner: str, config) -> None:
@@ -193,6 +215,10 @@ class GatedDeltaNetConfig(Config):
             so that the decay exp(-A softplus(dt_bias)) of a zero input spans short and long memories.
         dt_max: see dt_min (Mamba-2's 0.1).
         seed: seeds the generator that draws the initial A_log and dt_bias.
+        n_key_heads: Hk, the heads of q and k (grouped value heads, as Qwen3-Next and Qwen3.5
+            have them): None = the layer's n_heads H; else it must divide H, and value head h
+            reads query/key head h // (H / Hk). The q and k projections shrink to Hk heads; the
+            state stays one (D, D) matrix per value head.
     """
 
     output_gate: bool = True
@@ -202,11 +228,13 @@ class GatedDeltaNetConfig(Config):
     dt_min: float = 0.001
     dt_max: float = 0.1
     seed: int = 0
+    n_key_heads: int | None = None
 
     def __post_init__(self) -> None:
         owner = "GatedDeltaNetConfig"
         _check_bools(owner, self, ("output_gate", "output_norm"))
         _check_mamba_decay(owner, self)
+        _check_key_heads(owner, self.n_key_heads)
 
 
 @dataclass(frozen=True)
@@ -229,6 +257,10 @@ class KDAConfig(Config):
         a_min, a_max: A = exp(A_log) starts uniform in [a_min, a_max] per head.
         dt_min, dt_max: softplus(dt_bias) starts log-uniform in [dt_min, dt_max] per channel.
         seed: seeds the generator that draws the initial A_log and dt_bias.
+        n_key_heads: Hk, the heads of q and k (grouped value heads, as Qwen3-Next and Qwen3.5
+            have them): None = the layer's n_heads H; else it must divide H, and value head h
+            reads query/key head h // (H / Hk). The q and k projections shrink to Hk heads; the
+            state stays one (D, D) matrix per value head.
     """
 
     gate_rank: int | None = None
@@ -238,6 +270,7 @@ class KDAConfig(Config):
     dt_min: float = 0.001
     dt_max: float = 0.1
     seed: int = 0
+    n_key_heads: int | None = None
 
     def __post_init__(self) -> None:
         owner = "KDAConfig"
@@ -246,6 +279,7 @@ class KDAConfig(Config):
                                            or self.gate_rank < 1):
             raise ValueError(f"{owner}: gate_rank must be an int >= 1 or None, got {self.gate_rank!r}")
         _check_mamba_decay(owner, self)
+        _check_key_heads(owner, self.n_key_heads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +317,8 @@ class GatedMechanism(Mechanism):
     """Base of the gated and delta-rule mechanisms: checks, the decoding state, and the output
     (per-head RMSNorm ``self.out_norm``, gate ``swish(self.gate_proj(x))``) around :meth:`attend`.
 
-    Subclasses implement :meth:`attend`, their recurrence for q, k, v ``(B, H, N, D)`` and the
+    Subclasses implement :meth:`attend`, their recurrence for q, k ``(B, Hk, N, D)`` (Hk =
+    ``n_key_heads``, H unless the delta-rule configs group the value heads), v ``(B, H, N, D)`` and the
     layer input ``x (B, N, C)``.
     """
 
@@ -291,8 +326,8 @@ class GatedMechanism(Mechanism):
     packed: ClassVar[bool] = True
 
     def __init__(self, config, *, n_heads: int, head_dim: int, output_gate: bool, output_norm: bool,
-                 gate_bias: bool = False) -> None:
-        super().__init__(n_heads=n_heads, head_dim=head_dim)
+                 gate_bias: bool = False, n_key_heads: int | None = None) -> None:
+        super().__init__(n_heads=n_heads, head_dim=head_dim, n_key_heads=n_key_heads)
         self.config = config
         self.d_model = n_heads * head_dim  # C: the width of x
         # one gain of D shared by the heads: the heads are interchangeable, a per-head gain would
@@ -319,7 +354,7 @@ class GatedMechanism(Mechanism):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor, causal: bool,
                key_padding_mask: Tensor | None, return_state: bool, cu_seqlens: Tensor | None):
-        """``q, k, v (B, H, N, D)``, ``x (B, N, C)`` -> ``(B, H, N, D)``; with ``return_state`` also
+        """``q, k (B, Hk, N, D)``, ``v (B, H, N, D)``, ``x (B, N, C)`` -> ``(B, H, N, D)``; with ``return_state`` also
         the :class:`DecayedState` after position N - 1 (one per document with ``cu_seqlens``).
         Causal only. ``key_padding_mask`` bool ``(B, N)``, True = a real position; a padded one
         leaves the state as it is and outputs zeros. ``cu_seqlens``: int64 offsets of documents
@@ -431,7 +466,7 @@ class DeltaNetMechanism(GatedMechanism):
 
     def __init__(self, config: DeltaNetConfig | GatedDeltaNetConfig, *, n_heads: int, head_dim: int) -> None:
         super().__init__(config, n_heads=n_heads, head_dim=head_dim, output_gate=config.output_gate,
-                         output_norm=config.output_norm)
+                         output_norm=config.output_norm, n_key_heads=_key_heads(config, n_heads))
         self.beta_proj = nn.Linear(self.d_model, n_heads, bias=False)
 
     def beta(self, x: Tensor) -> Tensor:
@@ -488,7 +523,7 @@ class KDAMechanism(GatedDeltaNetMechanism):
 
     def __init__(self, config: KDAConfig, *, n_heads: int, head_dim: int) -> None:
         GatedMechanism.__init__(self, config, n_heads=n_heads, head_dim=head_dim, output_gate=False,
-                                output_norm=config.output_norm)
+                                output_norm=config.output_norm, n_key_heads=_key_heads(config, n_heads))
         C, R = self.d_model, config.gate_rank or head_dim
         self.beta_proj = nn.Linear(C, n_heads, bias=False)
         self.decay_down = nn.Linear(C, R, bias=False)

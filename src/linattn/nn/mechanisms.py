@@ -10,7 +10,8 @@ W local window, L cached positions, Lmax KV-cache capacity.
 Every mechanism module has one interface (:class:`Mechanism`):
 
 - ``forward(q, k, v, *, x, causal, key_padding_mask, return_state, cu_seqlens)``:
-  ``q, k, v (B, H, N, D)`` -> ``(B, H, N, D)``, and with ``return_state`` (causal only) also the
+  ``q, k, v (B, H, N, D)`` -> ``(B, H, N, D)`` (q and k with ``n_key_heads`` Hk heads where the
+  mechanism groups its value heads), and with ``return_state`` (causal only) also the
   state after position N - 1. ``x (B, N, C)`` is the layer input the q/k/v projections read;
   mechanisms whose class sets ``needs_input`` (the gated and delta-rule ones of
   :mod:`linattn.nn.gated`, whose gates are functions of it) require it, the others do not read it.
@@ -269,10 +270,13 @@ class Mechanism(nn.Module):
     # Its functional form's sharded form (linattn.functional.sharding), None without one
     sharding: ClassVar[Any] = None
 
-    def __init__(self, *, n_heads: int, head_dim: int) -> None:
+    def __init__(self, *, n_heads: int, head_dim: int, n_key_heads: int | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.head_dim = head_dim
+        # Hk, the heads of q and k: H unless the mechanism groups its value heads (the delta rule's
+        # n_key_heads), where value head h reads query/key head h // (H / Hk)
+        self.n_key_heads = n_heads if n_key_heads is None else n_key_heads
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, x: Tensor | None = None, causal: bool = False,
                 key_padding_mask: Tensor | None = None, return_state: bool = False,
@@ -328,7 +332,8 @@ class Mechanism(nn.Module):
         raise self._no_recurrent("step()")
 
     def extra_repr(self) -> str:
-        return f"n_heads={self.n_heads}, head_dim={self.head_dim}"
+        keys = f", n_key_heads={self.n_key_heads}" if self.n_key_heads != self.n_heads else ""
+        return f"n_heads={self.n_heads}{keys}, head_dim={self.head_dim}"
 
 
 class SoftmaxMechanism(Mechanism):
