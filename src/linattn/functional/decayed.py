@@ -47,7 +47,8 @@ from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
 from .normaliser import guarded_normaliser, normaliser_floor
 
-__all__ = ["CHUNK_SIZES", "channel_scores", "channel_scores_backward", "decayed_product", "sub_chunk_length"]
+__all__ = ["CHUNK_SIZES", "ChannelDecays", "channel_decays", "channel_scores", "channel_scores_backward", "decayed_product",
+           "sub_chunk_length"]
 
 # Default chunk length per kind of gate, each the fastest measured (docs/benchmarks/README.md,
 # History): no gate and per head 64, per key channel 32 (sub-chunks, below).
@@ -506,83 +507,168 @@ def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay) -> tuple[Tensor, Te
     return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
 
 
-def _sub_chunk_pairs(a: Tensor) -> Tensor:
-    """``a (M, n, c, D)`` per-position decays -> ``E (M, n, p, D)``: for every pair s < t of a
-    sub-chunk, in ``torch.tril_indices(c, c, -1)`` order, the product ``a_{s+1} ... a_t`` =
-    ``exp(b_t - b_s)``. Products of at most c - 1 factors in [0, 1]: no difference of sums, so no
-    digit is lost and a reset (a = 0) gives an exact 0."""
-    M, n, c, D = a.shape
-    if c == 1:
-        return a.new_empty(M, n, 0, D)
-    runs = [None, a[:, :, 1:]]  # runs[d][:, :, t - d]: the product over (t - d, t], for t >= d
+def _sub_chunk_runs(a: Tensor) -> list:
+    """``a (M, n, c, D)`` per-position decays -> ``runs``: ``runs[d] (M, n, c - d, D)`` holds, at
+    s, the product ``a_{s+1} ... a_{s+d}`` = ``exp(b_{s+d} - b_s)`` for the pairs s < t = s + d of
+    a sub-chunk (``runs[0]`` is None: s = t has a decay of 1). Products of at most c - 1 factors in
+    [0, 1]: no difference of sums, so no digit is lost and a reset (a = 0) gives an exact 0."""
+    c = a.shape[2]
+    runs = [None, a[:, :, 1:]] if c > 1 else [None]
     for d in range(2, c):
-        runs.append(runs[d - 1][:, :, 1:] * a[:, :, 1:c - d + 1])
-    return torch.stack([runs[t - s][:, :, s] for t in range(1, c) for s in range(t)], dim=2)
+        runs.append(runs[d - 1][:, :, :-1] * a[:, :, d:])
+    return runs
 
 
-def channel_scores(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
-    """Per-channel gate: ``q, k (M, C, D)``, log decays ``g (M, C, D)`` and their cumulative sums
-    ``b (M, C, D)`` -> ``A (M, C, C)`` and what the backward needs (sub-chunks of length ``c``, as
-    described at the top of this section)."""
-    M, C, D = q.shape
-    n, P = C // c, C - c
-    qs, ks, bs = (t.view(M, n, c, D) for t in (q, k, b))
-    # the decays themselves, a reset an exact 0 (log_decays.py); clamped first, as exp of far
-    # below its range takes a slow path on CPUs
-    a = g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(g < RESET_LOG_DECAY, 0).view(M, n, c, D)
-    A = q.new_zeros(M, C, C)
-    # Diagonal blocks, the pairs s < t of one sub-chunk only (p = c (c - 1) / 2 of them; s = t has
-    # a decay of 1): E (M, n, p, D) = exp(b_t - b_s), as products of the decays between.
-    ti, si = torch.tril_indices(c, c, -1, device=q.device)
-    E = _sub_chunk_pairs(a)
-    Ad = q.new_zeros(M, n, c * c)
-    Ad.index_copy_(2, ti * c + si, (qs[:, :, ti] * E).mul_(ks[:, :, si]).sum(-1))
-    Ad = Ad.view(M, n, c, c)
-    # (M, n, c); copied rather than written with out= into the strided view, which torch.compile refuses
-    Ad.diagonal(dim1=2, dim2=3).copy_(torch.linalg.vecdot(qs, ks))
+class ChannelDecays(NamedTuple):
+    """The decays of ``M`` chunks of C positions with a gate per key channel, cut into ``n``
+    sub-chunks of ``c`` positions, as products of the decays ``exp(g)`` (no difference of sums:
+    see the comment above :func:`sub_chunk_length`). With b the cumulative log decay from the
+    chunk's start and r_i its value at the end of sub-chunk i:
+
+    ``reset (M, C, D)``: ``g < RESET_LOG_DECAY``, a decay of exactly 0; ``a (M, n, c, D)``:
+    ``exp(g)``, 0 at a reset; ``inner (M, n, c, D)``: ``exp(b_t - r_{i-1})``, the product from
+    the start of t's sub-chunk to t; ``rev (M, n, c, D)``: ``exp(r_i - b_t)``, the product after t
+    to the end of its sub-chunk; ``total (M, n, D)``: ``exp(r_i - r_{i-1})``, each sub-chunk's.
+    """
+
+    reset: Tensor
+    a: Tensor
+    inner: Tensor
+    rev: Tensor
+    total: Tensor
+
+    def before(self) -> Tensor:
+        """``(M, n, 1, D)``: ``exp(r_{i-1})``, the product over the sub-chunks before i."""
+        t = self.total
+        return torch.cat([t.new_ones(t.shape[0], 1, t.shape[2]), t[:, :-1].cumprod(1)], dim=1).unsqueeze(2)
+
+    def from_start(self, before: Tensor) -> Tensor:
+        """``(M, C, D)``: ``exp(b_t)``, the decay from the chunk's start to t (``before`` from
+        :meth:`before`)."""
+        M, n, c, D = self.inner.shape
+        return (self.inner * before).view(M, n * c, D)
+
+    def to_end(self) -> Tensor:
+        """``(M, C, D)``: ``exp(b_C - b_t)``, the decay after t to the chunk's end."""
+        M, n, c, D = self.rev.shape
+        t = self.total
+        # exp(b_C - r_i): the product over the sub-chunks after i (reverse, exclusive)
+        after = torch.cat([t[:, 1:].flip(1).cumprod(1).flip(1), t.new_ones(M, 1, D)], dim=1).unsqueeze(2)
+        return (self.rev * after).view(M, n * c, D)
+
+    def whole(self, before: Tensor) -> Tensor:
+        """``(M, D)``: ``exp(b_C)``, the decay over the whole chunk."""
+        return before[:, -1, 0] * self.total[:, -1]
+
+    def between(self) -> Tensor:
+        """``(M, n-1 (i), n-1 (j), D)``: ``exp(r_{i-1} - r_j)`` for a query sub-chunk i >= 1 and a
+        key sub-chunk j < i, the product over the sub-chunks strictly between them; 0 for j >= i."""
+        M, n, _, D = self.inner.shape
+        i = torch.arange(n - 1, device=self.a.device)
+        # f[i - 1, u] = total_{u+1} for u < i - 1, else 1: the product of f[i - 1, j:] is that of
+        # the totals of sub-chunks j + 1 .. i - 1
+        f = torch.where((i[None, :] < i[:, None])[:, :, None], self.total[:, 1:].unsqueeze(1),
+                        self.total.new_ones(()))  # (M, n-1, n-1, D)
+        return f.flip(2).cumprod(2).flip(2).masked_fill_((i[None, :] > i[:, None])[:, :, None], 0)
+
+
+def channel_decays(g: Tensor, c: int, reset: Tensor | None = None) -> ChannelDecays:
+    """:class:`ChannelDecays` of the log decays ``g (M, C, D)`` (<= 0, -inf allowed) in sub-chunks
+    of ``c`` positions (``reset``: ``g < RESET_LOG_DECAY`` when the caller has it already)."""
+    M, C, D = g.shape
+    n = C // c
+    reset = g < RESET_LOG_DECAY if reset is None else reset
+    # a reset an exact 0 (log_decays.py); clamped first, as exp of far below its range takes a
+    # slow path on CPUs
+    a = g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(reset, 0).view(M, n, c, D)
+    inner = a.cumprod(2)
+    rev = torch.cat([a[:, :, 1:].flip(2).cumprod(2).flip(2), a.new_ones(M, n, 1, D)], dim=2)
+    return ChannelDecays(reset, a, inner, rev, inner[:, :, -1])
+
+
+def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays):
+    """Per-channel gate: ``S`` sets of queries ``x (M, S, C, D)`` against one set of keys
+    ``k (M, C, D)``, with the :class:`ChannelDecays` of their log decays ->
+    ``A (M, S, C, C)``, ``A_jts = sum_d x_jtd k_sd exp(b_td - b_sd)`` for s <= t (0 above the
+    diagonal; b the cumulative log decay), and what the backward needs (sub-chunks, as described
+    at the top of this section). Everything on the keys' side (the decays between positions, the
+    decayed keys) is formed once for all S sets: KDA's two score matrices (q against k, and k
+    against k) cost little more than one. (Set-major: measured about 10% faster than the sets of
+    one position side by side, ``(M, C, S, D)``.)"""
+    M, S, C, D = x.shape
+    a = decays.a
+    n, c = a.shape[1], a.shape[2]
+    P = C - c
+    xs, ks = x.view(M, S, n, c, D), k.view(M, n, c, D)
+    A = x.new_zeros(M, S, C, C)
+    # Diagonal blocks, the pairs s < t of one sub-chunk only, by their distance d = t - s (s = t
+    # has a decay of 1): runs[d] = exp(b_{s+d} - b_s) as products of the decays between, and the
+    # decayed keys keys[d] = runs[d] * k_s, shared by the S sets.
+    runs = _sub_chunk_runs(a)
+    keys = [None] + [r * ks[:, :, : c - d] for d, r in enumerate(runs) if d]  # keys[d] (M, n, c - d, D)
+    Ad = x.new_zeros(M, S, n, c, c)
+    # the strided diagonals are copied into rather than written with out=, which torch.compile refuses
+    Ad.diagonal(dim1=3, dim2=4).copy_(torch.linalg.vecdot(xs, ks.unsqueeze(1)))  # (M, S, n, c)
+    for d in range(1, c):
+        Ad.diagonal(-d, dim1=3, dim2=4).copy_(torch.linalg.vecdot(xs[:, :, :, d:], keys[d].unsqueeze(1)))
     off = None
     if n > 1:
         # Queries of sub-chunk i >= 1 against keys s of sub-chunk j < i, with r_j = b at the end of
         # sub-chunk j: exp(b_t - b_s) = exp(b_t - r_{i-1}) exp(r_{i-1} - r_j) exp(r_j - b_s), every
-        # exponent <= 0. Only the first and last factors are per position (one exp each); the
-        # middle one is per pair of sub-chunks, 0 for j >= i.
-        r = bs[:, :, -1:]  # (M, n, 1, D)
-        # the per-position factors as products within a sub-chunk: exp(b_t - r_{i-1}) is
-        # a_1 ... a_t of sub-chunk i (M, n-1, c, D), exp(r_j - b_s) is a_{s+1} ... a_c of sub-chunk j
-        eq = a[:, 1:].cumprod(2)
-        ek = torch.cat([a[:, :-1, 1:].flip(2).cumprod(2).flip(2), a.new_ones(M, n - 1, 1, D)], dim=2)
-        # (M, n-1 (i), n-1 (j), D): exp(r_{i-1} - r_j), 0 for j >= i
-        mid = _exp_masked(r[:, :-1] - r[:, :-1].transpose(1, 2), _strict_upper(n - 1, q.device)[:, :, None])
-        qt = qs[:, 1:] * eq  # (M, n-1, c, D)
+        # exponent <= 0: the first and last factors per position (products within a sub-chunk),
+        # the middle one per pair of sub-chunks, 0 for j >= i.
+        eq = decays.inner[:, 1:]  # (M, n-1, c, D)
+        ek = decays.rev[:, :-1]  # (M, n-1, c, D)
+        mid = decays.between()  # (M, n-1 (i), n-1 (j), D)
+        # the S sets' queries of sub-chunk i side by side, (M, n-1, S, c, D): one product per
+        # sub-chunk for all sets
+        qt = torch.mul(xs[:, :, 1:].transpose(1, 2), eq.unsqueeze(2),
+                       out=x.new_empty(M, n - 1, S, c, D)).view(M, n - 1, S * c, D)
         kj = ks[:, :-1] * ek  # (M, n-1, c, D)
-        kt = (mid.unsqueeze(3) * kj.unsqueeze(1)).view(M, n - 1, P, D)  # (M, n-1 (i), P, D)
-        A.view(M, n, c, C)[:, 1:, :, :P] = qt @ kt.transpose(-1, -2)  # (M, n-1, c, P)
-        off = (eq, ek, mid, qt, kt)
-    A.view(M, n, c, n, c).diagonal(dim1=1, dim2=3).copy_(Ad.permute(0, 2, 3, 1))
-    return A, (E, off)
+        kts = []  # kts[i - 1] (M, i c, D): the keys before sub-chunk i, decayed to its start
+        A5 = A.view(M, S, n, c, C)
+        for i in range(1, n):  # only the sub-chunks before i: no product of the zero blocks j >= i
+            kt = (mid[:, i - 1, :i].unsqueeze(2) * kj[:, :i]).view(M, i * c, D)
+            A5[:, :, i, :, : i * c] = (qt[:, i - 1] @ kt.transpose(1, 2)).view(M, S, c, i * c)
+            kts.append(kt)
+        off = (eq, ek, mid, qt, kts)
+    A.view(M, S, n, c, n, c).diagonal(dim1=2, dim2=4).copy_(Ad.permute(0, 1, 3, 4, 2))
+    return A, (runs, keys, off)
 
 
-def channel_scores_backward(q: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> tuple[Tensor, Tensor]:
-    """``dq, dk (M, C, D)`` of the intra-chunk product ``A v`` of :func:`channel_scores`, from
-    ``dA (M, C, C)`` (entries above the diagonal are ignored)."""
-    M, C, D = q.shape
+def channel_scores_backward(x: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of :func:`channel_scores` from ``dA (M, S, C, C)`` (entries above the
+    diagonal are ignored): ``dx (M, S, C, D)``, each set's queries', and ``dk (M, C, D)``, the
+    keys' summed over the S sets."""
+    M, S, C, D = x.shape
     n, P = C // c, C - c
-    E, off = saved
-    qs, ks = q.view(M, n, c, D), k.view(M, n, c, D)
-    dAd = dA.view(M, n, c, n, c).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # (M, n, c_t, c_s)
-    ti, si = torch.tril_indices(c, c, -1, device=q.device)
-    W = E.mul_(dAd.reshape(M, n, c * c)[:, :, ti * c + si].unsqueeze(-1))  # (M, n, p, D), E not needed again
-    dd = dAd.diagonal(dim1=2, dim2=3).unsqueeze(-1)  # (M, n, c, 1): the pairs s = t
-    dq = (ks * dd).index_add_(2, ti, W * ks[:, :, si]).view(M, C, D)
-    dk = (qs * dd).index_add_(2, si, W.mul_(qs[:, :, ti])).view(M, C, D)
+    runs, keys, off = saved
+    xs, ks = x.view(M, S, n, c, D), k.view(M, n, c, D)
+    dAd = dA.view(M, S, n, c, n, c).diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # (M, S, n, c_t, c_s)
+    dd = dAd.diagonal(dim1=3, dim2=4).unsqueeze(-1)  # (M, S, n, c, 1): the pairs s = t
+    dx = ks.unsqueeze(1) * dd  # (M, S, n, c, D)
+    dk = xs[:, 0] * dd[:, 0]  # (M, n, c, D): the keys' side, summed over the sets
+    for j in range(1, S):
+        dk.addcmul_(xs[:, j], dd[:, j])
+    for d in range(1, c):  # the pairs t = s + d
+        dp = dAd.diagonal(-d, dim1=3, dim2=4).unsqueeze(-1)  # (M, S, n, c - d, 1)
+        dx[:, :, :, d:].addcmul_(dp, keys[d].unsqueeze(1))
+        # summed over the sets before the decays (shared) multiply in
+        w = xs[:, 0, :, d:] * dp[:, 0]
+        for j in range(1, S):
+            w.addcmul_(xs[:, j, :, d:], dp[:, j])
+        dk[:, :, : c - d].addcmul_(w, runs[d])
     if off is not None:
-        eq, ek, mid, qt, kt = off
-        dAo = dA.view(M, n, c, C)[:, 1:, :, :P]  # (M, n-1, c, P)
-        dq.view(M, n, c, D)[:, 1:] += (dAo @ kt).mul_(eq)
-        dkt = (dAo.transpose(-1, -2) @ qt).view(M, n - 1, n - 1, c, D)  # (M, i, j, c, D)
-        dkj = dkt.mul_(mid.unsqueeze(3)).sum(1)  # (M, n-1 (j), c, D)
-        dk.view(M, n, c, D)[:, :-1] += dkj.mul_(ek)
-    return dq, dk
+        eq, ek, mid, qt, kts = off
+        dA5 = dA.view(M, S, n, c, C)
+        dkj = x.new_zeros(M, n - 1, c, D)
+        for i in range(1, n):
+            dAo = dA5[:, :, i, :, : i * c].reshape(M, S * c, i * c)
+            dx[:, :, i].addcmul_((dAo @ kts[i - 1]).view(M, S, c, D), eq[:, i - 1].unsqueeze(1))
+            dkt = (dAo.transpose(1, 2) @ qt[:, i - 1]).view(M, i, c, D)
+            dkj[:, :i].addcmul_(dkt, mid[:, i - 1, :i].unsqueeze(2))
+        dk[:, :-1].addcmul_(dkj, ek)
+    return dx.view(M, S, C, D), dk.view(M, C, D)
 
 
 def _tile_decays(g: Tensor) -> tuple[CumulativeLogDecay, Tensor, Tensor]:
@@ -606,7 +692,7 @@ def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
     if b.shape[-1] == 1:
         A, saved = _intra_head(q2, k2, b2)
     else:
-        A, saved = channel_scores(q2, k2, g2, b2, c)
+        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c))  # one set of queries
     return A.view(m, R, C, C), saved
 
 
@@ -679,8 +765,8 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
             dqi = torch.bmm(dP, k_.reshape(M, C, D))
             dki = torch.bmm(dP.transpose(1, 2), q_.reshape(M, C, D))
         else:
-            dqi, dki = channel_scores_backward(q_.reshape(M, C, D), k_.reshape(M, C, D), c, saved,
-                                               dA.view(M, C, C))
+            dqi, dki = channel_scores_backward(q_.reshape(M, 1, C, D), k_.reshape(M, C, D), c, saved,
+                                               dA.view(M, 1, C, C))
         dqi, dki = dqi.view_as(q_), dki.view_as(k_)
         x = _g_sum(q_ * dqi - k_ * dki, G)
         # Decay of the state through the whole chunk: (m, R, 1, G), the same for every position.
