@@ -53,11 +53,9 @@ class CumulativeLogDecay:
         self.small, self.resets = small, resets
 
     @staticmethod
-    def of(g: Tensor, dim: int, reset: Tensor | None = None) -> "CumulativeLogDecay":
-        """The cumulative sums along ``dim`` of the log decays ``g`` (<= 0, -inf allowed), in g's
-        dtype; ``reset``: ``g < RESET_LOG_DECAY`` when the caller has it already."""
-        if reset is None:
-            reset = g < RESET_LOG_DECAY
+    def of(g: Tensor, dim: int) -> "CumulativeLogDecay":
+        """The cumulative sums along ``dim`` of the log decays ``g`` (<= 0, -inf allowed), in g's dtype."""
+        reset = g < RESET_LOG_DECAY
         return CumulativeLogDecay(g.masked_fill(reset, 0).cumsum(dim), reset.to(g.dtype).cumsum(dim))
 
     @property
