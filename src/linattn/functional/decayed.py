@@ -526,13 +526,16 @@ class ChannelDecays(NamedTuple):
     chunk's start and r_i its value at the end of sub-chunk i:
 
     ``reset (M, C, D)``: ``g < RESET_LOG_DECAY``, a decay of exactly 0; ``a (M, n, c, D)``:
-    ``exp(g)``, 0 at a reset; ``inner (M, n, c, D)``: ``exp(b_t - r_{i-1})``, the product from
-    the start of t's sub-chunk to t; ``rev (M, n, c, D)``: ``exp(r_i - b_t)``, the product after t
-    to the end of its sub-chunk; ``total (M, n, D)``: ``exp(r_i - r_{i-1})``, each sub-chunk's.
+    ``exp(g)``, 0 at a reset; ``runs``: ``runs[d] (M, n, c - d, D)`` = ``exp(b_{s+d} - b_s)``
+    within a sub-chunk (:func:`_sub_chunk_runs`); ``inner (M, n, c, D)``: ``exp(b_t - r_{i-1})``,
+    the product from the start of t's sub-chunk to t; ``rev (M, n, c, D)``: ``exp(r_i - b_t)``, the
+    product after t to the end of its sub-chunk; ``total (M, n, D)``: ``exp(r_i - r_{i-1})``, each
+    sub-chunk's.
     """
 
     reset: Tensor
     a: Tensor
+    runs: list
     inner: Tensor
     rev: Tensor
     total: Tensor
@@ -581,9 +584,14 @@ def channel_decays(g: Tensor, c: int, reset: Tensor | None = None) -> ChannelDec
     # a reset an exact 0 (log_decays.py); clamped first, as exp of far below its range takes a
     # slow path on CPUs
     a = g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(reset, 0).view(M, n, c, D)
+    runs = _sub_chunk_runs(a)
     inner = a.cumprod(2)
-    rev = torch.cat([a[:, :, 1:].flip(2).cumprod(2).flip(2), a.new_ones(M, n, 1, D)], dim=2)
-    return ChannelDecays(reset, a, inner, rev, inner[:, :, -1])
+    # the products to the end of the sub-chunk are runs already formed: a_{t+1} .. a_c = runs[c-1-t][t]
+    rev = a.new_empty(M, n, c, D)
+    rev[:, :, -1] = 1
+    for t in range(c - 1):
+        rev[:, :, t] = runs[c - 1 - t][:, :, t]
+    return ChannelDecays(reset, a, runs, inner, rev, inner[:, :, -1])
 
 
 def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays):
@@ -604,7 +612,7 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays):
     # Diagonal blocks, the pairs s < t of one sub-chunk only, by their distance d = t - s (s = t
     # has a decay of 1): runs[d] = exp(b_{s+d} - b_s) as products of the decays between, and the
     # decayed keys keys[d] = runs[d] * k_s, shared by the S sets.
-    runs = _sub_chunk_runs(a)
+    runs = decays.runs
     keys = [None] + [r * ks[:, :, : c - d] for d, r in enumerate(runs) if d]  # keys[d] (M, n, c - d, D)
     Ad = x.new_zeros(M, S, n, c, c)
     # the strided diagonals are copied into rather than written with out=, which torch.compile refuses

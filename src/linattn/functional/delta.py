@@ -232,12 +232,12 @@ def _right_sides(v: Tensor, k: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
 
 
 def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_block: int,
-            sub_chunk_size: int = 4) -> _Locals:
+            sub_chunk_size: int = 4, qk: Tensor | None = None) -> _Locals:
     """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b (m, C)``, ``g (m, C)`` (per head),
     ``(m, C, D)`` (per key channel) or None -> :class:`_Locals` (``solve_block``: see
     :func:`_unit_lower_inverse`; ``sub_chunk_size``: the per-channel scores' sub-chunks)."""
     if g is not None and g.dim() == 3:
-        return _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size)
+        return _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size, qk)
     m, C, D = k.shape
     dt = k.dtype
     E = gam = delta = gC = None
@@ -264,18 +264,20 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_
     return _Locals(E, gam, delta, gC, KK, Tinv, X, P, Kd, GQ)
 
 
-def _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size) -> _Locals:
+def _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size, qk=None) -> _Locals:
     """:func:`_locals` for a gate per key channel, ``g (m, C, D)`` (KDA). The decayed scores
     ``sum_d x_td y_id exp(G_td - G_id)`` of A (x = y = k) and P (x = q) are the per-channel gated
     engine's (:func:`~linattn.functional.decayed.channel_scores`: sub-chunks, no exponent above 0);
     gamma, delta and gamma_C carry one decay per channel. Every decay is a product of the decays
     exp(g) (:class:`~linattn.functional.decayed.ChannelDecays`), none an exp of a difference of
-    cumulative sums: fewer passes, and no digit lost after a large decay."""
+    cumulative sums: fewer passes, and no digit lost after a large decay. ``qk (m, 2, C, D)``: q and
+    k stacked, when the caller took them so (:func:`_take_qk`; q and k are then its views)."""
     m, C, D = k.shape
     c = sub_chunk_length(C, sub_chunk_size)
     decays = channel_decays(g, c)
     # q and k as two sets of queries against the keys k: the decayed keys are formed once
-    qk = torch.stack([q, k], dim=1)  # (m, 2, C, D)
+    if qk is None:
+        qk = torch.stack([q, k], dim=1)  # (m, 2, C, D)
     scores, saved = channel_scores(qk, k, decays)  # (m, 2, C, C), i <= t
     P = scores[:, 0]  # (m, C, C): q_t . k_i decayed
     KK = scores[:, 1].tril_(-1)  # (m, C, C): k_t . k_i decayed, i < t
@@ -296,7 +298,22 @@ def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice) -> Tensor | None:
     return None if xc is None else lay.take(xc, tile).flatten(0, 1)
 
 
-def _block_forward(q, k, v, b, g, st, solve_block):
+def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float, per_channel: bool):
+    """A tile's ``scale * q`` and ``k`` as :func:`_take` gives them, ``(m*R, C, D)`` each, and with a
+    gate per key channel also the one buffer ``(m*R, 2, C, D)`` they are views of (the per-channel
+    scores take q and k as two sets of queries: written there once, not copied again), else None."""
+    if not per_channel:
+        return _take(lay, qc, tile) * scale, _take(lay, kc, tile), None
+    R, _, C, D = qc.shape
+    m = tile.stop - tile.start
+    qk = qc.new_empty(m, R, 2, C, D)
+    torch.mul(lay.view(qc, tile), scale, out=qk[:, :, 0])
+    qk[:, :, 1] = lay.view(kc, tile)
+    qk = qk.view(m * R, 2, C, D)
+    return qk[:, 0], qk[:, 1], qk
+
+
+def _block_forward(q, k, v, b, g, st, solve_block, qk=None):
     """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``,
     ``v (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``st (n + 1, R, D, Dv)`` holds the state
     before the block in ``st[0]`` and receives the state after each chunk in ``st[1:]``.
@@ -308,7 +325,7 @@ def _block_forward(q, k, v, b, g, st, solve_block):
     m, C, D = q.shape
     n, R, _, Dv = st.shape
     n -= 1
-    x = _locals(q, k, v, b, g, solve_block)
+    x = _locals(q, k, v, b, g, solve_block, qk=qk)
     Uv, W = x.X[..., :Dv].view(n, R, C, Dv), x.X[..., Dv:].view(n, R, C, D)
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
     gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
@@ -333,14 +350,16 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block):
     o = lay.new_chunked(v, Dv)
     states = v.new_empty(lay.Nc + 1, R, D, Dv)
     states[0] = s0
+    per_channel = g is not None and g.dim() == 3
     for blk in lay.tiles():
-        ob = _block_forward(_take(lay, qc, blk) * scale, *(_take(lay, t, blk) for t in (kc, vc, bc, gc)),
-                            states[blk.start:blk.stop + 1], solve_block)
+        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
+        ob = _block_forward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[blk.start:blk.stop + 1],
+                            solve_block, qk)
         lay.put(o, blk, ob)
     return lay.unchunked(o), states
 
 
-def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
+def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, qk=None):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, C, Dv)``, the states ``st (n + 1, R, D, Dv)`` before each chunk and after the last,
     and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of the state after the block;
@@ -366,7 +385,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block):
     m, C, D = q.shape
     n, R, _, Dv = st.shape
     n -= 1
-    x = _locals(q, k, v, b, g, solve_block)
+    x = _locals(q, k, v, b, g, solve_block, qk=qk)
     W = x.X[..., Dv:]
     PtdO = torch.bmm(x.P.transpose(1, 2), do).view(n, R, C, Dv)  # P^T dO
     QtdO = torch.bmm(x.GQ.transpose(1, 2), do).view(n, R, D, Dv)  # (diag(gamma) Q)^T dO
@@ -490,11 +509,13 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, solve_blo
     db = lay.new_chunked(b)
     dg = (lay.new_chunked(b) if g.dim() == 2 else lay.new_chunked(b, g.shape[-1])) if need_g else None
     ds = ds_final
+    per_channel = g is not None and g.dim() == 3
     for blk in reversed(lay.tiles()):
         dst = ds.new_empty(blk.stop - blk.start + 1, R, D, Dv)
         dst[-1] = ds
-        parts = list(_block_backward(_take(lay, qc, blk) * scale, *(_take(lay, t, blk) for t in (kc, vc, bc, gc)),
-                                     states[blk.start:blk.stop + 1], _take(lay, doc, blk), dst, need_g, solve_block))
+        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
+        parts = list(_block_backward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[blk.start:blk.stop + 1],
+                                     _take(lay, doc, blk), dst, need_g, solve_block, qk))
         parts[0].mul_(scale)  # the block saw scale * q
         for dst_all, part in zip((dq, dk, dv, db, dg), parts):
             if part is not None:
