@@ -272,6 +272,11 @@ def test_sweep_runs_them_causal_and_marks_bidirectional_absent(tmp_path):
         assert status[(name, "causal")] == "ok" and status[(name, "bidirectional")] == "unsupported", name
     md = (tmp_path / "sweep.md").read_text()
     assert all(name in md for name in GATED)
+    # no softmax among the contenders: no crossover section, and every table's rows as wide as its header
+    assert "overtakes softmax" not in md
+    for block in md.split("\n\n"):
+        rows = [r for r in block.splitlines() if r.startswith("|")]
+        assert len({r.count("|") for r in rows}) <= 1, block
 
 
 def test_harness_gives_the_input_to_mechanisms_that_read_it():
