@@ -38,6 +38,20 @@ def assert_close(a, b, *, atol=1e-10, rtol=1e-9, msg=""):
     torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{msg}: {m}")
 
 
+def assert_decodes_as_teacher_forced(lm, ids, split: int, msg: str = ""):
+    """A TransformerLM's logits for ``ids (B, N)``: step by step from the empty state, and a prefill
+    of ``split`` positions then steps from its returned state, both equal to the teacher-forced
+    forward. Returns the state after all N positions and the one after the prefill."""
+    with torch.no_grad():
+        full = lm(ids)
+        steps, state = lm.forward_steps(ids)
+        assert_close(steps, full, msg=f"{msg}: steps")
+        head, state_split = lm(ids[:, :split], return_state=True)
+        tail, _ = lm.forward_steps(ids[:, split:], state_split)
+        assert_close(torch.cat([head, tail], 1), full, msg=f"{msg}: prefill + steps")
+    return state, state_split
+
+
 @pytest.fixture
 def qkv_factory():
     return make_qkv

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import linattn
-from conftest import assert_close
+from conftest import assert_close, assert_decodes_as_teacher_forced
 from linattn import TransformerConfig, TransformerEncoder, TransformerLM
 from linattn.cli import main
 from linattn.functional import DecayedState, delta_rule_attention_reference, gated_linear_attention_reference
@@ -122,14 +122,8 @@ def _lm(name, positional="learned", **kw):
 def test_step_by_step_equals_teacher_forced_float64(name):
     lm = _lm(name, positional="rotary" if get_mechanism(name).rotary else "sinusoidal")
     ids = torch.randint(0, 23, (2, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = lm(ids)
-        steps, state = lm.forward_steps(ids)
-        assert_close(steps, full, msg=f"{name}: steps")
-        # prefill 10, then decode the rest: the returned state resumes the recurrence
-        head, state10 = lm(ids[:, :10], return_state=True)
-        tail, _ = lm.forward_steps(ids[:, 10:], state10)
-        assert_close(torch.cat([head, tail], 1), full, msg=f"{name}: prefill + steps")
+    # prefill 10, then decode the rest: the returned state resumes the recurrence
+    state, state10 = assert_decodes_as_teacher_forced(lm, ids, 10, msg=name)
     # O(1) state per token: one (B, H, D, D) matrix per layer, the same after 10 and 17 positions
     for s10, s17 in zip(state10.layers, state.layers):
         assert isinstance(s17.mechanism, DecayedState) and s17.mechanism.s.shape == (2, 2, 8, 8)

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, assert_decodes_as_teacher_forced
 from linattn import TransformerConfig, TransformerLM
 from linattn.cli import main
 from linattn.nn import DeltaNetConfig, GatedDeltaNetConfig, KDAConfig, MultiHeadAttention
@@ -86,13 +86,9 @@ def test_grouped_model_decodes_step_by_step_as_teacher_forced_and_round_trips(tm
     for p in lm.parameters():
         p.data.add_(0.1 * torch.randn_like(p))
     ids = torch.randint(0, 23, (2, 15), generator=torch.Generator().manual_seed(2))
+    state, _ = assert_decodes_as_teacher_forced(lm, ids, 9, msg=name)
     with torch.no_grad():
         full = lm(ids)
-        steps, state = lm.forward_steps(ids)
-        assert_close(steps, full, msg=f"{name}: steps")
-        head, state9 = lm(ids[:, :9], return_state=True)
-        tail, _ = lm.forward_steps(ids[:, 9:], state9)
-        assert_close(torch.cat([head, tail], 1), full, msg=f"{name}: prefill + steps")
     # the state is per value head: H (D, D) matrices whatever Hk
     assert all(s.mechanism.s.shape == (2, 4, 4, 4) for s in state.layers)
     lm.save_pretrained(tmp_path / "ckpt")
