@@ -50,7 +50,8 @@ def _compare(fast, ref, tensors, rtol=1e-7, atol=1e-9):
         torch.testing.assert_close(a, b, rtol=rtol * 100, atol=atol * 100, msg=f"gradient {i}")
 
 
-@pytest.mark.parametrize("n,chunk", [(1, 32), (63, 16), (65, 16), (200, 32), (40, 8)])
+# chunk lengths 16 and 32 run sub-chunks of 4 (4 and 8 of them), 8 two, 6 two of 3, 5 five of 1
+@pytest.mark.parametrize("n,chunk", [(1, 32), (63, 16), (65, 16), (1000, 16), (200, 32), (40, 8), (63, 6), (40, 5)])
 @pytest.mark.parametrize("decay", ["moderate", "strong", "extreme"])
 def test_chunked_equals_the_reference(n, chunk, decay):
     q, k, v, b, ld = (t.requires_grad_() for t in _inputs(n, decay=decay))

@@ -348,7 +348,7 @@ def _results_mqar(s: dict) -> dict[str, Any]:
     return {c["mechanism"]: c for c in s["cells"]}
 
 
-GATED = ("retnet", "gla", "deltanet", "gated_deltanet")
+GATED = ("retnet", "gla", "deltanet", "gated_deltanet", "kda")
 # this project's lines for "closes the gap to softmax", one per experiment's metric (issue 22 gives
 # the copy and Shakespeare ones; proteins' is the same idea on perplexity)
 COPY_STEPS_RATIO = 2.0  # first step with training loss < 0.01, at most this times softmax's
