@@ -194,8 +194,8 @@ def state_bytes(attention: AttentionConfig, *, d_model: int, n_heads: int, seq_l
         return (H * F * D + H * F + H) * FLOAT_BYTES
     if spec.name == "local":
         return 2 * attention.window * C * FLOAT_BYTES + attention.window
-    if spec.name in ("retnet", "gla", "deltanet", "gated_deltanet"):
-        return H * D * D * FLOAT_BYTES
+    if spec.name in ("retnet", "gla", "deltanet", "gated_deltanet", "kda"):
+        return H * D * D * FLOAT_BYTES  # one (D, D) matrix per (value) head, whatever n_key_heads
     if not spec.recurrent:
         return None
     raise ValueError(f"state_bytes: no formula for {spec.name!r} attention; add one beside the others")
@@ -300,6 +300,7 @@ class MqarConfig(ExperimentConfig):
                         model = TransformerLM(cell.model_config(label, vocab_size=self.vocab_size, max_len=N))
                         with torch.no_grad():
                             model(ids)
+                        _cell_layers(self, label, width, N)  # the summary's state sizes, known before training
                     except (ValueError, TypeError) as e:
                         raise CannotRunError(f"{type(self).__name__}: the cell {label}, d_model {width}, {P} pairs, "
                                          f"N = {N} cannot run: {e}") from None
