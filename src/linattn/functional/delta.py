@@ -60,9 +60,11 @@ A gate per key channel (KDA, arXiv 2510.26692 section 3.1) changes only the chun
 ``gamma_t / gamma_i`` no longer factor out of ``k_t . k_i`` and ``q_t . k_i``. Those two decayed
 score matrices, ``A_ti = beta_t sum_d k_td k_id exp(G_td - G_id)`` and
 ``P_ti = sum_d q_td k_id exp(G_td - G_id)``, are the per-channel gated engine's
-(``decayed.channel_scores``: sub-chunks, every exponent <= 0) and their gradients its backward's;
-``W = T diag(beta) (K o gamma)``, ``Kd = K o gamma_C / gamma`` and the state's row decay
-``gamma_C`` carry one value per channel, and so does every decay gradient.
+(``decayed.channel_scores``: sub-chunks, every decay a product of exp(g), none above 1), both
+from one call with q and k as two sets of queries against the keys k, so that everything on the
+keys' side is formed once; their gradients are its backward's. ``W = T diag(beta) (K o gamma)``,
+``Kd = K o gamma_C / gamma`` and the state's row decay ``gamma_C`` carry one value per channel
+(``decayed.ChannelDecays``), and so does every decay gradient.
 """
 
 from __future__ import annotations
