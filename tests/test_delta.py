@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import linattn
 from linattn.functional.decayed_state import DecayedState
 from linattn.functional.delta import delta_rule_attention, delta_rule_attention_reference
 
@@ -386,3 +387,28 @@ def test_out_of_range_gates_at_padded_positions_are_ignored():
     out = delta_rule_attention(x["q"], x["k"], x["v"], beta, log_decay=g, key_padding_mask=mask)
     ref = delta_rule_attention_reference(x["q"], x["k"], x["v"], beta, log_decay=g, key_padding_mask=mask)
     close(out, ref)
+
+
+@pytest.mark.parametrize("decay", [None, "head", "channel"])
+def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
+    """Under no_grad (prefill, evaluation) the chunked op keeps one block's states, not the
+    (Nc + 1, R, D, Dv) the backward would read, and gives bit for bit the same output and state."""
+    g = torch.Generator().manual_seed(0)
+    B, H, N, D = 2, 3, 300, 16
+    q, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(B, H, N, D, generator=g), dim=-1)
+    beta = torch.rand(B, H, N, generator=g)
+    ld = {None: None, "head": -torch.rand(B, H, N, generator=g), "channel": -torch.rand(B, H, N, D, generator=g)}[decay]
+    with torch.no_grad():
+        out, state = linattn.delta_rule_attention(q, k, v, beta, log_decay=ld, return_state=True, chunks_per_block=3)
+    qg = q.clone().requires_grad_()
+    out_g, state_g = linattn.delta_rule_attention(qg, k, v, beta, log_decay=ld, return_state=True, chunks_per_block=3)
+    assert torch.equal(out, out_g.detach()) and torch.equal(state.s, state_g.s.detach())
+    rows = [t.reshape(B * H, N, *t.shape[3:]) for t in (q * D ** -0.5, k, v, beta)]
+    g_rows = None if ld is None else ld.reshape(B * H, N, *ld.shape[3:])
+    op = torch.ops.linattn.delta_rule_chunked.default
+    s0 = q.new_zeros(B * H, D, D)
+    kept = op(*rows, g_rows, s0, 1.0, 32, 3, 16, True)
+    light = op(*rows, g_rows, s0, 1.0, 32, 3, 16, False)
+    assert kept[2].shape == (-(-N // 32) + 1, B * H, D, D) and light[2].numel() == 0
+    assert torch.equal(kept[0], light[0]) and torch.equal(kept[1], light[1])

@@ -341,24 +341,36 @@ def _block_forward(q, k, v, b, g, st, solve_block, qk=None):
     return torch.bmm(x.P, U.view(m, C, Dv)).baddbmm_(x.GQ, st[:n].reshape(m, D, Dv))
 
 
-def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block):
+def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states=True):
     """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
     ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``,
     on the :class:`~linattn.functional.chunks.ChunkLayout` ``lay`` (its tiles are the blocks);
-    ``solve_block``: see :func:`_unit_lower_inverse`."""
+    ``solve_block``: see :func:`_unit_lower_inverse`. Without ``keep_states`` (no backward will
+    read them) the states are one block's, in a buffer reused block after block: the last of the
+    returned ``(n + 1, R, D, Dv)`` is then still the final state."""
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
     o = lay.new_chunked(v, Dv)
-    states = v.new_empty(lay.Nc + 1, R, D, Dv)
+    tiles = lay.tiles()
+    # Kept, the states are (Nc + 1) (D, Dv) matrices per row: N D Dv / C numbers, several times the
+    # size of v when Dv > C, written once and read only by the backward
+    states = v.new_empty((lay.Nc if keep_states else max(t.stop - t.start for t in tiles)) + 1, R, D, Dv)
     states[0] = s0
     per_channel = g is not None and g.dim() == 3
-    for blk in lay.tiles():
+    last = 0
+    for blk in tiles:
+        n = blk.stop - blk.start
+        if keep_states:
+            st = states[blk.start:blk.stop + 1]
+        else:
+            if last:
+                states[0] = states[last]
+            st, last = states[: n + 1], n
         qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
-        ob = _block_forward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[blk.start:blk.stop + 1],
-                            solve_block, qk)
+        ob = _block_forward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), st, solve_block, qk)
         lay.put(o, blk, ob)
-    return lay.unchunked(o), states
+    return lay.unchunked(o), (states if keep_states else states[: last + 1])
 
 
 def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, qk=None):
@@ -536,21 +548,23 @@ def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, solve_blo
 # chunk-local products in the backward.
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
-                                "int chunk_size, int chunks_per_block, int solve_block) -> (Tensor, Tensor, Tensor)")
-def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block):
-    """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)`` and the saved states."""
+                                "int chunk_size, int chunks_per_block, int solve_block, bool keep_states) "
+                                "-> (Tensor, Tensor, Tensor)")
+def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states):
+    """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)`` and the states the backward reads,
+    ``(Nc + 1, R, D, Dv)`` (``(0,)`` without ``keep_states``: a call no gradient flows through)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
-        o, states = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block)
-    return o.contiguous(), states[-1].clone(), states
+        o, states = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states)
+    return o.contiguous(), states[-1].clone(), states if keep_states else v.new_empty(0)
 
 
 @_delta_rule_chunked.register_fake
-def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block):
+def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states):
     R, N, D = q.shape
     Dv = v.shape[-1]
     Nc = -(-N // min(chunk_size, N))
-    return v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), v.new_empty(Nc + 1, R, D, Dv)
+    return v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), v.new_empty(Nc + 1, R, D, Dv) if keep_states else v.new_empty(0)
 
 
 @torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
@@ -577,8 +591,17 @@ def _(q, k, v, b, g, states, do, ds_final, scale, chunk_size, chunks_per_block, 
         ds_final.new_empty(ds_final.shape)
 
 
+def _needs_states(*tensors) -> bool:
+    """Whether a backward may run through a chunked call on these inputs: only then are the states
+    kept (:func:`_chunked_forward`)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _delta_rule_setup(ctx, inputs, output):
-    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block = inputs
+    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states = inputs
+    if not keep_states:  # _needs_states decided no gradient flows through this call
+        raise RuntimeError("linattn::delta_rule_chunked: called with keep_states=False on inputs that need "
+                           "gradients; its caller must pass _needs_states(...)")
     ctx.save_for_backward(q, k, v, b, g, output[2])
     ctx.knobs = (scale, chunk_size, chunks_per_block, solve_block)
     ctx.mark_non_differentiable(output[2])
@@ -596,7 +619,7 @@ def _delta_rule_autograd(ctx, do, ds_final, _dstates):
     need_g = g is not None and ctx.needs_input_grad[4]
     dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, do, ds_final, *ctx.knobs,
                                                            need_g)
-    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None
+    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None
 
 
 _delta_rule_chunked.register_autograd(_delta_rule_autograd, setup_context=_delta_rule_setup)
@@ -645,7 +668,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     Tx = lay.total
     g = g.view(H, Tx, D) if per_channel else g.view(H, Tx)
     o, _, _ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
-                                  chunk_size, *knobs)  # rows (H, Tx, *): B = 1
+                                  chunk_size, *knobs, _needs_states(q, k, v, b, g))  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
     return lay.packed(o), (lay.states(o) if return_state else None)
 
@@ -775,7 +798,8 @@ def delta_rule_attention(
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
             o, s, _ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
                                           None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
-                                          chunks_per_block, solve_block)
+                                          chunks_per_block, solve_block,
+                                          _needs_states(qx, kx, vx, beta, log_decay, s0r))
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
         out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
