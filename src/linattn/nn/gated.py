@@ -195,7 +195,34 @@ def _check_mamba_decay(owner: str, config) -> None:
 
 
 @dataclass(frozen=True)
-class GatedDeltaNetConfig(Config):
+class _MambaDecayConfig(Config):
+    """The options Gated DeltaNet and KDA share: Mamba-2's decay initialisation and grouped value
+    heads (each subclass's docstring describes them for its layer).
+
+    Attributes:
+        a_min: A = exp(A_log) starts uniform in [a_min, a_max] per head.
+        a_max: see a_min.
+        dt_min: softplus(dt_bias) starts log-uniform in [dt_min, dt_max].
+        dt_max: see dt_min.
+        seed: seeds the generator that draws the initial A_log and dt_bias.
+        n_key_heads: Hk, the heads of q and k; None = the layer's n_heads.
+    """
+
+    a_min: float = 1.0
+    a_max: float = 16.0
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    seed: int = 0
+    n_key_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_mamba_decay(owner, self)
+        _check_key_heads(owner, self.n_key_heads)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig(_MambaDecayConfig):
     """Gated DeltaNet (arXiv 2412.06464): the delta rule with a Mamba-2 decay per head and position,
     g_t = -exp(A_log) * softplus(x_t W_a + dt_bias) (W_a: C -> H; A_log, dt_bias: one per head),
     beta_t = sigmoid(x_t W_beta), q and k through SiLU then L2 normalisation, v through SiLU, and an
@@ -223,22 +250,14 @@ class GatedDeltaNetConfig(Config):
 
     output_gate: bool = True
     output_norm: bool = True
-    a_min: float = 1.0
-    a_max: float = 16.0
-    dt_min: float = 0.001
-    dt_max: float = 0.1
-    seed: int = 0
-    n_key_heads: int | None = None
 
     def __post_init__(self) -> None:
-        owner = "GatedDeltaNetConfig"
-        _check_bools(owner, self, ("output_gate", "output_norm"))
-        _check_mamba_decay(owner, self)
-        _check_key_heads(owner, self.n_key_heads)
+        _check_bools("GatedDeltaNetConfig", self, ("output_gate", "output_norm"))
+        super().__post_init__()
 
 
 @dataclass(frozen=True)
-class KDAConfig(Config):
+class KDAConfig(_MambaDecayConfig):
     """Kimi Delta Attention (arXiv 2510.26692, sections 3-4; Kimi Linear's layer): the delta rule
     with one decay per key channel, g_t = -exp(A_log) * softplus(x_t W_down W_up + dt_bias)
     (W_down: C -> R, W_up: R -> C, dt_bias one per channel, A_log one per head), beta_t =
@@ -265,12 +284,6 @@ class KDAConfig(Config):
 
     gate_rank: int | None = None
     output_norm: bool = True
-    a_min: float = 1.0
-    a_max: float = 16.0
-    dt_min: float = 0.001
-    dt_max: float = 0.1
-    seed: int = 0
-    n_key_heads: int | None = None
 
     def __post_init__(self) -> None:
         owner = "KDAConfig"
@@ -278,8 +291,7 @@ class KDAConfig(Config):
         if self.gate_rank is not None and (isinstance(self.gate_rank, bool) or not isinstance(self.gate_rank, int)
                                            or self.gate_rank < 1):
             raise ValueError(f"{owner}: gate_rank must be an int >= 1 or None, got {self.gate_rank!r}")
-        _check_mamba_decay(owner, self)
-        _check_key_heads(owner, self.n_key_heads)
+        super().__post_init__()
 
 
 # ---------------------------------------------------------------------------------------------
