@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..functional.conv import causal_conv1d, causal_conv1d_reference
+
 
 __all__ = ["ShortConv", "short_conv_reference"]
 
@@ -27,13 +29,7 @@ __all__ = ["ShortConv", "short_conv_reference"]
 def short_conv_reference(x: Tensor, weight: Tensor) -> Tensor:
     """Plain loop form: ``y[:, t] = sum_j weight[:, K-1-j] * x[:, t-j]`` over ``0 <= j < K``,
     ``j <= t``. ``x (B, N, C)``, ``weight (C, K)`` -> ``(B, N, C)``."""
-    B, N, C = x.shape
-    K = weight.shape[1]
-    y = torch.zeros_like(x)
-    for t in range(N):
-        for j in range(min(K, t + 1)):
-            y[:, t] += weight[:, K - 1 - j] * x[:, t - j]
-    return y
+    return causal_conv1d_reference(x, weight)
 
 
 class ShortConv(nn.Module):
@@ -94,18 +90,7 @@ class ShortConv(nn.Module):
             # the halo takes the place of conv1d's K - 1 zeros on the left (it is zeros on rank 0)
             h = torch.cat([before.to(x.dtype), x], dim=1).transpose(1, 2)  # (B, C, K - 1 + N)
             return F.conv1d(h, self.weight.to(x.dtype)[:, None, :], groups=self.d_model).transpose(1, 2)
-        if positions is not None:
-            # tap j (input t - j) only where t - j is in t's document: j <= its position there;
-            # K small shifted products rather than a convolution whose window a mask must cut
-            w = self.weight.to(x.dtype)  # (C, K)
-            y = x * w[:, K - 1]
-            for j in range(1, K):
-                shifted = F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]  # (B, N, C): input t - j at t
-                y = y + shifted * (positions >= j)[:, None].to(x.dtype) * w[:, K - 1 - j]
-            return y
-        # conv1d is a cross-correlation: with K - 1 zeros on the left, output t reads inputs t-K+1..t
-        h = F.pad(x.transpose(1, 2), (K - 1, 0))  # (B, C, N + K - 1)
-        return F.conv1d(h, self.weight.to(x.dtype)[:, None, :], groups=self.d_model).transpose(1, 2)
+        return causal_conv1d(x, self.weight, positions=positions)
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> Tensor:
         """The last ``K - 1`` inputs before the first token: zeros ``(B, K - 1, C)``."""
