@@ -15,7 +15,11 @@ from one document into the next; the causal convolution ignores the boundaries i
 - recurrent decoding, one token at a time, through transformers' own cache (its conv and recurrent
   states, its ``update_*`` calls, so speculative decoding's past recording still works);
 - packed documents (``cu_seq_lens_q``, what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
-  produces): the recurrence and the causal convolution both restart at every document.
+  produces): the recurrence and the causal convolution both restart at every document. A cache
+  holds one state per batch row, not per document, so a packed forward leaves the linear layers'
+  cache states unset (a model makes a cache whenever ``config.use_cache`` is on, training
+  included), and a packed forward that would continue a cache with states is refused. transformers
+  does not give these layers ``position_ids``: packing seen only there is invisible to them.
 
 Weights, parameter names and checkpoints are unchanged: the replacement layer classes subclass the
 originals and only override ``forward``. A model saved with linattn loads without it.
@@ -290,9 +294,14 @@ def _forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Ten
     family: Family = self._linattn_family
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is not None and cache_params is not None:
-        raise ValueError(f"{type(self).__name__}: packed documents (cu_seq_lens_q {tuple(cu_seqlens.shape)}) with a "
-                         "cache (past_key_values) are not supported: a cache holds one state per batch row, not "
-                         "per document; run packed batches without a cache (use_cache=False)")
+        # A cache holds one state per batch row, not one per document; and a model forward makes a
+        # cache whenever config.use_cache is on, training included. So a packed forward runs as if
+        # without a cache and leaves this layer's states unset; continuing one is refused.
+        if cache_params.get_conv_state(self.layer_idx, state_idx=0) is not None:
+            raise ValueError(f"{type(self).__name__}: packed documents (cu_seq_lens_q {tuple(cu_seqlens.shape)}) "
+                             "cannot continue a cache (past_key_values) that holds states: it has one state per "
+                             "batch row, not per document")
+        cache_params = None
     if attention_mask is not None:
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     B, N = hidden_states.shape[:2]
@@ -527,13 +536,13 @@ def small_config(model_type: str, *, hidden_size: int = 64, heads: int = 4, key_
     layers = list(layer_types)
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=len(layers), pad_token_id=0,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, layer_types=layers)
-    moe = dict(num_experts_per_tok=2, moe_intermediate_size=12)
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=16)  # 16: bf16 grouped_mm wants 16-byte strides
     if family.rule == "gated_delta_rule":
         if key_heads is None:
             key_heads = max(heads // 2, 1)
         gdn = dict(common, linear_num_key_heads=key_heads, linear_num_value_heads=heads, linear_key_head_dim=head_dim,
                    linear_value_head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2)
-        qwen_moe = dict(moe, num_experts=4, shared_expert_intermediate_size=12)
+        qwen_moe = dict(moe, num_experts=4, shared_expert_intermediate_size=16)
         if model_type == "qwen3_next":
             return transformers.Qwen3NextConfig(**gdn, head_dim=16, intermediate_size=37, **qwen_moe)
         if model_type == "qwen3_5":

@@ -1,0 +1,290 @@
+"""linattn as the engine of Hugging Face transformers' Gated DeltaNet and KDA layers
+(linattn.integrations.transformers), family by family, on small random models built with each
+family's own config class: against transformers' own PyTorch path (float32: its recurrences compute
+in float32 whatever the model's dtype), against linattn's float64 reference recurrence plugged in the
+same way, greedy generation through transformers' cache, packed documents, bf16, training, and the
+sentinels that fail when a transformers upgrade moves what the route relies on."""
+
+import glob
+import os
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # installed by `make setup`
+
+from linattn.integrations import transformers as lt  # noqa: E402
+
+FAMILIES = list(lt.FAMILIES)
+KDA = [name for name, f in lt.FAMILIES.items() if f.rule == "kda"]
+# transformers' fused MoE (grouped_mm) has no float64 kernel: float64 models run its eager experts
+F64 = dict(dtype=torch.float64, experts_implementation="eager")
+# GLM5-Next's full-attention layers (its sparse "indexed" attention, top-k keys) neither keep packed
+# documents apart nor give the same tokens with and without a cache, in transformers itself: its
+# packed check runs on linear layers only, and its generation is held to transformers' cached one
+LINEAR_ONLY = {"glm5_next": ("linear_attention", "linear_attention", "linear_attention")}
+CACHE_CHANGES_TOKENS = {"glm5_next"}
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_patch():
+    yield
+    lt.disable()
+
+
+def _pair(name: str, *, form: str = "chunked", seed: int = 0, config=None, **kwargs):
+    """transformers' own model and the same weights on linattn (``form``), from ``from_config``."""
+    config = config or lt.small_config(name)
+    torch.manual_seed(seed)
+    theirs = lt.causal_lm(config, **kwargs)
+    with lt.enabled(form=form):
+        ours = lt.causal_lm(config, **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), grads
+
+
+def _rel(a, b, scale=None):
+    scale = a.abs().max() if scale is None else scale
+    return float((a - b).abs().max() / scale)
+
+
+def _assert_same(a_logits, a_grads, b_logits, b_grads, tol):
+    """Logits within ``tol`` of their scale; every parameter's gradient within ``tol`` of the
+    model's largest gradient. Not of its own scale: the decay parameters' gradients (A_log,
+    dt_bias) of a random model are sums that cancel to 1e-7 of the largest, where float32 rounding
+    alone moves them by 5-40% in transformers' path and ours (measured against float64); the float64
+    test below holds them to 1e-10 of their own scale."""
+    assert a_grads.keys() == b_grads.keys()
+    assert _rel(a_logits, b_logits) <= tol, ("logits", _rel(a_logits, b_logits))
+    top = max(g.abs().max() for g in a_grads.values())
+    worst = max((_rel(a_grads[n], b_grads[n], top), n) for n in a_grads)
+    assert worst[0] <= tol, worst
+
+
+def _assert_exact(a_logits, a_grads, b_logits, b_grads, tol):
+    """As :func:`_assert_same`, but every gradient within ``tol`` of its own scale, or of 1e-4 of
+    the largest gradient for those below that: the decay parameters' gradients of the last layers
+    are sums that cancel to 1e-8 of the largest, where float64's own rounding of the terms is
+    already ~1e-8 of the sum."""
+    assert a_grads.keys() == b_grads.keys()
+    assert _rel(a_logits, b_logits) <= tol, ("logits", _rel(a_logits, b_logits))
+    top = max(g.abs().max() for g in a_grads.values())
+    worst = max((_rel(a_grads[n], b_grads[n], max(a_grads[n].abs().max(), 1e-4 * top)), n) for n in a_grads)
+    assert worst[0] <= tol, worst
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_patch_takes_effect_and_matches_transformers_float32(name):
+    theirs, ours = _pair(name)
+    n_linear = sum(1 for t in lt.small_config(name).get_text_config().layer_types if t == "linear_attention")
+    assert sum(isinstance(m, lt.replacement_class(name)) for m in ours.modules()) == n_linear
+    assert not any(type(m).__name__.startswith("Linattn") for m in theirs.modules())
+    ids = torch.randint(3, 99, (2, 37), generator=torch.Generator().manual_seed(1))
+    _assert_same(*_loss_and_grads(theirs, ids), *_loss_and_grads(ours, ids), tol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_float64_equals_the_reference_recurrence(name):
+    _, chunked = _pair(name, **F64)
+    _, reference = _pair(name, form="reference", **F64)
+    assert any(type(m).__name__.startswith("LinattnReference") for m in reference.modules())
+    ids = torch.randint(3, 99, (2, 21), generator=torch.Generator().manual_seed(2))
+    _assert_exact(*_loss_and_grads(reference, ids), *_loss_and_grads(chunked, ids), tol=1e-10)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_generate_with_the_cache(name):
+    theirs, ours = _pair(name)
+    prompt = torch.randint(3, 99, (2, 11), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
+    with torch.no_grad():
+        want = theirs.generate(prompt, **kw)
+        got = ours.generate(prompt, **kw)
+        uncached = ours.generate(prompt, use_cache=False, **kw)
+    assert torch.equal(got, want)
+    if name not in CACHE_CHANGES_TOKENS:
+        assert torch.equal(got, uncached)
+    # the decoding steps ran linattn's recurrence through transformers' cache: the cache holds the
+    # states linattn wrote, equal to a cache-less prefill of the whole sequence's final states
+    with torch.no_grad():
+        cache = ours(got, use_cache=True).past_key_values
+        step = ours(got[:, :-1], use_cache=True).past_key_values
+        ours(got[:, -1:], past_key_values=step, use_cache=True)
+    layer = next(m for m in ours.modules() if isinstance(m, lt.replacement_class(name))).layer_idx
+    assert _rel(cache.get_recurrent_state(layer), step.get_recurrent_state(layer)) < 1e-5
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_documents_equal_one_by_one_and_transformers_does_not(name):
+    layers = LINEAR_ONLY.get(name, lt.SMALL_LAYER_TYPES)
+    theirs, ours = _pair(name, config=lt.small_config(name, layer_types=layers), **F64)
+    lengths = [5, 1, 9, 4, 7]  # a one-token document and documents shorter than the convolution
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(3, 99, (1, n), generator=g) for n in lengths]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    packed = dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None], cu_seq_lens_q=cu,
+                  cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False)
+    with torch.no_grad():
+        alone = torch.cat([ours(d, use_cache=False).logits[0] for d in docs])
+        got = ours(torch.cat(docs, 1), **packed).logits[0]
+        # gates compute in float32 whatever the model's dtype: equal up to float32 rounding
+        assert _rel(alone, got) <= 1e-6
+        try:
+            wrong = _rel(alone, theirs(torch.cat(docs, 1), **packed).logits[0])
+        except ValueError as err:  # Qwen's and OLMo's layers refuse packed inputs without fla
+            assert "flash-linear-attention" in str(err)
+        else:  # Kimi's, GLM5's and Bailing's carry the state from one document into the next
+            assert wrong > 1e-3
+    # a packed forward given a fresh cache (a model makes one whenever config.use_cache is on,
+    # training included) runs as without one and leaves the layer's states unset
+    layer = next(m for m in ours.modules() if isinstance(m, lt.replacement_class(name)))
+    h = torch.randn(1, int(cu[-1]), layer.hidden_size, dtype=torch.float64, generator=g)
+    cache = transformers.DynamicCache(config=ours.config.get_text_config())
+    with torch.no_grad():
+        assert torch.equal(layer(h, cu_seq_lens_q=cu), layer(h, cache_params=cache, cu_seq_lens_q=cu))
+    assert cache.get_recurrent_state(layer.layer_idx) is None
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_bfloat16_inference_is_finite_and_close_to_float32(name):
+    _, ours = _pair(name)
+    ids = torch.randint(3, 99, (2, 29), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = ours(ids, use_cache=False).logits
+        got = ours.to(torch.bfloat16)(ids, use_cache=False).logits.float()
+    assert torch.isfinite(got).all()
+    assert _rel(want, got) < 0.05  # bf16's 8 bits of mantissa, through 4 layers
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_few_optimizer_steps_lower_the_loss(name):
+    _, ours = _pair(name)
+    ids = torch.randint(3, 99, (4, 33), generator=torch.Generator().manual_seed(6))
+    opt = torch.optim.AdamW(ours.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = ours(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_saved_model_loads_without_linattn(tmp_path):
+    _, ours = _pair("qwen3_5")
+    ours.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not any(type(m).__name__.startswith("Linattn") for m in loaded.modules())
+    assert ours.state_dict().keys() == loaded.state_dict().keys()
+    ids = torch.randint(3, 99, (1, 17), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert _rel(ours(ids).logits, loaded(ids).logits) < 1e-5
+
+
+def test_enable_disable_and_the_context_manager():
+    config = lt.small_config("kimi_linear")
+    assert not lt.is_enabled()
+    lt.enable()
+    assert lt.is_enabled() and lt.is_enabled("kimi_linear")
+    assert any(isinstance(m, lt.replacement_class("kimi_linear")) for m in lt.causal_lm(config).modules())
+    lt.disable()
+    assert not lt.is_enabled()
+    assert not any(type(m).__name__.startswith("Linattn") for m in lt.causal_lm(config).modules())
+    with lt.enabled(model_types=("kimi_linear",)):
+        assert lt.is_enabled("kimi_linear") and not lt.is_enabled("qwen3_5")
+    assert not lt.is_enabled()
+    model = lt.causal_lm(config)
+    assert lt.attach(model) == 3 and lt.detach(model) == 3
+
+
+def test_attach_switches_a_built_model_and_detach_restores_it():
+    theirs, _ = _pair("olmo_hybrid")
+    ids = torch.randint(3, 99, (1, 19), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = theirs(ids).logits
+        lt.attach(theirs)
+        assert any(type(m).__name__.startswith("Linattn") for m in theirs.modules())
+        got = theirs(ids).logits
+        lt.detach(theirs)
+    assert not any(type(m).__name__.startswith("Linattn") for m in theirs.modules())
+    assert 0 < _rel(want, got) < 1e-5  # ran a different engine, to the same result
+
+
+def test_unsupported_models_and_options_are_named():
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no linear-attention layer"):
+        lt.attach(llama)
+    with pytest.raises(ValueError, match="unsupported model type 'mamba'"):
+        lt.enable(model_types=("mamba",))
+    with pytest.raises(ValueError, match="form must be one of"):
+        lt.enable(form="fast")
+    with pytest.raises(ValueError, match="kimi_linear .KDA. has no grouped value heads"):
+        lt.small_config("kimi_linear", key_heads=2)
+    _, ours = _pair("qwen3_next")
+    cache = ours(torch.randint(3, 99, (1, 6)), use_cache=True).past_key_values
+    cu = torch.tensor([0, 2, 5])
+    with pytest.raises(ValueError, match="cu_seq_lens_q .3,.. cannot continue a cache"):
+        ours(torch.randint(3, 99, (1, 5)), past_key_values=cache, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+             max_length_q=3, max_length_k=3, position_ids=torch.tensor([[0, 1, 0, 1, 2]]))
+
+
+def test_someone_elses_patch_is_not_overwritten():
+    from transformers.monkey_patching import register_patch_mapping, unregister_patch_mapping
+
+    class Other(torch.nn.Module):
+        pass
+
+    register_patch_mapping({"KimiLinearDeltaAttention": Other})
+    try:
+        with pytest.raises(ValueError, match="already has a patch registered by someone else"):
+            lt.enable()
+    finally:
+        unregister_patch_mapping(["KimiLinearDeltaAttention"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Sentinels: fail the day a transformers upgrade moves what the route relies on
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_installed_model_with_a_delta_rule_layer_is_supported():
+    """Any modeling file of the installed transformers that defines a gated delta rule or KDA
+    function belongs to a supported family, and each family's layer class is where we look."""
+    root = os.path.dirname(transformers.__file__)
+    found = set()
+    for path in glob.glob(os.path.join(root, "models", "*", "modeling_*.py")):
+        with open(path, encoding="utf-8") as f:
+            if re.search(r"^def (torch_chunk_gated_delta_rule|chunk_kimi_delta_attention)\(", f.read(), re.M):
+                found.add(os.path.basename(os.path.dirname(path)))
+    assert found == set(lt.FAMILIES), found ^ set(lt.FAMILIES)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_layer_still_has_what_the_forward_reads(name):
+    """The replacement checks the layer's attributes when it is built; here the check itself is
+    held to the original class (a removed attribute would otherwise only fail at build time), and
+    the patch mapping entry is transformers' own, applied at from_config."""
+    from transformers.monkey_patching import get_patch_mapping
+
+    family = lt.FAMILIES[name]
+    with lt.enabled(model_types=(name,)):
+        assert get_patch_mapping()[family.layer] is lt.replacement_class(name)
+        model = lt.causal_lm(lt.small_config(name))
+    layer = next(m for m in model.modules() if isinstance(m, lt.replacement_class(name)))
+    assert type(layer).__mro__[1].__name__ == family.layer
+    for attribute in family.needs:
+        assert hasattr(layer, attribute), attribute
+    delattr(layer, family.needs[0])
+    with pytest.raises(TypeError, match=f"{family.layer} has no {family.needs[0]}"):
+        lt._check_layer(layer)
