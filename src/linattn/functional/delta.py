@@ -103,6 +103,18 @@ __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 # Default chunk length by the decay's width (why: the chunk_size argument of delta_rule_attention).
 CHUNK_SIZES = {"head": 32, "channel": 16}
 
+# Default block size (chunks_per_block=None): a block holds about this many (row, chunk) pairs times
+# the width D + Dv, so 32 chunks at R = 8 rows and D = Dv = 64, where 32 was measured best, and 8 at
+# R = 16, D = Dv = 128 (Qwen3.5-0.8B's width), where 32 chunks made every block's temporaries four
+# times larger (16 MiB for [Uv, W] alone): a large fresh tensor is page-faulted on every call (glibc
+# hands it back to the OS when freed), and that, not arithmetic, was a third of the prefill's time.
+BLOCK_WIDTH = 2 ** 15
+
+
+def _chunks_per_block(chunks_per_block: int | None, R: int, D: int, Dv: int) -> int:
+    """``chunks_per_block``, or for None the default for R rows of widths D, Dv (:data:`BLOCK_WIDTH`)."""
+    return max(1, BLOCK_WIDTH // (R * (D + Dv))) if chunks_per_block is None else chunks_per_block
+
 
 def _check_gate(fn: str, name: str, x, q: Tensor, *, per_channel: bool = False) -> None:
     """``beta`` or ``log_decay``: a floating-point ``(B, H, N)`` tensor on q's device (``log_decay``
@@ -685,7 +697,7 @@ def delta_rule_attention(
     initial_state: DecayedState | None = None,
     return_state: bool = False,
     chunk_size: int | None = None,
-    chunks_per_block: int = 32,
+    chunks_per_block: int | None = None,
     solve_block: int = 16,
     cu_seqlens: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
@@ -734,7 +746,9 @@ def delta_rule_attention(
             History.
         chunks_per_block: a tuning knob, how many chunks (all rows together) the chunked form
             works on at a time; any value >= 1 gives the same result. The batched per-chunk
-            temporaries (C x C scores, D x D transitions) then exist for one block only.
+            temporaries (C x C scores, D x D transitions) then exist for one block only. None:
+            about ``2**15 / (B H (D + Dv))`` (at least 1): 32 at H = 8, D = Dv = 64, 8 at H = 16,
+            D = Dv = 128 (timings: docs/benchmarks/README.md, History).
         solve_block: a tuning knob, the largest diagonal block of a chunk's triangular inverse
             that ``torch.linalg.solve_triangular`` inverts directly (larger ones by halves, as
             batched products, which CPUs run faster); any value >= 1 gives the same result up to
@@ -769,7 +783,8 @@ def delta_rule_attention(
     if chunk_size is None:
         chunk_size = CHUNK_SIZES["channel" if isinstance(log_decay, Tensor) and log_decay.dim() == 4 else "head"]
     check_positive_int(fn, "chunk_size", chunk_size)
-    check_positive_int(fn, "chunks_per_block", chunks_per_block)
+    if chunks_per_block is not None:
+        check_positive_int(fn, "chunks_per_block", chunks_per_block)
     check_positive_int(fn, "solve_block", solve_block)
     with no_autocast(q.device.type):
         in_dtype = q.dtype
@@ -788,7 +803,7 @@ def delta_rule_attention(
             out, s = result_without_positions((qx, kx, vx, *gates), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
             out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size,
-                             (chunks_per_block, solve_block))
+                             (_chunks_per_block(chunks_per_block, H, D, Dv), solve_block))
         elif N == 1 and s0 is not None:  # the recurrent step
             out, s = _step(qx, kx, vx, beta, log_decay, scale, s0)
         else:
@@ -798,7 +813,7 @@ def delta_rule_attention(
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
             o, s, _ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
                                           None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
-                                          chunks_per_block, solve_block,
+                                          _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block,
                                           _needs_states(qx, kx, vx, beta, log_decay, s0r))
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
         out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
