@@ -288,3 +288,12 @@ def test_the_layer_still_has_what_the_forward_reads(name):
     delattr(layer, family.needs[0])
     with pytest.raises(TypeError, match=f"{family.layer} has no {family.needs[0]}"):
         lt._check_layer(layer)
+
+
+def test_import_linattn_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, linattn, linattn.integrations, linattn.functional; "
+            "assert 'transformers' not in sys.modules, 'imported transformers'")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -20,7 +20,11 @@ __all__ = ["EXTRAS", "MissingExtraError", "require_extra"]
 EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("matplotlib",),
     "experiments": ("matplotlib",),
+    "transformers": ("transformers",),
 }
+# what each extra's packages are for, in the message of a missing one
+PURPOSES: dict[str, str] = {"bench": "for its plots", "experiments": "for its plots",
+                            "transformers": "the Hugging Face models it runs"}
 
 
 class MissingExtraError(ModuleNotFoundError):
@@ -39,7 +43,7 @@ def require_extra(extra: str, *, command: str) -> None:
     missing = [name for name in EXTRAS[extra] if importlib.util.find_spec(name) is None]
     if missing:
         raise MissingExtraError(
-            f"{command} needs {', '.join(missing)} (for its plots), which is not installed; nothing was run. "
+            f"{command} needs {', '.join(missing)} ({PURPOSES[extra]}), which is not installed; nothing was run. "
             f"Install the optional extra: pip install 'linattn[{extra}]'",
             name=missing[0],
         )

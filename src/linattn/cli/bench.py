@@ -210,6 +210,23 @@ def build_parser(prog: str) -> CommandParser:
                        help="Sequence length of the memory and accuracy check; 0 skips it (default: 65536).")
     _add_runs(gated)
 
+    hf = bench_sub.add_parser(
+        "transformers", help="transformers' Gated DeltaNet and KDA layers and models on their own path against "
+        "linattn's (linattn.integrations.transformers).",
+        description=_wrapped("Qwen3.5-0.8B's Gated DeltaNet layer, Kimi Linear's KDA layer and a small whole model of "
+        "each family, at checkpoint widths: prefill, forward+backward and decoding time on transformers' own PyTorch "
+        "path and on linattn, interleaved on the same module; peak memory of a prefill in fresh processes. Needs the "
+        "transformers extra. Runs for tens of minutes."))
+    add_out_argument(hf, "docs/benchmarks/transformers", "Folder for transformers.json and transformers.md")
+    hf.add_argument("--repeats", type=positive_int, default=2,
+                    help="Interleaved timed calls per setting and run, after one warm-up round (default: 2).")
+    hf.add_argument("--sizes", choices=("checkpoint", "tiny"), default="checkpoint",
+                    help="checkpoint: the real layer widths and N = 1024 .. 16384; tiny: a seconds-long check of "
+                    "the command itself (default: checkpoint).")
+    hf.add_argument("--measure-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="Measure each prefill's peak memory in fresh processes (default: on).")
+    _add_runs(hf)
+
     cp = bench_sub.add_parser(
         "context-parallel", help="One training step with the sequence sharded over 1, 2, 4 ranks: the longest "
         "sequence within a memory budget, the time per step, the bytes exchanged.",
@@ -227,7 +244,7 @@ def build_parser(prog: str) -> CommandParser:
     cp.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
                     help="Search the longest sequence within the budget (default: on).")
     _add_runs(cp)
-    for sub in (sweep, core, favor, family, full, gen, gated, cp):  # its validation errors name it, not `linattn bench`
+    for sub in (sweep, core, favor, family, full, gen, gated, hf, cp):  # its validation errors name it, not `linattn bench`
         sub.set_defaults(suite_parser=sub)
     return parser
 
@@ -309,6 +326,13 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         # the flags' types already hold run_gated's preconditions: an error from here on is a failure
         run_gated(out=args.out, ns=args.ns, repeats=args.repeats, hf_repeats=args.hf_repeats,
                   memory_n=args.memory_n, **_given(args, "runs"))
+    elif args.suite == "transformers":
+        from ..bench.transformers import run_transformers
+        from ..extras import MissingExtraError
+
+        with reported(chosen, MissingExtraError):
+            run_transformers(out=args.out, repeats=args.repeats, sizes=args.sizes,
+                             measure_memory=args.measure_memory, **_given(args, "runs"))
     elif args.suite == "context-parallel":
         from ..bench.context_parallel import run_context_parallel
 

@@ -1,0 +1,390 @@
+"""`linattn bench transformers`: Hugging Face transformers' linear-attention layers and models on
+their own PyTorch path against the same modules on linattn (``linattn.integrations.transformers``).
+
+Subjects, at checkpoint widths (``sizes="checkpoint"``), B = 1, float32, 2 threads:
+
+- ``gdn_layer``: Qwen3.5-0.8B's Gated DeltaNet layer (hidden 1024, 16 query/key and 16 value heads,
+  Dk = Dv = 128), a ``Qwen3_5GatedDeltaNet``;
+- ``kda_layer``: Kimi Linear's KDA layer (hidden 2304, 32 heads of 128), a ``KimiLinearDeltaAttention``;
+- ``gdn_model`` / ``kda_model``: a small whole model of each family at that width (Qwen3.5 and Kimi
+  Linear, 3 linear-attention layers and 1 full-attention layer, vocabulary 1024).
+
+For each: prefill (forward without gradients, with a fresh cache as ``generate`` has), forward+backward
+(every parameter's and the input's gradient), decoding ms/token after ``DECODE_POSITIONS`` tokens
+(through transformers' cache), and the peak memory of a prefill (in fresh processes). The two paths
+are the same module with the same weights: its class is switched between transformers' own and
+linattn's replacement (``attach`` / ``detach``) from call to call, so they are timed interleaved in
+one process. Each setting's N list is in :data:`PLAN`; the slow ones (transformers' KDA takes tens of
+seconds and ~13 GB at N = 4096) are limited to what fits this machine. The whole timing is repeated
+``runs`` times, each in a fresh process with its own load and reference matmul speed; a ratio is the
+median over the runs, with min and max. Writes transformers.json and transformers.md; every number
+there comes from this code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import progress
+from ..processes import run_process
+from .harness import (
+    INHERITED_ALLOCATOR,
+    RUNS,
+    format_run_loads,
+    format_seconds,
+    machine_info,
+    median,
+    output_folder,
+    proc_status_kib,
+    run_repeated,
+    spread,
+    write_atomically,
+)
+
+SUBJECTS = ("gdn_layer", "kda_layer", "gdn_model", "kda_model")
+PATHS = ("transformers", "linattn")
+PASSES = ("prefill", "train")
+SIZES = ("checkpoint", "tiny")
+DECODE_POSITIONS = (100, 8000)
+DECODE_STEPS = 20
+# subject -> pass -> the Ns timed (checkpoint sizes); "tiny" scales them down for tests
+PLAN = {
+    "gdn_layer": {"prefill": (1024, 4096, 16384), "train": (1024, 4096, 16384)},
+    "kda_layer": {"prefill": (1024, 4096), "train": (1024,)},
+    "gdn_model": {"prefill": (1024, 4096), "train": (1024, 4096)},
+    "kda_model": {"prefill": (1024,), "train": (1024,)},
+}
+# peak memory of one prefill, per subject: the Ns for both paths, and linattn's alone further on
+MEMORY_PLAN = {"gdn_layer": ((1024, 4096, 16384), ()), "kda_layer": ((1024, 4096), (16384,))}
+# the issue's targets, transformers' time / linattn's at least this: (subject, pass, N) -> factor
+TARGETS = {
+    ("gdn_layer", "prefill", 1024): 2.0, ("gdn_layer", "prefill", 4096): 3.0, ("gdn_layer", "prefill", 16384): 3.0,
+    ("gdn_layer", "train", 1024): 3.0, ("gdn_layer", "train", 4096): 10.0, ("gdn_layer", "train", 16384): 30.0,
+    ("kda_layer", "prefill", 4096): 20.0,
+}
+KDA_MEMORY_TARGET = 10.0  # transformers' KDA prefill peak / linattn's at N = 4096, at least
+TINY = 64  # the "tiny" sizes' N unit: N = 1024 becomes 64
+
+
+def _family(subject: str) -> str:
+    return "qwen3_5" if subject.startswith("gdn") else "kimi_linear"
+
+
+def build(subject: str, sizes: str):
+    """``(model, module timed, config)``: the subject's small model built by ``from_config`` (weights
+    initialised as transformers does), and the layer or the model itself."""
+    from ..integrations import transformers as lt
+
+    family = _family(subject)
+    if sizes == "tiny":
+        dims = dict(hidden_size=64, heads=4, head_dim=16)
+    elif family == "qwen3_5":
+        dims = dict(hidden_size=1024, heads=16, key_heads=16, head_dim=128)
+    else:
+        dims = dict(hidden_size=2304, heads=32, head_dim=128)
+    layers = ("linear_attention",) if subject.endswith("layer") else lt.SMALL_LAYER_TYPES
+    config = lt.small_config(family, layer_types=layers, vocab_size=1024 if sizes == "checkpoint" else 99, **dims)
+    torch.manual_seed(0)
+    model = lt.causal_lm(config)
+    if subject.endswith("model"):
+        return model, model, config
+    layer = next(m for m in model.modules() if type(m).__name__ == lt.FAMILIES[family].layer)
+    return model, layer, config
+
+
+def _switch(module, path: str, family: str) -> None:
+    from ..integrations import transformers as lt
+
+    ours = lt.replacement_class(family)
+    for m in module.modules():
+        if isinstance(m, ours.__mro__[1]):
+            m.__class__ = ours if path == "linattn" else ours.__mro__[1]
+
+
+def _n(n: int, sizes: str) -> int:
+    """The N timed for the plan's ``n``: itself at checkpoint sizes, ``TINY`` per 1024 at tiny ones."""
+    return n if sizes == "checkpoint" else max(n // 1024, 1) * TINY
+
+
+def _position(position: int, sizes: str) -> int:
+    return position if sizes == "checkpoint" else max(position // 50, 1)
+
+
+def _inputs(subject: str, module, config, n: int, *, grad: bool):
+    g = torch.Generator().manual_seed(1)
+    if subject.endswith("layer"):
+        h = torch.randn(1, n, config.hidden_size, generator=g)
+        return h.requires_grad_(grad)
+    return torch.randint(3, config.vocab_size, (1, n), generator=g)
+
+
+def _call(subject: str, module, config, x, pass_: str) -> None:
+    from transformers import DynamicCache
+
+    if pass_ == "prefill":
+        with torch.no_grad():
+            if subject.endswith("layer"):
+                module(x, cache_params=DynamicCache(config=config))
+            else:
+                module(x, use_cache=True)
+        return
+    module.zero_grad(set_to_none=True)
+    if subject.endswith("layer"):
+        x.grad = None
+        out = module(x)
+        out.backward(torch.ones_like(out))
+    else:
+        module(x, labels=x, use_cache=False).loss.backward()
+
+
+def _time_pass(subject, module, config, family, pass_, n, repeats) -> dict:
+    x = _inputs(subject, module, config, n, grad=pass_ == "train")
+    times = {p: [] for p in PATHS}
+    for rep in range(repeats + 1):  # the first round warms up, interleaved like the others
+        order = PATHS if rep % 2 else PATHS[::-1]
+        for path in order:
+            _switch(module, path, family)
+            t0 = time.perf_counter()
+            _call(subject, module, config, x, pass_)
+            if rep:
+                times[path].append(time.perf_counter() - t0)
+    return {p: {"median_s": median(t), "all_s": t} for p, t in times.items()}
+
+
+def _decode(subject, module, config, family, position: int, steps: int) -> dict:
+    """Median seconds per decoding step after ``position`` tokens, the paths interleaved step by step
+    on caches of their own (prefilled by linattn: same states' shapes, less waiting)."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(2)
+    caches = {}
+    with torch.no_grad():
+        _switch(module, "linattn", family)
+        for path in PATHS:
+            if subject.endswith("layer"):
+                caches[path] = DynamicCache(config=config)
+                module(torch.randn(1, position, config.hidden_size, generator=g), cache_params=caches[path])
+            else:
+                caches[path] = module(torch.randint(3, config.vocab_size, (1, position), generator=g),
+                                      use_cache=True).past_key_values
+        times = {p: [] for p in PATHS}
+        for step in range(steps + 2):  # two warm-up steps each
+            for path in (PATHS if step % 2 else PATHS[::-1]):
+                _switch(module, path, family)
+                if subject.endswith("layer"):
+                    x = torch.randn(1, 1, config.hidden_size, generator=g)
+                    t0 = time.perf_counter()
+                    module(x, cache_params=caches[path])
+                else:
+                    x = torch.randint(3, config.vocab_size, (1, 1), generator=g)
+                    t0 = time.perf_counter()
+                    module(x, past_key_values=caches[path], use_cache=True)
+                if step >= 2:
+                    times[path].append(time.perf_counter() - t0)
+    return {p: {"median_s": median(t), "all_s": t} for p, t in times.items()}
+
+
+def _child(sizes: str, repeats: int) -> dict:
+    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+    out: dict = {"times": {}, "decode": {}}
+    for subject in SUBJECTS:
+        model, module, config = build(subject, sizes)
+        family = _family(subject)
+        module.train(False)
+        for pass_, ns in PLAN[subject].items():
+            for n in map(functools.partial(_n, sizes=sizes), ns):
+                out["times"][f"{subject}/{pass_}/{n}"] = _time_pass(subject, module, config, family, pass_, n, repeats)
+        for position in map(functools.partial(_position, sizes=sizes), DECODE_POSITIONS):
+            out["decode"][f"{subject}/{position}"] = _decode(subject, module, config, family, position,
+                                                             DECODE_STEPS if sizes == "checkpoint" else 4)
+        _switch(module, "linattn", family)
+        del model, module
+    return out
+
+
+def _memory_child(subject: str, path: str, n: int, sizes: str) -> dict:
+    """Peak RSS above the weights and inputs of one prefill (run in a fresh process)."""
+    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+    from .harness import _release_free_heap
+
+    model, module, config = build(subject, sizes)
+    family = _family(subject)
+    _switch(module, path, family)
+    x = _inputs(subject, module, config, n, grad=False)
+    _call(subject, module, config, x[:, : min(x.shape[1], 64)], "prefill")  # lazy initialisation first
+    _release_free_heap()
+    base = proc_status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # the high-water mark VmHWM back to the current RSS
+    _call(subject, module, config, x, "prefill")
+    return {"peak_bytes": (proc_status_kib("VmHWM") - base) * 1024}
+
+
+def memory(subject: str, path: str, n: int, sizes: str, *, timeout: float = 3600) -> dict:
+    proc = run_process([sys.executable, "-m", "linattn.bench.transformers", "memory", subject, path, str(n), sizes],
+                       timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement of {subject} ({path}) at N = {n} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeats: int = 2, runs: int = RUNS,
+                     sizes: str = "checkpoint", measure_memory: bool = True, quiet: bool = False) -> dict:
+    """Time ``runs`` times (a fresh process each), measure peak memory, write transformers.json and
+    transformers.md in ``out``, print the Markdown; return the result. transformers must be installed
+    (the ``transformers`` extra)."""
+    from ..extras import require_extra
+
+    require_extra("transformers", command="linattn bench transformers")
+    for name, value in (("runs", runs), ("repeats", repeats)):
+        if value < 1:
+            raise ValueError(f"run_transformers: {name} must be >= 1, got {value}")
+    if sizes not in SIZES:
+        raise ValueError(f"run_transformers: sizes must be one of {SIZES}, got {sizes!r}")
+    output_folder(out)
+    say = functools.partial(progress.say, quiet=quiet)
+    say(f"linattn bench transformers: {sizes} sizes, {runs} runs of {repeats} interleaved calls per setting")
+    t0 = time.perf_counter()
+    import transformers
+
+    result: dict = {
+        "command": (f"linattn bench transformers --repeats {repeats}" + (f" --runs {runs}" if runs != RUNS else "")
+                    + (f" --sizes {sizes}" if sizes != "checkpoint" else "")
+                    + ("" if measure_memory else " --no-measure-memory") + f" --out {out}"),
+        "machine": machine_info(),
+        "config": {"sizes": sizes, "plan": {s: dict(p) for s, p in PLAN.items()}, "repeats": repeats, "runs": runs,
+                   "decode_positions": list(DECODE_POSITIONS), "decode_steps": DECODE_STEPS,
+                   "transformers": transformers.__version__, "dtype": "float32", "batch_size": 1},
+        "runs": run_repeated("linattn.bench.transformers", [sizes, str(repeats)], runs=runs,
+                             allocators=INHERITED_ALLOCATOR, say=say),
+    }
+    children = [r["allocators"]["inherited"] for r in result["runs"]]
+    result["ratios"] = {key: spread([c["times"][key]["transformers"]["median_s"] / c["times"][key]["linattn"]["median_s"]
+                                     for c in children]) for key in children[0]["times"]}
+    result["decode_ratios"] = {key: spread([c["decode"][key]["transformers"]["median_s"]
+                                            / c["decode"][key]["linattn"]["median_s"] for c in children])
+                               for key in children[0]["decode"]}
+    if measure_memory:
+        say("  peak memory of one prefill (fresh processes) ...")
+        result["memory"] = {}
+        for subject, (both, ours_only) in MEMORY_PLAN.items():
+            for n in (*both, *ours_only):
+                for path in (PATHS if n in both else ("linattn",)):
+                    n_real = _n(n, sizes)
+                    result["memory"][f"{subject}/{path}/{n_real}"] = memory(subject, path, n_real, sizes)["peak_bytes"]
+    result["claims"] = claims(result)
+    result["elapsed_seconds"] = time.perf_counter() - t0
+    md = format_transformers(result)
+    write_atomically(out, {"transformers.json": json.dumps(result, indent=2), "transformers.md": md})
+    say(md)
+    return result
+
+
+def _medians(result: dict, table: str, key: str, path: str) -> float:
+    return median([r["allocators"]["inherited"][table][key][path]["median_s"] for r in result["runs"]])
+
+
+def claims(result: dict) -> dict[str, dict]:
+    """Each target: its statement, the measured median and spread, and whether the median holds it."""
+    out: dict[str, dict] = {}
+    if result["config"]["sizes"] != "checkpoint":  # the targets are about the checkpoint widths
+        return out
+    for (subject, pass_, n), factor in TARGETS.items():
+        key = f"{subject}/{pass_}/{n}"
+        if key in result["ratios"]:
+            s = result["ratios"][key]
+            out[key] = {"statement": f"{subject} {pass_} at N = {n}: linattn at least {factor:g}x faster than "
+                                     f"transformers' own path", "spread": s, "holds": s["median"] >= factor}
+    for subject in SUBJECTS:
+        near, far = (result["decode_ratios"].get(f"{subject}/{p}") for p in DECODE_POSITIONS)
+        out[f"{subject}/decode"] = {
+            "statement": f"{subject} decoding no slower per token than transformers' own path at positions "
+                         f"{DECODE_POSITIONS[0]} and {DECODE_POSITIONS[1]}",
+            "spread": {"near": near, "far": far}, "holds": near["median"] >= 1 and far["median"] >= 1}
+        flat = _medians(result, "decode", f"{subject}/{DECODE_POSITIONS[1]}", "linattn") / _medians(
+            result, "decode", f"{subject}/{DECODE_POSITIONS[0]}", "linattn")
+        out[f"{subject}/decode_flat"] = {
+            "statement": f"{subject} linattn's time per token at position {DECODE_POSITIONS[1]} within 1.5x of "
+                         f"position {DECODE_POSITIONS[0]}'s", "ratio": flat, "holds": flat <= 1.5}
+    mem = result.get("memory", {})
+    if "kda_layer/transformers/4096" in mem:
+        r = mem["kda_layer/transformers/4096"] / mem["kda_layer/linattn/4096"]
+        out["kda_layer/memory"] = {"statement": f"kda_layer prefill at N = 4096: peak memory at least "
+                                                f"{KDA_MEMORY_TARGET:g}x less than transformers'", "ratio": r,
+                                   "holds": r >= KDA_MEMORY_TARGET}
+    for subject, (both, ours_only) in MEMORY_PLAN.items():
+        ns = sorted((*both, *ours_only))
+        peaks = [mem.get(f"{subject}/linattn/{n}") for n in ns]
+        if None in peaks or len(ns) < 2:
+            continue
+        growth = (peaks[-1] / peaks[0]) / (ns[-1] / ns[0])
+        out[f"{subject}/memory_linear"] = {
+            "statement": f"{subject} linattn prefill peak memory growing linearly in N: peak({ns[-1]}) / "
+                         f"peak({ns[0]}) within 1.25x of {ns[-1] // ns[0]}", "ratio": growth, "holds": growth <= 1.25}
+    return out
+
+
+def format_transformers(result: dict) -> str:
+    cfg = result["config"]
+    lines = ["# transformers' linear-attention layers: their PyTorch path against linattn", "",
+             f"Command: `{result['command']}`", "",
+             f"transformers {cfg['transformers']}, {cfg['sizes']} sizes (see the module docstring of "
+             "linattn/bench/transformers.py), B = 1, float32, the same module and weights on both paths, "
+             f"interleaved; {cfg['runs']} runs in fresh processes, {cfg['repeats']} timed calls per setting and run. "
+             "Times are the median over runs of each run's median; a ratio is transformers' time / linattn's, "
+             "median over runs with min and max.", "",
+             "| subject | pass | N | transformers | linattn | ratio (median) | min | max | target | holds |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for key, s in result["ratios"].items():
+        subject, pass_, n = key.split("/")
+        target = TARGETS.get((subject, pass_, int(n)))
+        lines.append(f"| {subject} | {pass_} | {n} | {format_seconds(_medians(result, 'times', key, 'transformers'))} | "
+                     f"{format_seconds(_medians(result, 'times', key, 'linattn'))} | {s['median']:.2f}x | "
+                     f"{s['min']:.2f}x | {s['max']:.2f}x | {'-' if target is None else f'{target:g}x'} | "
+                     f"{'-' if target is None else ('yes' if s['median'] >= target else 'NO')} |")
+    lines += ["", "Decoding, per token, after the given number of tokens (through transformers' cache):", "",
+              "| subject | position | transformers | linattn | ratio (median) | min | max |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for key, s in result["decode_ratios"].items():
+        subject, pos = key.split("/")
+        lines.append(f"| {subject} | {pos} | {_medians(result, 'decode', key, 'transformers') * 1e3:.2f} ms | "
+                     f"{_medians(result, 'decode', key, 'linattn') * 1e3:.2f} ms | {s['median']:.2f}x | "
+                     f"{s['min']:.2f}x | {s['max']:.2f}x |")
+    if "memory" in result:
+        lines += ["", "Peak memory of one prefill above the weights and inputs (RSS high-water mark, fresh "
+                  "processes, one measurement each):", "", "| subject | path | N | peak |", "| --- | --- | ---: | ---: |"]
+        for key, b in result["memory"].items():
+            subject, path, n = key.split("/")
+            lines.append(f"| {subject} | {path} | {n} | {b / 2**20:.0f} MiB |")
+    lines += ["", "Claims:", ""]
+    for c in result["claims"].values():
+        s = c.get("spread")
+        if s is not None and "median" in s:
+            measured = f"{s['median']:.2f}x (min {s['min']:.2f}x, max {s['max']:.2f}x)"
+        elif s is not None:
+            measured = (f"{s['near']['median']:.2f}x and {s['far']['median']:.2f}x (min "
+                        f"{min(s['near']['min'], s['far']['min']):.2f}x)")
+        else:
+            measured = f"{c['ratio']:.2f}x"
+        lines.append(f"- {c['statement']}: {measured}: {'holds' if c['holds'] else 'DOES NOT HOLD'}")
+    lines += ["", "Runs (load from other processes, reference matmul speed):", ""]
+    lines += format_run_loads([r["load"] for r in result["runs"]])
+    lines += ["", f"Elapsed: {result['elapsed_seconds'] / 60:.1f} min.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "child":
+        print(json.dumps(_child(sys.argv[2], int(sys.argv[3]))))
+    elif len(sys.argv) == 6 and sys.argv[1] == "memory":
+        print(json.dumps(_memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])))
+    else:
+        raise SystemExit("usage: python -m linattn.bench.transformers child SIZES REPEATS | "
+                         "memory SUBJECT PATH N SIZES")

@@ -1,0 +1,40 @@
+"""`linattn bench transformers` end to end at its tiny sizes: both paths timed interleaved for every
+subject and pass, decoding at both positions, peak memory in fresh processes, result files written
+by the command (claims only at checkpoint sizes)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from linattn.bench import transformers as bench  # noqa: E402
+from linattn.cli import main  # noqa: E402
+
+
+def test_bench_transformers_tiny(tmp_path, capsys):
+    out = tmp_path / "bt"
+    assert main(["bench", "transformers", "--sizes", "tiny", "--runs", "1", "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads((out / "transformers.json").read_text())
+    md = (out / "transformers.md").read_text()
+    assert result["command"].startswith("linattn bench transformers --repeats 1 --runs 1 --sizes tiny")
+    want = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, plan in bench.PLAN.items() for p, ns in plan.items() for n in ns}
+    assert set(result["ratios"]) == want
+    child = result["runs"][0]["allocators"]["inherited"]
+    for key in want:
+        for path in bench.PATHS:
+            assert child["times"][key][path]["median_s"] > 0
+    assert set(result["decode_ratios"]) == {f"{s}/{bench._position(p, 'tiny')}" for s in bench.SUBJECTS
+                                            for p in bench.DECODE_POSITIONS}
+    assert len(result["memory"]) == sum(len(both) * 2 + len(alone) for both, alone in bench.MEMORY_PLAN.values())
+    assert all(b > 0 for b in result["memory"].values())
+    assert result["claims"] == {}  # the targets are the checkpoint widths'
+    assert "| gdn_layer | prefill | 64 |" in md and "| kda_layer | linattn | 1024 |" in md
+    assert "other processes' CPU share" in md
+
+
+def test_bench_transformers_refuses_bad_values(tmp_path):
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        bench.run_transformers(out=tmp_path, repeats=0)
+    with pytest.raises(ValueError, match="sizes must be one of"):
+        bench.run_transformers(out=tmp_path, sizes="huge")
