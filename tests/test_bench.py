@@ -23,7 +23,7 @@ TINY_LM = {"d_model": 16, "n_layers": 2, "n_heads": 2, "vocab_size": 50}
 
 def test_demo_tiny(tmp_path, capsys):
     result = run_demo((64, 128), out=tmp_path, generate_positions=(4, 8), generate_model=TINY_LM,
-                      measure_memory=False)
+                      measure_memory=False, transformers_model=dict(n=64, hidden_size=32, heads=2, head_dim=16))
     saved = json.loads((tmp_path / "demo.json").read_text())
     # the load and the machine's speed it measured are in the JSON, demo.md and the printed summary
     share, ref = saved["load"]["other_cpu_share"], saved["load"]["reference_gflops"]
@@ -49,6 +49,14 @@ def test_demo_tiny(tmp_path, capsys):
     # a verdict of False comes with its one-line reason (the tiny model reads its weights each step too)
     faster = next(v for k, v in saved["generate"]["claim"].items() if "faster than" in k)
     assert ("- why not: at batch 1 every decoding step reads all" in md) is (not faster)
+    # part 4: transformers' models on linattn; packed documents, which transformers' own path gets wrong
+    part = saved["transformers"]
+    assert part["prefill"]["n"] == 64 and part["prefill"]["linattn_s"] > 0 and part["prefill"]["transformers_s"] > 0
+    for family in ("qwen3_5", "kimi_linear"):
+        assert part["packed"][family]["linattn"]["rel_err"] < 1e-6
+    assert "flash-linear-attention" in part["packed"]["qwen3_5"]["transformers"]["refused"]
+    assert part["packed"]["kimi_linear"]["transformers"]["rel_err"] > 1e-3
+    assert "## transformers' models on linattn" in md and "kimi_linear: linattn: " in md
 
 
 def test_demo_says_why_linear_is_not_5x_faster_at_its_positions():
@@ -80,7 +88,7 @@ def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, share, start, en
 
     assert OtherLoad.QUIET < 0.60 and 90.0 < REFERENCE_DRIFT * 200.0 < 195.0  # the cases straddle the thresholds
     result = run_demo((32,), out=tmp_path, generate_positions=(4,), generate_model=TINY_LM,
-                      measure_memory=False, load=_Load(share, start, end))
+                      measure_memory=False, load=_Load(share, start, end), transformers_part=False)
     printed, md = capsys.readouterr().out, (tmp_path / "demo.md").read_text()
     assert f"other processes used {share:.0%} of the CPU time" in md
     assert f"matmul ran at {start:.0f} GFLOP/s at the start, {end:.0f} at the end" in md

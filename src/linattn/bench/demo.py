@@ -8,7 +8,11 @@ Three parts, all written to ``report/`` (or ``--out``):
 2. the largest error of every registered mechanism's fast form against its reference form (float32
    vs float64), in each of its forms, read from the registry;
 3. per-token generation time of linear vs softmax + KV cache language models at two positions
-   (``bench/generate.py``, generate.json/md).
+   (``bench/generate.py``, generate.json/md);
+4. when transformers is installed (the transformers extra; ``make setup`` installs it): a small
+   Qwen3.5 hybrid's prefill on transformers' own path and on linattn, and packed documents through
+   Qwen3.5 and Kimi Linear, which transformers' own path refuses or mixes up
+   (``bench/transformers.py``'s ``demo_part``; seconds).
 demo.json and demo.md hold the summary (crossover N per mechanism, the table at the largest N, the
 errors, the generation claims, the load from other processes and a reference matmul's speed at the
 start and end, with a warning when the machine was busy: see ``harness.busy_reasons``); the summary
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -107,12 +112,15 @@ def fast_vs_reference_errors(n: int = ERRORS_N, d: int = 64, seed: int = 0) -> d
 
 def run_demo(ns=DEFAULT_NS, *, out: str | Path = "report", quiet: bool = False,
              generate_positions: tuple[int, ...] = GENERATE_POSITIONS, generate_model: dict | None = None,
-             measure_memory: bool = True, load: OtherLoad | None = None) -> dict:
+             measure_memory: bool = True, load: OtherLoad | None = None, transformers_part: bool | None = None,
+             transformers_model: dict | None = None) -> dict:
     """Run the three parts, write demo.json/md (and the parts' own files) to ``out``, print the
     summary; a progress bar on standard error follows the sweep (on a terminal, not ``quiet``).
 
     ``load`` measures how busy the machine was over the whole demo (default: an ``OtherLoad``
     with the reference matmul, started here); anything with its ``finish() -> dict`` will do.
+    ``transformers_part``: run part 4 (None: when transformers is installed); ``transformers_model``:
+    its model's sizes (``demo_part``'s keywords).
     """
     require_extra("bench", command="linattn demo")  # the sweep part draws plots
     output_folder(out)
@@ -121,23 +129,36 @@ def run_demo(ns=DEFAULT_NS, *, out: str | Path = "report", quiet: bool = False,
 
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     say = functools.partial(progress.say, quiet=quiet)
+    installed = importlib.util.find_spec("transformers") is not None
+    with_transformers = installed if transformers_part is None else transformers_part
+    if with_transformers and not installed:
+        require_extra("transformers", command="linattn demo (part 4)")
+    if not installed and transformers_part is None:
+        say("linattn demo: transformers is not installed, so part 4 (its models on linattn) is left out; "
+            "pip install 'linattn[transformers]' adds it")
     command = ("linattn demo" + ("" if tuple(ns) == DEFAULT_NS else " --ns " + ",".join(map(str, ns)))
                + ("" if str(out) == "report" else f" --out {out}"))
     t_start = time.perf_counter()
     load = load or OtherLoad(reference=True)
-    say(f"linattn demo [1/3]: sweep, forward+backward, N = {list(ns)}, B=1 H=8 D=64 float32, "
+    say(f"linattn demo [1/4]: sweep, forward+backward, N = {list(ns)}, B=1 H=8 D=64 float32, "
         f"{torch.get_num_threads()} threads")
     mechanisms = tuple(spec.default_config() for spec in MECHANISMS.values() if spec.name not in NOT_IN_DEMO)
     sweep = run_sweep(SweepConfig(mechanisms=mechanisms, ns=tuple(ns), passes=("forward+backward",), repeats=2,
                                   time_budget_s=TIME_BUDGET_S, measure_memory=measure_memory),
                       out=out, command=command + " (sweep part)", quiet=quiet, print_tables=False)
-    say(f"linattn demo [2/3]: each fast form against its reference form ({time.perf_counter() - t_start:.0f} s)")
+    say(f"linattn demo [2/4]: each fast form against its reference form ({time.perf_counter() - t_start:.0f} s)")
     errors = fast_vs_reference_errors(ERRORS_N)
-    say(f"linattn demo [3/3]: generation at positions {list(generate_positions)} "
+    say(f"linattn demo [3/4]: generation at positions {list(generate_positions)} "
         f"({time.perf_counter() - t_start:.0f} s)")
     gen = run_generate(out=out, positions=tuple(generate_positions), steps=10, quiet=True,
                        mechanisms=tuple(MECHANISMS[name].default_config() for name in ("linear", "softmax")),
                        **(generate_model or {}))
+    part4 = None
+    if with_transformers:
+        from .transformers import demo_part
+
+        say(f"linattn demo [4/4]: transformers' models on linattn ({time.perf_counter() - t_start:.0f} s)")
+        part4 = demo_part(**(transformers_model or {}))
     result = {
         "command": command,
         "machine": machine_info(),
@@ -147,6 +168,7 @@ def run_demo(ns=DEFAULT_NS, *, out: str | Path = "report", quiet: bool = False,
                                    "what": "max |diff| over output and q, k, v gradients", "errors": errors},
         "generate": {"config": gen["config"], "seconds_per_token": gen["seconds_per_token"], "claim": gen["claim"],
                      "why": _why_not_faster(gen)},
+        "transformers": part4,
         "elapsed_seconds": time.perf_counter() - t_start,
         "load": load.finish(),
     }
@@ -230,6 +252,10 @@ def format_summary(result: dict) -> str:
     lines += [f"- {k}: {v:.2f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in gen["claim"].items()]
     if gen.get("why"):
         lines.append(f"- why not: {gen['why']}")
+    if result.get("transformers"):
+        from .transformers import format_demo_part
+
+        lines += ["", *format_demo_part(result["transformers"])]
     return "\n".join(lines) + "\n"
 
 

@@ -380,6 +380,80 @@ def format_transformers(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# `linattn demo`'s part: seconds, not minutes
+# ---------------------------------------------------------------------------------------------
+
+DEMO_N = 2048
+
+
+def demo_part(*, n: int = DEMO_N, hidden_size: int = 512, heads: int = 8, head_dim: int = 64) -> dict:
+    """A small Qwen3.5 hybrid (``hidden_size``, 3 Gated DeltaNet layers of ``heads`` heads of
+    ``head_dim`` and one full-attention layer): prefill of ``n`` tokens on transformers' own path and
+    on linattn, interleaved (2 calls each after a warm-up round); then packed documents in tiny float64 Qwen3.5 and Kimi Linear models:
+    linattn's packed output against the documents one by one, and what transformers' own path does
+    with the same packed batch (refuses, or mixes the documents)."""
+    from ..integrations import transformers as lt
+
+    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+    config = lt.small_config("qwen3_5", hidden_size=hidden_size, heads=heads, key_heads=heads, head_dim=head_dim,
+                             vocab_size=1024)
+    torch.manual_seed(0)
+    model = lt.causal_lm(config)
+    ids = torch.randint(3, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    times = {p: [] for p in PATHS}
+    for rep in range(3):  # the first round warms up
+        for path in (PATHS if rep % 2 else PATHS[::-1]):
+            _switch(model, path, "qwen3_5")
+            t0 = time.perf_counter()
+            _call("gdn_model", model, config, ids, "prefill")
+            if rep:
+                times[path].append(time.perf_counter() - t0)
+    prefill = {"n": n, "hidden_size": hidden_size, "heads": heads, "head_dim": head_dim,
+               **{f"{p}_s": median(t) for p, t in times.items()}}
+    prefill["ratio"] = prefill["transformers_s"] / prefill["linattn_s"]
+    packed = {}
+    lengths = [7, 1, 12, 5]
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(3, 99, (1, n), generator=g) for n in lengths]
+    kwargs = dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False)
+    for family in ("qwen3_5", "kimi_linear"):
+        torch.manual_seed(0)
+        tiny = lt.causal_lm(lt.small_config(family), dtype=torch.float64, experts_implementation="eager")
+        row = {}
+        with torch.no_grad():
+            for path in ("linattn", "transformers"):
+                _switch(tiny, path, family)
+                alone = torch.cat([tiny(d, use_cache=False).logits[0] for d in docs])
+                try:
+                    got = tiny(torch.cat(docs, 1), **kwargs).logits[0]
+                    row[path] = {"rel_err": float((got - alone).abs().max() / alone.abs().max())}
+                except ValueError as err:
+                    row[path] = {"refused": str(err).split(".")[0]}
+        packed[family] = row
+    return {"prefill": prefill, "packed": packed, "documents": lengths}
+
+
+def format_demo_part(part: dict) -> list[str]:
+    p = part["prefill"]
+    lines = [f"## transformers' models on linattn (`linattn.integrations.transformers`)", "",
+             f"A small Qwen3.5 hybrid (hidden {p['hidden_size']}, 3 Gated DeltaNet layers of {p['heads']} heads of "
+             f"{p['head_dim']}, 1 full-attention layer), prefill of {p['n']} tokens, the same weights on both paths, interleaved: transformers' own "
+             f"PyTorch path {format_seconds(p['transformers_s'])}, linattn {format_seconds(p['linattn_s'])}: "
+             f"{p['ratio']:.1f}x. Checkpoint widths: `linattn bench transformers`.", "",
+             f"Packed documents (lengths {part['documents']}, one batch row, `cu_seq_lens_q`), float64, largest "
+             "difference from running the documents one by one, relative to the logits' scale:", ""]
+    for family, row in part["packed"].items():
+        cells = []
+        for path in ("linattn", "transformers"):
+            r = row[path]
+            cells.append(f"{path}: " + (f"{r['rel_err']:.1e}" if "rel_err" in r else f"refused (\"{r['refused']}\")"))
+        lines.append(f"- {family}: " + "; ".join(cells))
+    return lines
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "child":
         print(json.dumps(_child(sys.argv[2], int(sys.argv[3]))))
