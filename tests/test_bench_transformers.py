@@ -24,12 +24,12 @@ def test_bench_transformers_tiny(tmp_path, capsys):
     for key in want:
         for path in bench.PATHS:
             assert child["times"][key][path]["median_s"] > 0
-    assert set(result["decode_ratios"]) == {f"{s}/{bench._position(p, 'tiny')}" for s in bench.SUBJECTS
+    assert set(result["decode_ratios"]) == {f"{s}/{bench._position(p, 'tiny')}" for s in bench.DECODED
                                             for p in bench.DECODE_POSITIONS}
     assert len(result["memory"]) == sum(len(both) * 2 + len(alone) for both, alone in bench.MEMORY_PLAN.values())
     assert all(b > 0 for b in result["memory"].values())
     assert result["claims"] == {}  # the targets are the checkpoint widths'
-    assert "| gdn_layer | prefill | 64 |" in md and "| kda_layer | linattn | 1024 |" in md
+    assert "| gdn_core | prefill | 64 |" in md and "| kda_core | linattn | 1024 |" in md
     assert "other processes' CPU share" in md
 
 

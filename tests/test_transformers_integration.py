@@ -297,3 +297,26 @@ def test_import_linattn_does_not_import_transformers():
     code = ("import sys, linattn, linattn.integrations, linattn.functional; "
             "assert 'transformers' not in sys.modules, 'imported transformers'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])
+def test_delta_rule_is_a_drop_in_for_transformers_function(name):
+    """``lt.delta_rule`` against the function the family's layer calls, with q/k normalisation in
+    the kernel, an initial state and the final state, grouped value heads for the gated delta rule."""
+    import importlib
+
+    module = importlib.import_module(lt.FAMILIES[name].module)
+    kda = lt.FAMILIES[name].rule == "kda"
+    theirs = module.chunk_kimi_delta_attention if kda else module.torch_chunk_gated_delta_rule
+    g = torch.Generator().manual_seed(9)
+    B, N, Hk, H, D = 2, 45, (3 if kda else 1), 3, 16
+    q, k = (torch.randn(B, N, Hk, D, generator=g) for _ in range(2))
+    v = torch.randn(B, N, H, D, generator=g)
+    decay = -torch.rand(B, N, H, *((D,) if kda else ()), generator=g)
+    beta = torch.rand(B, N, H, generator=g)
+    s0 = torch.randn(B, H, D, D, generator=g)
+    want, want_s = theirs(q, k, v, g=decay, beta=beta, initial_state=s0, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+    got, got_s = lt.delta_rule(q, k, v, decay, beta, initial_state=s0, output_final_state=True,
+                               l2norm=lt.FAMILIES[name].l2norm)
+    assert _rel(want, got) < 1e-5 and _rel(want_s, got_s) < 1e-5

@@ -76,6 +76,7 @@ __all__ = [
     "SMALL_LAYER_TYPES",
     "attach",
     "causal_lm",
+    "delta_rule",
     "detach",
     "disable",
     "enable",
@@ -267,21 +268,50 @@ def _reference_packed(q, k, v, beta, log_decay, cu_seqlens):
     return torch.cat(outs, dim=2)
 
 
-def _recurrence(form: str, q, k, v, beta, log_decay, state, want_state: bool, cu_seqlens):
-    """``q, k (B, Hk, N, Dk)``, ``v (B, H, N, Dv)``, ``beta (B, H, N)``, ``log_decay (B, H, N[, Dk])``,
-    ``state (B, H, Dk, Dv)`` or None -> ``(B, H, N, Dv)`` and the final state (or None)."""
-    initial = None if state is None else DecayedState(state)
+def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
+               initial_state: Tensor | None = None, output_final_state: bool = False,
+               l2norm: Literal["rsqrt", "divide"] = "rsqrt", cu_seqlens: Tensor | None = None,
+               form: Form = "chunked") -> tuple[Tensor, Tensor | None]:
+    """The gated delta rule (per-head ``g``) or KDA (per-channel ``g``) in transformers' layout and
+    semantics, on linattn: what the replacement layers run, and a drop-in for transformers'
+    ``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention`` with
+    ``use_qk_l2norm_in_kernel=True``. Computes in float32 (float64 for float64 inputs); the output
+    has the query's dtype, the state the compute dtype.
+
+    Args:
+        query, key: ``(B, N, Hk, Dk)``; value ``(B, N, H, Dv)`` with H a multiple of Hk.
+        g: log decays ``(B, N, H)`` (per head) or ``(B, N, H, Dk)`` (per key channel), <= 0.
+        beta: ``(B, N, H)`` in [0, 2].
+        initial_state: None or ``(B, H, Dk, Dv)`` (``(n, H, Dk, Dv)`` with ``cu_seqlens``).
+        output_final_state: also return the state after the last position.
+        l2norm: the family's normalisation of q and k: ``"rsqrt"`` x rsqrt(sum x^2 + 1e-6) (Qwen,
+            OLMo), ``"divide"`` x / sqrt(sum x^2 + 1e-6) (Kimi, GLM5, Bailing).
+        cu_seqlens: None or int64 ``(n + 1,)`` offsets of n documents packed along N (B = 1).
+        form: ``"chunked"`` or ``"reference"`` (linattn's recurrence, a loop over positions).
+
+    Returns ``(out (B, N, H, Dv), state (B, H, Dk, Dv) or None)``.
+    """
+    ct = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = _l2norm(query.transpose(1, 2).to(ct), l2norm)  # (B, Hk, N, Dk)
+    k = _l2norm(key.transpose(1, 2).to(ct), l2norm)  # (B, Hk, N, Dk)
+    v = value.transpose(1, 2).to(ct)  # (B, H, N, Dv)
+    beta = beta.transpose(1, 2).to(ct)  # (B, H, N)
+    log_decay = g.transpose(1, 2).to(ct)  # (B, H, N[, Dk])
+    initial = None if initial_state is None else DecayedState(initial_state.to(ct))
     if form == "reference":
         if cu_seqlens is not None:
-            return _reference_packed(q, k, v, beta, log_decay, cu_seqlens), None
-        out, new = delta_rule_attention_reference(q, k, v, beta, log_decay=log_decay, initial_state=initial,
-                                                  return_state=True)
-        return out, (new.s if want_state else None)
-    options = dict(log_decay=log_decay, initial_state=initial, cu_seqlens=cu_seqlens)
-    if want_state:
-        out, new = delta_rule_attention(q, k, v, beta, return_state=True, **options)
-        return out, new.s
-    return delta_rule_attention(q, k, v, beta, **options), None
+            out, new = _reference_packed(q, k, v, beta, log_decay, cu_seqlens), None
+        else:
+            out, new = delta_rule_attention_reference(q, k, v, beta, log_decay=log_decay, initial_state=initial,
+                                                      return_state=True)
+    elif output_final_state:
+        out, new = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=initial,
+                                        return_state=True, cu_seqlens=cu_seqlens)
+    else:
+        out, new = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=initial,
+                                        cu_seqlens=cu_seqlens), None
+    state = new.s if (output_final_state and new is not None) else None
+    return out.transpose(1, 2).to(query.dtype), state  # (B, N, H, Dv)
 
 
 def _forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
@@ -309,21 +339,12 @@ def _forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Ten
     p = family.project(self, hidden_states)
     mixed = _convolve(self, p.mixed, cache_params, cu_seqlens)  # (B, N, C)
     q, k, v = torch.split(mixed, [Hk * Dk, Hk * Dk, H * Dv], dim=-1)
-    # the recurrence runs in float32 whatever the model's dtype (float64 for a float64 model)
-    ct = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-    q = _l2norm(q.reshape(B, N, Hk, Dk).transpose(1, 2).to(ct), family.l2norm)  # (B, Hk, N, Dk)
-    k = _l2norm(k.reshape(B, N, Hk, Dk).transpose(1, 2).to(ct), family.l2norm)  # (B, Hk, N, Dk)
-    v = v.reshape(B, N, H, Dv).transpose(1, 2).to(ct)  # (B, H, N, Dv)
-    beta = p.beta.transpose(1, 2).to(ct)  # (B, H, N)
-    log_decay = p.log_decay.transpose(1, 2).to(ct)  # (B, H, N[, Dk])
-    state = None
-    if cache_params is not None:
-        state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)  # (B, H, Dk, Dv) or None
-        state = None if state is None else state.to(ct)
-    out, new = _recurrence(self._linattn_form, q, k, v, beta, log_decay, state, cache_params is not None, cu_seqlens)
+    state = None if cache_params is None else cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
+    out, new = delta_rule(q.reshape(B, N, Hk, Dk), k.reshape(B, N, Hk, Dk), v.reshape(B, N, H, Dv), p.log_decay,
+                          p.beta, initial_state=state, output_final_state=cache_params is not None,
+                          l2norm=family.l2norm, cu_seqlens=cu_seqlens, form=self._linattn_form)  # (B, N, H, Dv)
     if cache_params is not None:
         cache_params.update_recurrent_state(new, self.layer_idx)
-    out = out.transpose(1, 2).to(hidden_states.dtype)  # (B, N, H, Dv)
     out = getattr(self, family.norm)(out, p.gate).reshape(B, N, H * Dv)
     return getattr(self, family.out_proj)(out)
 
