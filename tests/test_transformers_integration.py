@@ -189,6 +189,11 @@ def test_saved_model_loads_without_linattn(tmp_path):
     ids = torch.randint(3, 99, (1, 17), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert _rel(ours(ids).logits, loaded(ids).logits) < 1e-5
+    with lt.enabled():  # and from_pretrained after enable() builds linattn's layers
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert sum(isinstance(m, lt.replacement_class("qwen3_5")) for m in again.modules()) == 3
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, again(ids).logits)
 
 
 def test_enable_disable_and_the_context_manager():
