@@ -13,7 +13,7 @@ import linattn.experiments
 import linattn.train
 
 SRC = Path(linattn.__file__).parent
-TOP = {"bench", "cli", "train", "experiments", "convert"}
+TOP = {"bench", "cli", "train", "experiments", "convert", "integrations"}
 # distributed (context parallelism) sits at the functional tier: it may import functional only
 HIGHER = {"functional": {"nn", "models", "distributed"} | TOP, "nn": {"models"} | TOP, "models": TOP,
           "datasets": {"functional", "nn", "models"} | TOP,

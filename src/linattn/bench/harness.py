@@ -334,7 +334,7 @@ def proc_status_kib(field_name: str) -> int:
     raise RuntimeError(f"{field_name} not in /proc/self/status")
 
 
-def _release_free_heap() -> None:
+def release_free_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc ``malloc_trim``), so that the baseline is
     the live memory: pages the warm-up freed but left resident would otherwise be reused by the
     measured call unseen, and its peak would read low by however much the warm-up happened to
@@ -359,7 +359,7 @@ def _memory_child(case_json: str) -> None:
         call(case, inputs, fn)
         print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated(case.device) - base}))
         return
-    _release_free_heap()
+    release_free_heap()
     base = proc_status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset the high-water mark VmHWM to the current RSS

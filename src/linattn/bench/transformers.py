@@ -263,7 +263,7 @@ def _child(sizes: str, repeats: int) -> dict:
 def _memory_child(subject: str, path: str, n: int, sizes: str) -> dict:
     """Peak RSS above the weights and inputs of one prefill (run in a fresh process)."""
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-    from .harness import _release_free_heap
+    from .harness import release_free_heap
 
     model, module, config = build(subject, sizes)
     family = _family(subject)
@@ -271,7 +271,7 @@ def _memory_child(subject: str, path: str, n: int, sizes: str) -> dict:
     short = _inputs(subject, module, config, 64, grad=False)
     _call(subject, module, config, short, "prefill", path)  # lazy initialisation first
     x = _inputs(subject, module, config, n, grad=False)
-    _release_free_heap()
+    release_free_heap()
     base = proc_status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # the high-water mark VmHWM back to the current RSS
