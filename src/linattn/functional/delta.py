@@ -190,8 +190,8 @@ class _Locals(NamedTuple):
     ``E (m, C, C)``: ``gamma_t / gamma_i = exp(G_t - G_i)`` for i <= t, 0 above the diagonal;
     ``gam (m, C)``: gamma_t; ``delta (m, C)``: gamma_C / gamma_t; ``gC (m,)``: gamma_C. These four
     are None without decay (E is then the lower-triangular ones matrix, applied as ``tril``).
-    ``KK (m, C, C)``: k_t . k_i; ``Tinv (m, C, C)``: ``T = (I + A)^-1``; ``X (m, C, Dv + D)``:
-    ``[Uv, W] = T [diag(beta) V, diag(beta gamma) K]``; ``P (m, C, C)``; ``Kd (m, C, D)``: delta k;
+    ``KK (m, C, C)``: k_t . k_i; ``Tinv (m, C, C)``: ``T = (I + A)^-1``; ``Uv (m, C, Dv)``:
+    ``T diag(beta) V``; ``W (m, C, D)``: ``T diag(beta gamma) K``; ``P (m, C, C)``; ``Kd (m, C, D)``: delta k;
     ``GQ (m, C, D)``: gamma q. With a gate per key channel (KDA) gamma, delta ``(m, C, D)`` and
     gC ``(m, D)`` hold one decay per channel, E is None, KK holds the decayed ``k_t . k_i`` scores
     (``sum_d k_td k_id gamma_td / gamma_id``, i < t) and ``channel`` what their backward needs.
@@ -203,7 +203,8 @@ class _Locals(NamedTuple):
     gC: Tensor | None
     KK: Tensor
     Tinv: Tensor
-    X: Tensor
+    Uv: Tensor
+    W: Tensor
     P: Tensor
     Kd: Tensor
     GQ: Tensor
@@ -242,17 +243,6 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.reshape(-1, 1, X), b.reshape(-1, X, 1)).view(a.shape[:-1])
 
 
-def _right_sides(v: Tensor, k: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
-    """``[wv v, wk k]`` ``(m, C, Dv + D)``, the two right-hand sides of ``(I + A) X = ...``, written
-    into one buffer (``wv (m, C, 1)``, ``wk (m, C, 1 | D)``): about a quarter faster than the two
-    products and a ``torch.cat`` at C = 16, D = Dv = 64."""
-    Dv = v.shape[-1]
-    rhs = v.new_empty(*v.shape[:-1], Dv + k.shape[-1])
-    torch.mul(v, wv, out=rhs[..., :Dv])
-    torch.mul(k, wk, out=rhs[..., Dv:])
-    return rhs
-
-
 def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_block: int,
             sub_chunk_size: int = 4, qk: Tensor | None = None) -> _Locals:
     """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b (m, C)``, ``g (m, C)`` (per head),
@@ -278,12 +268,16 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_
     bcol = b[:, :, None]
     A = (KK.tril(-1) if E is None else (KK * E).tril_(-1)).mul_(bcol)  # the unit diagonal is implicit
     Tinv = _unit_lower_inverse(A, solve_block)  # (I + A)^-1
-    X = torch.bmm(Tinv, _right_sides(v, k, bcol if gam is None else (b * gam)[:, :, None], bcol))  # [Uv, W]
+    # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
+    # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
+    # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
+    Uv = torch.bmm(Tinv, v * bcol)
+    W = torch.bmm(Tinv, k * (bcol if gam is None else (b * gam)[:, :, None]))
     P = torch.bmm(q, k.transpose(1, 2))  # (m, C, C)
     P = P.tril_() if E is None else P.mul_(E)
     Kd = k if delta is None else k * delta[:, :, None]
     GQ = q if gam is None else q * gam[:, :, None]
-    return _Locals(E, gam, delta, gC, KK, Tinv, X, P, Kd, GQ)
+    return _Locals(E, gam, delta, gC, KK, Tinv, Uv, W, P, Kd, GQ)
 
 
 def _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size, qk=None) -> _Locals:
@@ -310,8 +304,8 @@ def _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size, qk=None) -> _Loc
     reset = decays.reset
     bcol = b[:, :, None]
     Tinv = _unit_lower_inverse(KK * bcol, solve_block)  # (I + A)^-1, A = diag(beta) KK
-    X = torch.bmm(Tinv, _right_sides(v, k, gam * bcol, bcol))  # [Uv, W], (m, C, Dv + D)
-    return _Locals(None, gam, delta, gC, KK, Tinv, X, P, k * delta, q * gam, (c, qk, saved, reset))
+    Uv, W = torch.bmm(Tinv, v * bcol), torch.bmm(Tinv, k * (gam * bcol))  # as in _locals
+    return _Locals(None, gam, delta, gC, KK, Tinv, Uv, W, P, k * delta, q * gam, (c, qk, saved, reset))
 
 
 def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice) -> Tensor | None:
@@ -348,12 +342,11 @@ def _block_forward(q, k, v, b, g, st, solve_block, qk=None):
     n, R, _, Dv = st.shape
     n -= 1
     x = _locals(q, k, v, b, g, solve_block, qk=qk)
-    Uv, W = x.X[..., :Dv].view(n, R, C, Dv), x.X[..., Dv:].view(n, R, C, D)
+    U, W = x.Uv.view(n, R, C, Dv), x.W.view(n, R, C, D)  # U: Uv, made U chunk by chunk in place
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
     gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
-    U = st.new_empty(n, R, C, Dv)
     for c in range(n):  # the only sequential part, two (R, C|D, D) x (R, D, Dv) products a chunk
-        torch.baddbmm(Uv[c], W[c], st[c], alpha=-1, out=U[c])
+        U[c].baddbmm_(W[c], st[c], alpha=-1)
         if gC is None:
             torch.baddbmm(st[c], KdT[c], U[c], out=st[c + 1])
         else:
@@ -421,7 +414,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
     n, R, _, Dv = st.shape
     n -= 1
     x = _locals(q, k, v, b, g, solve_block, qk=qk)
-    W = x.X[..., Dv:]
+    W = x.W
     PtdO = torch.bmm(x.P.transpose(1, 2), do).view(n, R, C, Dv)  # P^T dO
     # (diag(gamma) Q)^T dO straight into dst[:n], where each chunk's state gradient then accumulates
     # in place: no separate buffer, and no out= pass that copies it over
@@ -438,7 +431,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
         dst[c].baddbmm_(WT[c], dU[c], alpha=-1)
     qf, kf, vf, bf, dof = q, k, v, b, do
     S, dSn, dU = st[:n].reshape(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
-    U = torch.baddbmm(x.X[..., :Dv], W, S, alpha=-1)  # (m, C, Dv)
+    U = torch.baddbmm(x.Uv, W, S, alpha=-1)  # (m, C, Dv); Uv is read again below
     dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
     if x.channel is not None:
         dq, *rest = _channel_block_grads(x, qf, kf, vf, bf, g, dof, S, dSn, U, dU, dP, need_g)
@@ -451,9 +444,8 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
     dRv = torch.bmm(x.Tinv.transpose(1, 2), dU)
     dRw = torch.baddbmm(dKd, dRv, S.transpose(1, 2), beta=0, alpha=-1)  # dKd: a (m, C, D) ignored (beta=0)
-    Dv = dRv.shape[-1]
     # dA = -strictly-lower([dRv, dRw] [Uv, W]^T)
-    dAE = torch.bmm(dRv, x.X[..., :Dv].transpose(1, 2)).baddbmm_(dRw, W.transpose(1, 2)).neg_().tril_(-1)
+    dAE = torch.bmm(dRv, x.Uv.transpose(1, 2)).baddbmm_(dRw, W.transpose(1, 2)).neg_().tril_(-1)
     if x.E is not None:
         dAE.mul_(x.E)  # dA o E
     bcol = bf[:, :, None]
@@ -500,17 +492,14 @@ def _channel_block_grads(x: _Locals, q, k, v, b, g, do, S, dSn, U, dU, dP, need_
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
     case, channel by channel."""
     c, qk, saved, reset = x.channel
-    Dv = v.shape[-1]
-    W = x.X[..., Dv:]
     dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
     dOS = torch.bmm(do, S.transpose(1, 2))  # dO S^T, (m, C, D)
-    dX = _right_sides(dU, torch.bmm(dU, S.transpose(1, 2)), -1.0, 1.0)  # [dUv, dW]
-    dRhs = torch.bmm(x.Tinv.transpose(1, 2), dX)  # [dRv, dRw]
-    dRv, dRw = dRhs[..., :Dv], dRhs[..., Dv:]
+    dRv = torch.bmm(x.Tinv.transpose(1, 2), dU)  # [dRv, dRw] as in _block_backward
+    dRw = torch.baddbmm(dKd, dRv, S.transpose(1, 2), beta=0, alpha=-1)  # dKd: a (m, C, D) ignored (beta=0)
     m, C, D = q.shape
     dscores = q.new_empty(m, 2, C, C)  # the gradients of P and of KK, as channel_scores gave them
     dscores[:, 0] = dP
-    dscores[:, 1] = torch.bmm(dRhs, x.X.transpose(1, 2))
+    dscores[:, 1] = torch.bmm(dRv, x.Uv.transpose(1, 2)).baddbmm_(dRw, x.W.transpose(1, 2))
     dA = dscores[:, 1].neg_().tril_(-1)  # d loss / d A, A = diag(beta) KK
     bcol = b[:, :, None]
     kdRw = k * dRw
