@@ -332,19 +332,31 @@ def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float
 def _block_forward(q, k, v, b, g, st, solve_block, qk=None):
     """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``,
     ``v (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``st (n + 1, R, D, Dv)`` holds the state
-    before the block in ``st[0]`` and receives the state after each chunk in ``st[1:]``.
-    Returns ``o (n*R, C, Dv)``.
+    before the block in ``st[0]`` and receives the state after each chunk in ``st[1:]``; or
+    ``st (1, R, D, Dv)`` (no states kept), the state before the block, updated in place to the
+    state after it. Returns ``o (n*R, C, Dv)``.
 
     The loop over chunks carries the state: ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``; the
     outputs ``O = diag(gamma) Q S + P U`` follow for all chunks at once.
     """
     m, C, D = q.shape
-    n, R, _, Dv = st.shape
-    n -= 1
+    R, Dv = st.shape[1], st.shape[-1]
+    n = m // R
     x = _locals(q, k, v, b, g, solve_block, qk=qk)
     U, W = x.Uv.view(n, R, C, Dv), x.W.view(n, R, C, D)  # U: Uv, made U chunk by chunk in place
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
     gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
+    if st.shape[0] == 1:
+        # No states kept (no backward): each chunk's outputs are formed in the loop, while its
+        # state is in cache, and the one state is then updated in place (an in-place scale, not a
+        # copy to a new chunk's slot; no (n + 1, R, D, Dv) buffer to walk through)
+        S, o = st[0], st.new_empty(n, R, C, Dv)
+        P, GQ = x.P.view(n, R, C, C), x.GQ.view(n, R, C, D)
+        for c in range(n):
+            U[c].baddbmm_(W[c], S, alpha=-1)
+            torch.bmm(P[c], U[c], out=o[c]).baddbmm_(GQ[c], S)
+            (S if gC is None else S.mul_(gC[c])).baddbmm_(KdT[c], U[c])
+        return o.view(m, C, Dv)
     for c in range(n):  # the only sequential part, two (R, C|D, D) x (R, D, Dv) products a chunk
         U[c].baddbmm_(W[c], st[c], alpha=-1)
         if gC is None:
@@ -359,8 +371,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states=Tru
     ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``,
     on the :class:`~linattn.functional.chunks.ChunkLayout` ``lay`` (its tiles are the blocks);
     ``solve_block``: see :func:`_unit_lower_inverse`. Without ``keep_states`` (no backward will
-    read them) the states are one block's, in a buffer reused block after block: the last of the
-    returned ``(n + 1, R, D, Dv)`` is then still the final state."""
+    read them) there is one state, updated in place chunk after chunk: the returned
+    ``(1, R, D, Dv)`` is the final state."""
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
@@ -368,22 +380,15 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states=Tru
     tiles = lay.tiles()
     # Kept, the states are (Nc + 1) (D, Dv) matrices per row: N D Dv / C numbers, several times the
     # size of v when Dv > C, written once and read only by the backward
-    states = v.new_empty((lay.Nc if keep_states else max(t.stop - t.start for t in tiles)) + 1, R, D, Dv)
+    states = v.new_empty((lay.Nc if keep_states else 0) + 1, R, D, Dv)
     states[0] = s0
     per_channel = g is not None and g.dim() == 3
-    last = 0
     for blk in tiles:
-        n = blk.stop - blk.start
-        if keep_states:
-            st = states[blk.start:blk.stop + 1]
-        else:
-            if last:
-                states[0] = states[last]
-            st, last = states[: n + 1], n
+        st = states[blk.start:blk.stop + 1] if keep_states else states
         qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
         ob = _block_forward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), st, solve_block, qk)
         lay.put(o, blk, ob)
-    return lay.unchunked(o), (states if keep_states else states[: last + 1])
+    return lay.unchunked(o), states
 
 
 def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=None):
