@@ -89,7 +89,7 @@ from .checks import (
 from .chunks import ChunkLayout
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
-from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
+from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, varlen_layout
 
@@ -259,10 +259,12 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_
         # digits without float64 (log_decays.py). G does not increase, so the differences are <= 0
         # on and below the diagonal; clamping those above it to 0 before the exp (then zeroing
         # them) keeps every exponentiated number <= 0.
+        # Factors below NEGLIGIBLE_DECAY are flushed to exactly 0: they would leave subnormal
+        # numbers in the products below (log_decays.py).
         G = CumulativeLogDecay.of(g, -1)
-        E = (G[:, :, None] - G[:, None, :]).clamp_(max=0).exp_().tril_()  # (m, C, C)
-        gam = G.exp()
-        delta = (G[:, -1:] - G).exp_()
+        E = flush_negligible((G[:, :, None] - G[:, None, :]).clamp_(max=0).exp_().tril_())  # (m, C, C)
+        gam = flush_negligible(G.exp())
+        delta = flush_negligible((G[:, -1:] - G).exp_())
         gC = gam[:, -1]
     KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
     bcol = b[:, :, None]

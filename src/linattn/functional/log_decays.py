@@ -29,13 +29,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["RESET_LOG_DECAY", "RESET_STEP", "CumulativeLogDecay"]
+__all__ = ["NEGLIGIBLE_DECAY", "RESET_LOG_DECAY", "RESET_STEP", "CumulativeLogDecay", "flush_negligible"]
 
 # A log decay below this is a reset (a decay of exactly 0) inside the chunked forms.
 RESET_LOG_DECAY = -40.0
 # What each reset adds to a cumulative log decay: any difference across a reset is at most this
 # plus 40 per position of a chunk (C <= 256 keeps it below -5000), and exp of it is exactly 0.
 RESET_STEP = -1.0e4
+# A decay factor (a product of decays, scale 1) below this is taken as exactly 0, as one step's
+# decay below exp(RESET_LOG_DECAY) is: what it would multiply is 4e-18 of its scale, far below any
+# float's resolution, and left in, the products of such factors fall into the subnormal range,
+# where CPUs compute some 5-10x slower (matrix products on several threads: flush-to-zero modes are
+# per thread). Trained Gated DeltaNet layers have such decays (A up to 16: a chunk's cumulative
+# decay reaches exp(-100) and less).
+NEGLIGIBLE_DECAY = 4.248354255291589e-18  # exp(RESET_LOG_DECAY)
+
+
+def flush_negligible(factors: Tensor) -> Tensor:
+    """``factors`` (decay factors in [0, 1]) with those below :data:`NEGLIGIBLE_DECAY` set to 0, in
+    place; returns it."""
+    return factors.masked_fill_(factors < NEGLIGIBLE_DECAY, 0.0)
 
 
 class CumulativeLogDecay:

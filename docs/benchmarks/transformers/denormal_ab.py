@@ -1,0 +1,108 @@
+"""The flush of negligible decay factors (functional/log_decays.py, NEGLIGIBLE_DECAY) against the
+engine before it, at Qwen3.5-0.8B's Gated DeltaNet width with the decays its layers have.
+
+    .venv/bin/python docs/benchmarks/transformers/denormal_ab.py OLD_REV
+
+Builds OLD_REV's package into a temporary folder (renamed linattn_old, its custom ops renamed),
+then, in 3 fresh processes, times ``linattn.integrations.transformers.delta_rule`` of both
+interleaved (docs/benchmarks/ab.py), B = 1, H = 16, Dk = Dv = 128, float32, 2 threads, with log
+decays as a Qwen3.5 layer computes them at initialisation: -A softplus(a + dt_bias), A uniform in
+[0.01, 16] per head, dt_bias 1, a ~ N(0, 1) (so a chunk's cumulative decay reaches exp(-100) and
+less); and with the mild decays of `bench transformers`' core (log-sigmoid(N(0, 1) + 4)) as control.
+Writes denormal_ab.json and denormal_ab.md beside this file.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+SETTINGS = (("layer decays", "prefill", 1024), ("layer decays", "prefill", 4096), ("layer decays", "train", 1024),
+            ("mild decays", "prefill", 4096))
+
+
+def child(old_src: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, old_src)
+    sys.path.insert(0, str(ROOT / "docs" / "benchmarks"))
+    from ab import interleaved
+
+    import linattn.integrations.transformers as new
+    import linattn_old.integrations.transformers as old
+
+    torch.set_num_threads(2)
+    out = {}
+    for decays, pass_, n in SETTINGS:
+        g = torch.Generator().manual_seed(0)
+        x = {name: torch.randn(1, n, 16, 128, generator=g) for name in ("query", "key", "value")}
+        if decays == "layer decays":
+            A = torch.empty(16).uniform_(0.01, 16, generator=g)
+            x["g"] = -A * F.softplus(torch.randn(1, n, 16, generator=g) + 1.0)
+        else:
+            x["g"] = F.logsigmoid(torch.randn(1, n, 16, generator=g) + 4)
+        x["beta"] = torch.sigmoid(torch.randn(1, n, 16, generator=g))
+        x = {k: t.requires_grad_(pass_ == "train") for k, t in x.items()}
+
+        def f(package):
+            args = (x["query"], x["key"], x["value"], x["g"], x["beta"])
+            if pass_ == "prefill":
+                with torch.no_grad():
+                    package.delta_rule(*args, output_final_state=True)
+            else:
+                for t in x.values():
+                    t.grad = None
+                o, _ = package.delta_rule(*args)
+                o.backward(torch.ones_like(o))
+
+        out[f"{decays}/{pass_}/{n}"] = interleaved(f, new, old, 5)
+    out["load"] = os.getloadavg()
+    return out
+
+
+def main(old_rev: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(f"git -C {ROOT} archive {old_rev} src/linattn | tar -x -C {tmp}", shell=True, check=True)
+        old = Path(tmp) / "src" / "linattn_old"
+        (Path(tmp) / "src" / "linattn").rename(old)
+        for path in old.rglob("*.py"):
+            text = path.read_text()
+            if '"linattn::' in text:
+                path.write_text(text.replace('"linattn::', '"linattn_old::'))
+        runs = []
+        for _ in range(3):
+            proc = subprocess.run([sys.executable, __file__, "child", str(Path(tmp) / "src")], capture_output=True,
+                                  text=True, check=True)
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    keys = [f"{d}/{p}/{n}" for d, p, n in SETTINGS]
+    result = {"command": f"python docs/benchmarks/transformers/denormal_ab.py {old_rev}", "runs": runs,
+              "new/old": {k: {"median": statistics.median(r[k]["new/old"] for r in runs),
+                              "min": min(r[k]["new/old"] for r in runs), "max": max(r[k]["new/old"] for r in runs)}
+                          for k in keys}}
+    (HERE / "denormal_ab.json").write_text(json.dumps(result, indent=2))
+    lines = ["# Flushing negligible decay factors: the delta rule against the engine before it", "",
+             f"Written by `{result['command']}` (see its docstring). new/old time, 3 runs in fresh processes of 5 "
+             "interleaved calls each; median (min-max). Each run's medians in seconds are in denormal_ab.json.", "",
+             "| decays | pass | N | new/old | old s (run 1) | new s (run 1) |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for k in keys:
+        d, p, n = k.split("/")
+        s = result["new/old"][k]
+        lines.append(f"| {d} | {p} | {n} | {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}x) | "
+                     f"{runs[0][k]['old']:.3f} | {runs[0][k]['new']:.3f} |")
+    lines += ["", "Load average (1 min) at the end of each run: "
+              + ", ".join(f"{r['load'][0]:.2f}" for r in runs), ""]
+    (HERE / "denormal_ab.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "child":
+        print(json.dumps(child(sys.argv[2])))
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "HEAD")
