@@ -123,16 +123,25 @@ def test_greedy_generate_with_the_cache(name):
     assert _rel(cache.get_recurrent_state(layer), step.get_recurrent_state(layer)) < 1e-5
 
 
+PACKED_LENGTHS = [5, 1, 9, 4, 7]  # a one-token document and documents shorter than the convolution
+
+
+def _packed_batch(lengths, generator):
+    """Random documents of ``lengths`` and the keyword arguments of their packed batch (one row),
+    as transformers' flattening collator gives them (``position_ids`` and ``cu_seq_lens_*``)."""
+    docs = [torch.randint(3, 99, (1, n), generator=generator) for n in lengths]
+    cu = torch.tensor([0] + list(lengths)).cumsum(0)
+    return docs, dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None], cu_seq_lens_q=cu,
+                      cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_packed_documents_equal_one_by_one_and_transformers_does_not(name):
     layers = LINEAR_ONLY.get(name, lt.SMALL_LAYER_TYPES)
     theirs, ours = _pair(name, config=lt.small_config(name, layer_types=layers), **F64)
-    lengths = [5, 1, 9, 4, 7]  # a one-token document and documents shorter than the convolution
     g = torch.Generator().manual_seed(4)
-    docs = [torch.randint(3, 99, (1, n), generator=g) for n in lengths]
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    packed = dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None], cu_seq_lens_q=cu,
-                  cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False)
+    docs, packed = _packed_batch(PACKED_LENGTHS, g)
+    cu = packed["cu_seq_lens_q"]
     with torch.no_grad():
         alone = torch.cat([ours(d, use_cache=False).logits[0] for d in docs])
         got = ours(torch.cat(docs, 1), **packed).logits[0]

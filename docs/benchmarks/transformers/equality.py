@@ -49,12 +49,7 @@ def family_row(name: str) -> dict:
                                            True)
     layers = T.LINEAR_ONLY.get(name, lt.SMALL_LAYER_TYPES)
     theirs, ours = T._pair(name, config=lt.small_config(name, layer_types=layers), **T.F64)
-    lengths = [5, 1, 9, 4, 7]
-    g = torch.Generator().manual_seed(4)
-    docs = [torch.randint(3, 99, (1, n), generator=g) for n in lengths]
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    packed = dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None], cu_seq_lens_q=cu,
-                  cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False)
+    docs, packed = T._packed_batch(T.PACKED_LENGTHS, torch.Generator().manual_seed(4))
     with torch.no_grad():
         alone = torch.cat([ours(d, use_cache=False).logits[0] for d in docs])
         row["packed_linattn"] = T._rel(alone, ours(torch.cat(docs, 1), **packed).logits[0])
