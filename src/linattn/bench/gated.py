@@ -51,7 +51,7 @@ from .harness import (
     format_spread_cells,
     machine_info,
     median,
-    proc_status_kib,
+    peak_rss_bytes,
     run_repeated,
     spread,
     time_calls,
@@ -241,12 +241,14 @@ def _memory_child(name: str, n: int) -> dict:
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     x = make_inputs(n)
     fn = forms(x)[name]
-    base = proc_status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # the high-water mark VmHWM back to the current RSS
-    o = fn()
-    o.backward(torch.ones_like(o))
-    peak = (proc_status_kib("VmHWM") - base) * 1024
+    o = None
+
+    def forward_backward() -> None:
+        nonlocal o
+        o = fn()
+        o.backward(torch.ones_like(o))
+
+    peak = peak_rss_bytes(forward_backward)
     finite = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(t.grad).all())
                                                     for t in x.values() if t.grad is not None)
     o = o.detach()

@@ -345,6 +345,16 @@ def release_free_heap() -> None:
         pass
 
 
+def peak_rss_bytes(fn: Callable[[], object]) -> int:
+    """Peak resident set size above the current one while ``fn()`` runs, in bytes (Linux: the
+    high-water mark VmHWM, reset to the current RSS through /proc/self/clear_refs just before)."""
+    base = proc_status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # reset the high-water mark VmHWM to the current RSS
+    fn()
+    return (proc_status_kib("VmHWM") - base) * 1024
+
+
 def _memory_child(case_json: str) -> None:
     case = Case.from_dict(json.loads(case_json))
     fn = attention_fn(case)  # the module and its parameters exist before the baseline
@@ -360,12 +370,7 @@ def _memory_child(case_json: str) -> None:
         print(json.dumps({"peak_bytes": torch.cuda.max_memory_allocated(case.device) - base}))
         return
     release_free_heap()
-    base = proc_status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset the high-water mark VmHWM to the current RSS
-    call(case, inputs, fn)
-    peak = proc_status_kib("VmHWM")
-    print(json.dumps({"peak_bytes": (peak - base) * 1024}))
+    print(json.dumps({"peak_bytes": peak_rss_bytes(lambda: call(case, inputs, fn))}))
 
 
 def run_child(module: str, args: list[str], env: dict[str, str], *, timeout: float = 3600) -> dict:

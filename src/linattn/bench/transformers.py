@@ -48,7 +48,6 @@ from .harness import (
     machine_info,
     median,
     output_folder,
-    proc_status_kib,
     run_repeated,
     spread,
     write_atomically,
@@ -123,15 +122,13 @@ def build(subject: str, sizes: str):
     return model, layer, config
 
 
-def _switch(module, path: str, family: str) -> None:
+def _switch(module, path: str) -> None:
+    """Put ``module``'s linear-attention layers on ``path``: linattn's replacement class
+    (``attach``) or transformers' own (``detach``). A core subject's functions are picked per call."""
     from ..integrations import transformers as lt
 
-    if isinstance(module, dict):  # a core subject: the function is picked per call
-        return
-    ours = lt.replacement_class(family)
-    for m in module.modules():
-        if isinstance(m, ours.__mro__[1]):
-            m.__class__ = ours if path == "linattn" else ours.__mro__[1]
+    if not isinstance(module, dict):
+        lt.attach(module) if path == "linattn" else lt.detach(module)
 
 
 def _n(n: int, sizes: str) -> int:
@@ -191,14 +188,14 @@ def _call(subject: str, module, config, x, pass_: str, path: str = "linattn") ->
         module(x, labels=x, use_cache=False).loss.backward()
 
 
-def _time_pass(subject, module, config, family, pass_, n, repeats) -> dict:
+def _time_pass(subject, module, config, pass_, n, repeats) -> dict:
     x = _inputs(subject, module, config, n, grad=pass_ == "train")
     times = {p: [] for p in PATHS}
     first = 0 if _warm(subject, n) else 1  # round 0 warms up, interleaved like the others
     for rep in range(first, repeats + 1):
         order = PATHS if rep % 2 else PATHS[::-1]
         for path in order:
-            _switch(module, path, family)
+            _switch(module, path)
             t0 = time.perf_counter()
             _call(subject, module, config, x, pass_, path)
             if rep:
@@ -206,7 +203,7 @@ def _time_pass(subject, module, config, family, pass_, n, repeats) -> dict:
     return {p: {"median_s": median(t), "all_s": t} for p, t in times.items()}
 
 
-def _decode(subject, module, config, family, position: int, steps: int) -> dict:
+def _decode(subject, module, config, position: int, steps: int) -> dict:
     """Median seconds per decoding step after ``position`` tokens, the paths interleaved step by step
     on caches of their own (prefilled by linattn: same states' shapes, less waiting)."""
     from transformers import DynamicCache
@@ -214,7 +211,7 @@ def _decode(subject, module, config, family, position: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(2)
     caches = {}
     with torch.no_grad():
-        _switch(module, "linattn", family)
+        _switch(module, "linattn")
         for path in PATHS:
             if subject.endswith("layer"):
                 caches[path] = DynamicCache(config=config)
@@ -225,7 +222,7 @@ def _decode(subject, module, config, family, position: int, steps: int) -> dict:
         times = {p: [] for p in PATHS}
         for step in range(steps + 2):  # two warm-up steps each
             for path in (PATHS if step % 2 else PATHS[::-1]):
-                _switch(module, path, family)
+                _switch(module, path)
                 if subject.endswith("layer"):
                     x = torch.randn(1, 1, config.hidden_size, generator=g)
                     t0 = time.perf_counter()
@@ -244,18 +241,16 @@ def _child(sizes: str, repeats: int) -> dict:
     out: dict = {"times": {}, "decode": {}}
     for subject in SUBJECTS:
         model, module, config = build(subject, sizes)
-        family = _family(subject)
         if model is not None:
             module.train(False)
         for pass_, ns in PLAN[subject].items():
             for n in map(functools.partial(_n, sizes=sizes), ns):
-                out["times"][f"{subject}/{pass_}/{n}"] = _time_pass(subject, module, config, family, pass_, n, repeats)
+                out["times"][f"{subject}/{pass_}/{n}"] = _time_pass(subject, module, config, pass_, n, repeats)
         if subject not in DECODED:
             continue
         for position in map(functools.partial(_position, sizes=sizes), DECODE_POSITIONS):
-            out["decode"][f"{subject}/{position}"] = _decode(subject, module, config, family, position,
+            out["decode"][f"{subject}/{position}"] = _decode(subject, module, config, position,
                                                              DECODE_STEPS if sizes == "checkpoint" else 4)
-        _switch(module, "linattn", family)
         del model, module
     return out
 
@@ -263,20 +258,15 @@ def _child(sizes: str, repeats: int) -> dict:
 def _memory_child(subject: str, path: str, n: int, sizes: str) -> dict:
     """Peak RSS above the weights and inputs of one prefill (run in a fresh process)."""
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
-    from .harness import release_free_heap
+    from .harness import peak_rss_bytes, release_free_heap
 
     model, module, config = build(subject, sizes)
-    family = _family(subject)
-    _switch(module, path, family)
+    _switch(module, path)
     short = _inputs(subject, module, config, 64, grad=False)
     _call(subject, module, config, short, "prefill", path)  # lazy initialisation first
     x = _inputs(subject, module, config, n, grad=False)
     release_free_heap()
-    base = proc_status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # the high-water mark VmHWM back to the current RSS
-    _call(subject, module, config, x, "prefill", path)
-    return {"peak_bytes": (proc_status_kib("VmHWM") - base) * 1024}
+    return {"peak_bytes": peak_rss_bytes(lambda: _call(subject, module, config, x, "prefill", path))}
 
 
 def memory(subject: str, path: str, n: int, sizes: str, *, timeout: float = 3600) -> dict:
@@ -452,17 +442,9 @@ def demo_part(*, n: int = DEMO_N, hidden_size: int = 512, heads: int = 8, head_d
                              vocab_size=1024)
     torch.manual_seed(0)
     model = lt.causal_lm(config)
-    ids = torch.randint(3, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
-    times = {p: [] for p in PATHS}
-    for rep in range(3):  # the first round warms up
-        for path in (PATHS if rep % 2 else PATHS[::-1]):
-            _switch(model, path, "qwen3_5")
-            t0 = time.perf_counter()
-            _call("gdn_model", model, config, ids, "prefill")
-            if rep:
-                times[path].append(time.perf_counter() - t0)
+    times = _time_pass("gdn_model", model, config, "prefill", n, repeats=2)
     prefill = {"n": n, "hidden_size": hidden_size, "heads": heads, "head_dim": head_dim,
-               **{f"{p}_s": median(t) for p, t in times.items()}}
+               **{f"{p}_s": t["median_s"] for p, t in times.items()}}
     prefill["ratio"] = prefill["transformers_s"] / prefill["linattn_s"]
     packed = {}
     lengths = [7, 1, 12, 5]
@@ -477,7 +459,7 @@ def demo_part(*, n: int = DEMO_N, hidden_size: int = 512, heads: int = 8, head_d
         row = {}
         with torch.no_grad():
             for path in ("linattn", "transformers"):
-                _switch(tiny, path, family)
+                _switch(tiny, path)
                 alone = torch.cat([tiny(d, use_cache=False).logits[0] for d in docs])
                 try:
                     got = tiny(torch.cat(docs, 1), **kwargs).logits[0]
