@@ -260,10 +260,8 @@ def _convolve(layer: nn.Module, mixed: Tensor, cache, cu_seqlens: Tensor | None)
             # one decoding step: the window is the state's last K - 1 inputs and this one
             window = torch.cat([conv_state, mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)[..., 1:]  # (B, C, K)
             conv_state.copy_(window)
-            y = (window.to(mixed.dtype) * weight.to(mixed.dtype)).sum(-1)  # (B, C)
-            if bias is not None:
-                y = y + bias.to(mixed.dtype)
-            return act(y)[:, None, :]
+            # the convolution's last output over the window reads all of it
+            return act(causal_conv1d(window.transpose(1, 2).to(mixed.dtype), weight, bias=bias)[:, -1:])
         # the cache returns its earlier inputs followed by these, (B, C, P + N), and keeps the tail
         full = cache.update_conv_state(mixed.transpose(1, 2), layer.layer_idx, conv_kernel_size=layer.conv_kernel_size)
         return act(causal_conv1d(full.transpose(1, 2), weight, bias=bias)[:, -N:])

@@ -118,8 +118,8 @@ class ShortConv(nn.Module):
                 f"{self.d_model}), got {tuple(x_t.shape)} and {tuple(state.shape)}"
             )
         window = torch.cat([state.to(x_t.dtype), x_t], dim=1)  # (B, K, C)
-        y = torch.einsum("bkc,ck->bc", window, self.weight.to(x_t.dtype))[:, None]
-        return y, window[:, 1:]
+        # the convolution's last output over the window reads all of it
+        return causal_conv1d(window, self.weight)[:, -1:], window[:, 1:]
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, kernel_size={self.kernel_size}"
