@@ -39,7 +39,7 @@ RESET_STEP = -1.0e4
 # A decay factor (a product of decays, scale 1) below this is taken as exactly 0, as one step's
 # decay below exp(RESET_LOG_DECAY) is: what it would multiply is 4e-18 of its scale, far below any
 # float's resolution, and left in, the products of such factors fall into the subnormal range,
-# where CPUs compute some 5-10x slower (matrix products on several threads: flush-to-zero modes are
+# where CPUs compute several times slower (matrix products on several threads: flush-to-zero modes are
 # per thread). Trained Gated DeltaNet layers have such decays (A up to 16: a chunk's cumulative
 # decay reaches exp(-100) and less).
 NEGLIGIBLE_DECAY = 4.248354255291589e-18  # exp(RESET_LOG_DECAY)

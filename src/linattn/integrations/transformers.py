@@ -231,9 +231,9 @@ def _l2norm(x: Tensor, kind: str, scale: float = 1.0) -> Tensor:
     The norms by ``vector_norm``, which reads x once and writes only the (..., 1) norms: x * x and
     its sum (or ``vecdot``, which forms x * x too) write a temporary as large as x, and on a CPU a
     fresh temporary of tens of MiB pays its page faults on every call. The read-out scale rides on
-    the same product. At Qwen3.5's width this took the prefill of ``delta_rule`` at N = 4096 to
-    0.82x-0.87x of its time (3 interleaved runs; N = 1024 within noise); writing the product
-    straight into the engine's (B, heads, N, D) layout (``out=``) gained nothing more."""
+    the same product. At Qwen3.5's width the x * x temporaries had cost about as much as a third
+    of the chunked recurrence (a profile; the A/B timings were not kept as a committed script, so
+    no ratio is claimed here)."""
     sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 1e-6  # (B, N, heads, 1)
     factor = torch.rsqrt(sq) if kind == "rsqrt" else 1.0 / torch.sqrt(sq)
     if scale != 1.0:
