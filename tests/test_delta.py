@@ -391,8 +391,9 @@ def test_out_of_range_gates_at_padded_positions_are_ignored():
 
 @pytest.mark.parametrize("decay", [None, "head", "channel"])
 def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
-    """Under no_grad (prefill, evaluation) the chunked op keeps one block's states, not the
-    (Nc + 1, R, D, Dv) the backward would read, and gives bit for bit the same output and state."""
+    """Under no_grad (prefill, evaluation) the chunked op keeps nothing for a backward (neither the
+    state before every block nor the chunks' T, U, W), and gives bit for bit the same output and
+    state as a call that keeps them."""
     g = torch.Generator().manual_seed(0)
     B, H, N, D = 2, 3, 300, 16
     q, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
@@ -410,5 +411,9 @@ def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
     s0 = q.new_zeros(B * H, D, D)
     kept = op(*rows, g_rows, s0, 1.0, 32, 3, 16, True)
     light = op(*rows, g_rows, s0, 1.0, 32, 3, 16, False)
-    assert kept[2].shape == (-(-N // 32) + 1, B * H, D, D) and light[2].numel() == 0
+    Nc, R = -(-N // 32), B * H
+    assert kept[2].shape == (-(-Nc // 3) + 1, R, D, D)  # the state before every block of 3 chunks, and after
+    assert [t.shape for t in kept[3:]] == [(Nc, R, 32, 32), (Nc, R, 32, D), (Nc, R, 32, D)]  # T, U, W
+    assert all(t.numel() == 0 for t in light[2:])
+    assert torch.equal(kept[2][-1], kept[1])  # the last kept state is the final one
     assert torch.equal(kept[0], light[0]) and torch.equal(kept[1], light[1])

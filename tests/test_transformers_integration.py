@@ -313,6 +313,25 @@ def test_import_linattn_does_not_import_transformers():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
+@pytest.mark.parametrize("kind", ["rsqrt", "divide"])
+def test_l2norm_gradient_is_the_formula_s(kind):
+    """The fused normalisation's own backward against autograd through the formula written out
+    (float64), on rows of small norm (where eps inside the root matters) and of ordinary norm."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 3, 16, dtype=torch.float64, generator=g)
+    x[:, :3] *= 1e-4  # norms near sqrt(eps)
+    dy = torch.randn(2, 3, 7, 16, dtype=torch.float64, generator=g)
+    mine = x.clone().requires_grad_()
+    out = lt._l2norm(mine, kind, 0.25)
+    formula = x.clone().requires_grad_()
+    sq = (formula * formula).sum(-1, keepdim=True) + 1e-6
+    want = (formula * (torch.rsqrt(sq) if kind == "rsqrt" else 1.0 / torch.sqrt(sq)) * 0.25).transpose(1, 2)
+    assert torch.allclose(out, want, rtol=1e-14, atol=0)
+    got_grad, = torch.autograd.grad(out, mine, dy)
+    want_grad, = torch.autograd.grad(want, formula, dy)
+    assert torch.allclose(got_grad, want_grad, rtol=1e-10, atol=1e-12 * want_grad.abs().max().item())
+
+
 @pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])
 def test_delta_rule_is_a_drop_in_for_transformers_function(name):
     """``lt.delta_rule`` against the function the family's layer calls, with q/k normalisation in

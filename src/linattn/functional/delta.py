@@ -47,13 +47,16 @@ diagonal then zeroed: nothing exponentiated is ever above 0, so nothing overflow
 near -inf. For half inputs all of this runs in float32 (the state, the cumulative decays, the
 inverses), and the output is cast back.
 
-The backward (the custom op ``linattn::delta_rule_chunked_backward``) keeps only the inputs and the
-state before every chunk (as large as v when C = Dv: memory stays O(N)), recomputes the chunk-local
-products block by block, runs the state gradient back through ``dU = P^T dO + Kd dS_end``,
+The backward (the custom op ``linattn::delta_rule_chunked_backward``) reads what the forward kept
+when gradients flow: the inputs, the state before every block of chunks, and every chunk's ``T``,
+``U`` (the pseudo-values ``Uv - W S``) and ``W`` (about 2.5 times the size of v at C = 32,
+D = Dv: memory stays O(N)). Block by block backwards, it forms the state before each chunk of the
+block again (one product a chunk, ``S <- gamma_C S + Kd^T U``), the chunk-local scores again (not
+the inverse), runs the state gradient back through ``dU = P^T dO + Kd dS_end``,
 ``dS = gamma_C dS_end + (gamma Q)^T dO - W^T dU``, chunk by chunk, and derives every other
 gradient in batched products (the derivation is written out at ``_block_backward``; the triangular
-inverse's is ``dA = -T^T dT T^T``). Chunks and blocks follow ``linattn.functional.chunks``, the
-layout the gated engine uses too.
+inverse's is ``dA = -T^T dT T^T``, which with ``U`` kept is ``-dRv U^T``, one product). Chunks and
+blocks follow ``linattn.functional.chunks``, the layout the gated engine uses too.
 
 A gate per key channel (KDA, arXiv 2510.26692 section 3.1) changes only the chunk-local parts:
 ``gamma_t`` becomes a diagonal matrix ``Diag(exp(G_t))`` (G cumulative per channel), so the ratios
@@ -184,17 +187,17 @@ def _zero_padded_outputs(out: Tensor, key_padding_mask: Tensor | None) -> Tensor
 # ---------------------------------------------------------------------------------------------
 
 
-class _Locals(NamedTuple):
-    """Chunk-local quantities of ``m`` chunks (see the module docstring), none depending on the state.
+class _Scores(NamedTuple):
+    """Chunk-local quantities of ``m`` chunks (see the module docstring) that neither depend on the
+    state nor need the triangular inverse; the forward and the backward both form them.
 
     ``E (m, C, C)``: ``gamma_t / gamma_i = exp(G_t - G_i)`` for i <= t, 0 above the diagonal;
     ``gam (m, C)``: gamma_t; ``delta (m, C)``: gamma_C / gamma_t; ``gC (m,)``: gamma_C. These four
     are None without decay (E is then the lower-triangular ones matrix, applied as ``tril``).
-    ``KK (m, C, C)``: k_t . k_i; ``Tinv (m, C, C)``: ``T = (I + A)^-1``; ``Uv (m, C, Dv)``:
-    ``T diag(beta) V``; ``W (m, C, D)``: ``T diag(beta gamma) K``; ``P (m, C, C)``; ``Kd (m, C, D)``: delta k;
-    ``GQ (m, C, D)``: gamma q. With a gate per key channel (KDA) gamma, delta ``(m, C, D)`` and
-    gC ``(m, D)`` hold one decay per channel, E is None, KK holds the decayed ``k_t . k_i`` scores
-    (``sum_d k_td k_id gamma_td / gamma_id``, i < t) and ``channel`` what their backward needs.
+    ``KK (m, C, C)``: k_t . k_i; ``P (m, C, C)``; ``Kd (m, C, D)``: delta k; ``GQ (m, C, D)``:
+    gamma q. With a gate per key channel (KDA) gamma, delta ``(m, C, D)`` and gC ``(m, D)`` hold one
+    decay per channel, E is None, KK holds the decayed ``k_t . k_i`` scores (``sum_d k_td k_id
+    gamma_td / gamma_id``, i < t) and ``channel`` what their backward needs.
     """
 
     E: Tensor | None
@@ -202,19 +205,28 @@ class _Locals(NamedTuple):
     delta: Tensor | None
     gC: Tensor | None
     KK: Tensor
-    Tinv: Tensor
-    Uv: Tensor
-    W: Tensor
     P: Tensor
     Kd: Tensor
     GQ: Tensor
     channel: tuple | None = None  # per key channel (KDA): (c, the saved parts of A's and P's scores)
 
 
+class _Solved(NamedTuple):
+    """The chunk-local products of the triangular inverse, ``m`` chunks: ``T (m, C, C)``,
+    ``(I + A)^-1``; ``U (m, C, Dv)``: ``T diag(beta) V`` as the solve gives it, made the
+    pseudo-values ``Uv - W S`` in place by the forward's loop over chunks; ``W (m, C, D)``:
+    ``T diag(beta gamma) K``. The forward of a call gradients flow through writes them into the
+    buffers the backward reads (:func:`_chunked_forward`): the backward forms neither the inverse
+    nor the products again, and needs no state but the one before each block."""
 
-def _unit_lower_inverse(A: Tensor, solve_block: int) -> Tensor:
+    T: Tensor
+    U: Tensor
+    W: Tensor
+
+
+def _unit_lower_inverse(A: Tensor, solve_block: int, out: Tensor | None = None) -> Tensor:
     """``(I + A)^-1`` ``(m, C, C)`` for strictly lower-triangular ``A (m, C, C)`` (its diagonal and
-    upper part are not read).
+    upper part are not read), into ``out`` when given.
 
     By halves, ``[[L11, 0], [L21, L22]]^-1 = [[T11, 0], [-T22 L21 T11, T22]]``, down to diagonal
     blocks of at most ``solve_block`` rows, which ``torch.linalg.solve_triangular`` inverts, all
@@ -224,11 +236,13 @@ def _unit_lower_inverse(A: Tensor, solve_block: int) -> Tensor:
     m, C, _ = A.shape
     if C <= solve_block:
         eye = torch.eye(C, dtype=A.dtype, device=A.device).expand(m, C, C)
-        return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+        T = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+        return T if out is None else out.copy_(T)
     h = C // 2
-    T = A.new_zeros(m, C, C)
+    T = A.new_empty(m, C, C) if out is None else out
     T11 = _unit_lower_inverse(A[:, :h, :h], solve_block)
     T22 = _unit_lower_inverse(A[:, h:, h:], solve_block)
+    T[:, :h, h:] = 0
     T[:, :h, :h] = T11
     T[:, h:, h:] = T22
     T[:, h:, :h] = torch.bmm(T22, torch.bmm(A[:, h:, :h], T11)).neg_()
@@ -243,15 +257,11 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.reshape(-1, 1, X), b.reshape(-1, X, 1)).view(a.shape[:-1])
 
 
-def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_block: int,
-            sub_chunk_size: int = 4, qk: Tensor | None = None) -> _Locals:
-    """``q, k (m, C, D)`` (q already scaled), ``v (m, C, Dv)``, ``b (m, C)``, ``g (m, C)`` (per head),
-    ``(m, C, D)`` (per key channel) or None -> :class:`_Locals` (``solve_block``: see
-    :func:`_unit_lower_inverse`; ``sub_chunk_size``: the per-channel scores' sub-chunks)."""
+def _scores(q: Tensor, k: Tensor, g: Tensor | None, sub_chunk_size: int = 4, qk: Tensor | None = None) -> _Scores:
+    """``q, k (m, C, D)`` (q already scaled), ``g (m, C)`` (per head), ``(m, C, D)`` (per key
+    channel) or None -> :class:`_Scores` (``sub_chunk_size``: the per-channel scores' sub-chunks)."""
     if g is not None and g.dim() == 3:
-        return _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size, qk)
-    m, C, D = k.shape
-    dt = k.dtype
+        return _channel_scores(q, k, g, sub_chunk_size, qk)
     E = gam = delta = gC = None
     if g is not None:
         # G (m, C) in the compute dtype, as small decays plus a count of resets (log decays below
@@ -267,30 +277,22 @@ def _locals(q: Tensor, k: Tensor, v: Tensor, b: Tensor, g: Tensor | None, solve_
         delta = flush_negligible((G[:, -1:] - G).exp_())
         gC = gam[:, -1]
     KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
-    bcol = b[:, :, None]
-    A = (KK.tril(-1) if E is None else (KK * E).tril_(-1)).mul_(bcol)  # the unit diagonal is implicit
-    Tinv = _unit_lower_inverse(A, solve_block)  # (I + A)^-1
-    # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
-    # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
-    # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
-    Uv = torch.bmm(Tinv, v * bcol)
-    W = torch.bmm(Tinv, k * (bcol if gam is None else (b * gam)[:, :, None]))
     P = torch.bmm(q, k.transpose(1, 2))  # (m, C, C)
     P = P.tril_() if E is None else P.mul_(E)
     Kd = k if delta is None else k * delta[:, :, None]
     GQ = q if gam is None else q * gam[:, :, None]
-    return _Locals(E, gam, delta, gC, KK, Tinv, Uv, W, P, Kd, GQ)
+    return _Scores(E, gam, delta, gC, KK, P, Kd, GQ)
 
 
-def _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size, qk=None) -> _Locals:
-    """:func:`_locals` for a gate per key channel, ``g (m, C, D)`` (KDA). The decayed scores
+def _channel_scores(q, k, g, sub_chunk_size, qk=None) -> _Scores:
+    """:func:`_scores` for a gate per key channel, ``g (m, C, D)`` (KDA). The decayed scores
     ``sum_d x_td y_id exp(G_td - G_id)`` of A (x = y = k) and P (x = q) are the per-channel gated
     engine's (:func:`~linattn.functional.decayed.channel_scores`: sub-chunks, no exponent above 0);
     gamma, delta and gamma_C carry one decay per channel. Every decay is a product of the decays
     exp(g) (:class:`~linattn.functional.decayed.ChannelDecays`), none an exp of a difference of
     cumulative sums: fewer passes, and no digit lost after a large decay. ``qk (m, 2, C, D)``: q and
     k stacked, when the caller took them so (:func:`_take_qk`; q and k are then its views)."""
-    m, C, D = k.shape
+    C = k.shape[1]
     c = sub_chunk_length(C, sub_chunk_size)
     decays = channel_decays(g, c)
     # q and k as two sets of queries against the keys k: the decayed keys are formed once
@@ -303,11 +305,26 @@ def _channel_locals(q, k, v, b, g, solve_block, sub_chunk_size, qk=None) -> _Loc
     gam = decays.from_start(before)  # (m, C, D): gamma_t
     delta = decays.to_end()  # (m, C, D): gamma_C / gamma_t
     gC = decays.whole(before)  # (m, D)
-    reset = decays.reset
+    return _Scores(None, gam, delta, gC, KK, P, k * delta, q * gam, (c, qk, saved, decays.reset))
+
+
+def _solve(x: _Scores, k: Tensor, v: Tensor, b: Tensor, solve_block: int, out: _Solved | None = None) -> _Solved:
+    """The triangular inverse of m chunks and its two products (:class:`_Solved`), into ``out``
+    when given: ``k (m, C, D)``, ``v (m, C, Dv)``, ``b (m, C)``, the chunks' :class:`_Scores`
+    (``solve_block``: see :func:`_unit_lower_inverse`)."""
     bcol = b[:, :, None]
-    Tinv = _unit_lower_inverse(KK * bcol, solve_block)  # (I + A)^-1, A = diag(beta) KK
-    Uv, W = torch.bmm(Tinv, v * bcol), torch.bmm(Tinv, k * (gam * bcol))  # as in _locals
-    return _Locals(None, gam, delta, gC, KK, Tinv, Uv, W, P, k * delta, q * gam, (c, qk, saved, reset))
+    if x.channel is not None:  # KK is then the decayed scores, already strictly lower
+        A = x.KK * bcol
+    else:
+        A = (x.KK.tril(-1) if x.E is None else (x.KK * x.E).tril_(-1)).mul_(bcol)  # the unit diagonal is implicit
+    T = _unit_lower_inverse(A, solve_block, None if out is None else out.T)  # (I + A)^-1
+    # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
+    # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
+    # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
+    wk = bcol if x.gam is None else (x.gam * bcol if x.channel is not None else (b * x.gam)[:, :, None])
+    U = torch.bmm(T, v * bcol, out=None if out is None else out.U)
+    W = torch.bmm(T, k * wk, out=None if out is None else out.W)
+    return _Solved(T, U, W)
 
 
 def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice) -> Tensor | None:
@@ -331,75 +348,78 @@ def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float
     return qk[:, 0], qk[:, 1], qk
 
 
-def _block_forward(q, k, v, b, g, st, solve_block, qk=None):
-    """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``,
-    ``v (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``st (n + 1, R, D, Dv)`` holds the state
-    before the block in ``st[0]`` and receives the state after each chunk in ``st[1:]``; or
-    ``st (1, R, D, Dv)`` (no states kept), the state before the block, updated in place to the
-    state after it. Returns ``o (n*R, C, Dv)``.
+def _kept(kept: _Solved | None, tile: slice) -> _Solved | None:
+    """A tile's chunks of the kept ``(Nc, R, C, *)`` buffers, ``(m*R, C, *)`` views."""
+    return None if kept is None else _Solved(*(t[tile].flatten(0, 1) for t in kept))
 
-    The loop over chunks carries the state: ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``; the
-    outputs ``O = diag(gamma) Q S + P U`` follow for all chunks at once.
+
+def _block_forward(q, k, v, b, g, S, solve_block, qk=None, kept=None):
+    """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``,
+    ``v (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``S (R, D, Dv)``, the state before the block,
+    updated in place to the state after it; ``kept``: None, or the block's views of the buffers
+    the backward reads (:class:`_Solved`), written here. Returns ``o (n*R, C, Dv)``.
+
+    The loop over chunks carries the state, ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``, and
+    forms each chunk's outputs ``O = diag(gamma) Q S + P U`` while its state is in cache: one state
+    updated in place (an in-place scale, not a copy to a new chunk's slot), none kept but the one
+    after the block.
     """
     m, C, D = q.shape
-    R, Dv = st.shape[1], st.shape[-1]
+    R, Dv = S.shape[0], S.shape[-1]
     n = m // R
-    x = _locals(q, k, v, b, g, solve_block, qk=qk)
-    U, W = x.Uv.view(n, R, C, Dv), x.W.view(n, R, C, D)  # U: Uv, made U chunk by chunk in place
+    x = _scores(q, k, g, qk=qk)
+    sol = _solve(x, k, v, b, solve_block, kept)
+    U, W = sol.U.view(n, R, C, Dv), sol.W.view(n, R, C, D)  # U: Uv, made U chunk by chunk in place
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
     gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
-    if st.shape[0] == 1:
-        # No states kept (no backward): each chunk's outputs are formed in the loop, while its
-        # state is in cache, and the one state is then updated in place (an in-place scale, not a
-        # copy to a new chunk's slot; no (n + 1, R, D, Dv) buffer to walk through)
-        S, o = st[0], st.new_empty(n, R, C, Dv)
-        P, GQ = x.P.view(n, R, C, C), x.GQ.view(n, R, C, D)
-        for c in range(n):
-            U[c].baddbmm_(W[c], S, alpha=-1)
-            torch.bmm(P[c], U[c], out=o[c]).baddbmm_(GQ[c], S)
-            (S if gC is None else S.mul_(gC[c])).baddbmm_(KdT[c], U[c])
-        return o.view(m, C, Dv)
-    for c in range(n):  # the only sequential part, two (R, C|D, D) x (R, D, Dv) products a chunk
-        U[c].baddbmm_(W[c], st[c], alpha=-1)
-        if gC is None:
-            torch.baddbmm(st[c], KdT[c], U[c], out=st[c + 1])
-        else:
-            torch.mul(st[c], gC[c], out=st[c + 1]).baddbmm_(KdT[c], U[c])
-    return torch.bmm(x.P, U.view(m, C, Dv)).baddbmm_(x.GQ, st[:n].reshape(m, D, Dv))
+    P, GQ = x.P.view(n, R, C, C), x.GQ.view(n, R, C, D)
+    o = S.new_empty(n, R, C, Dv)
+    for c in range(n):  # the only sequential part: three (R, C|D, D) x (R, D, Dv) products a chunk
+        U[c].baddbmm_(W[c], S, alpha=-1)
+        torch.bmm(P[c], U[c], out=o[c]).baddbmm_(GQ[c], S)
+        (S if gC is None else S.mul_(gC[c])).baddbmm_(KdT[c], U[c])
+    return o.view(m, C, Dv)
 
 
-def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states=True):
-    """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` ->
-    ``o (R, N, Dv)`` and the states before every chunk and after the last, ``(Nc + 1, R, D, Dv)``,
-    on the :class:`~linattn.functional.chunks.ChunkLayout` ``lay`` (its tiles are the blocks);
-    ``solve_block``: see :func:`_unit_lower_inverse`. Without ``keep_states`` (no backward will
-    read them) there is one state, updated in place chunk after chunk: the returned
-    ``(1, R, D, Dv)`` is the final state."""
+def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True):
+    """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` -> ``o (R, N, Dv)``,
+    the states and what a backward reads, on the :class:`~linattn.functional.chunks.ChunkLayout`
+    ``lay`` (its tiles are the blocks); ``solve_block``: see :func:`_unit_lower_inverse`.
+
+    With ``keep`` (a backward will run): the states before every block and after the last,
+    ``(nb + 1, R, D, Dv)``, and the chunk-local products of every chunk (:class:`_Solved` of
+    ``(Nc, R, C, *)`` buffers, chunk-major): together about 2.5 times the size of v at C = 32,
+    D = Dv (the state before every chunk, which the backward also reads, would be D / C times
+    it); without: ``(1, R, D, Dv)``, the final state, and None."""
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
     o = lay.new_chunked(v, Dv)
     tiles = lay.tiles()
-    # Kept, the states are (Nc + 1) (D, Dv) matrices per row: N D Dv / C numbers, several times the
-    # size of v when Dv > C, written once and read only by the backward
-    states = v.new_empty((lay.Nc if keep_states else 0) + 1, R, D, Dv)
+    states = v.new_empty(len(tiles) + 1 if keep else 1, R, D, Dv)
     states[0] = s0
+    kept = None
+    if keep:
+        C = lay.C
+        kept = _Solved(v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, Dv), v.new_empty(lay.Nc, R, C, D))
     per_channel = g is not None and g.dim() == 3
-    for blk in tiles:
-        st = states[blk.start:blk.stop + 1] if keep_states else states
+    for i, blk in enumerate(tiles):
+        S = states[i + 1].copy_(states[i]) if keep else states[0]
         qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
-        ob = _block_forward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), st, solve_block, qk)
+        ob = _block_forward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), S, solve_block, qk,
+                            _kept(kept, blk))
         lay.put(o, blk, ob)
-    return lay.unchunked(o), states
+    return lay.unchunked(o), states, kept
 
 
-def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=None):
+def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, qk=None):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
-    ``do (n*R, C, Dv)``, the states ``st (n + 1, R, D, Dv)`` before each chunk and after the last,
-    and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of the state after the block;
-    ``dst[c]`` receives that of the state before chunk c; q is ``scale`` times the queries. Returns
-    ``dq`` (of the queries before the scale), ``dk (n*R, C, D)``, ``dv (n*R, C, Dv)``, ``db (n*R, C)``
-    and ``dg (n*R, C)`` (None unless ``need_g``).
+    ``do (n*R, C, Dv)``, the state before the block ``start (R, D, Dv)``, the block's kept
+    :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (n, R, D, Dv)`` that receives
+    the state before each chunk, and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of
+    the state after the block; ``dst[c]`` receives that of the state before chunk c; q is ``scale``
+    times the queries. Returns ``dq`` (of the queries before the scale), ``dk (n*R, C, D)``,
+    ``dv (n*R, C, Dv)``, ``db (n*R, C)`` and ``dg (n*R, C)`` (None unless ``need_g``).
 
     Per chunk, with S the state before it and dSn the gradient of the state after it, from
     ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
@@ -410,6 +430,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
         dQ  = diag(gamma) dO S^T + (dP o E) K
         [dRv, dRw] = T^T [dU, -dU S^T]               (X = T Rhs, so dRhs = T^T dX)
         dA  = -strictly-lower([dRv, dRw] [Uv, W]^T)  (T = (I + A)^-1, so dA = -T^T dT T^T)
+            = -strictly-lower(dRv U^T)                (dRw = -dRv S^T and U = Uv - W S)
         dV  = diag(beta) dRv
         dK  = diag(beta gamma) dRw + (Z + Z^T) K + (dP o E)^T Q + diag(delta) dKd,
               Z = diag(beta) (dA o E)                (A = diag(beta) (K K^T o E), strictly lower)
@@ -419,15 +440,22 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
     """
     m, C, D = q.shape
     n, R, _, Dv = st.shape
-    n -= 1
-    x = _locals(q, k, v, b, g, solve_block, qk=qk)
-    W = x.W
+    x = _scores(q, k, g, qk=qk)
+    U = sol.U
+    U4, W4, Kd4 = U.view(n, R, C, Dv), sol.W.view(n, R, C, D), x.Kd.view(n, R, C, D)
+    gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
+    # the state before each chunk again, from the one before the block: one product a chunk, U kept
+    st[0] = start
+    for c in range(n - 1):
+        if gC is None:
+            torch.baddbmm(st[c], Kd4[c].transpose(1, 2), U4[c], out=st[c + 1])
+        else:
+            torch.mul(st[c], gC[c], out=st[c + 1]).baddbmm_(Kd4[c].transpose(1, 2), U4[c])
     PtdO = torch.bmm(x.P.transpose(1, 2), do).view(n, R, C, Dv)  # P^T dO
     # (diag(gamma) Q)^T dO straight into dst[:n], where each chunk's state gradient then accumulates
     # in place: no separate buffer, and no out= pass that copies it over
     torch.bmm(x.GQ.transpose(1, 2), do, out=dst[:n].view(m, D, Dv))
-    Kd4, WT = x.Kd.view(n, R, C, D), W.view(n, R, C, D).transpose(2, 3)
-    gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
+    WT = W4.transpose(2, 3)
     dU = st.new_empty(n, R, C, Dv)
     for c in reversed(range(n)):
         torch.baddbmm(PtdO[c], Kd4[c], dst[c + 1], out=dU[c])
@@ -437,11 +465,10 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
             dst[c].addcmul_(dst[c + 1], gC[c])
         dst[c].baddbmm_(WT[c], dU[c], alpha=-1)
     qf, kf, vf, bf, dof = q, k, v, b, do
-    S, dSn, dU = st[:n].reshape(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
-    U = torch.baddbmm(x.Uv, W, S, alpha=-1)  # (m, C, Dv); Uv is read again below
+    S, dSn, dU = st.view(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
     dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
     if x.channel is not None:
-        dq, *rest = _channel_block_grads(x, qf, kf, vf, bf, g, dof, S, dSn, U, dU, dP, need_g)
+        dq, *rest = _channel_block_grads(x, sol, qf, kf, vf, bf, dof, S, dSn, dU, dP, need_g)
         return (dq.mul_(scale), *rest)  # the block saw scale * q
     YP = dP * x.P if need_g else None  # dE o E through P
     dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
@@ -449,10 +476,9 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
     dOS = torch.bmm(dof, S.transpose(1, 2))  # dO S^T, (m, C, D)
     # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
-    dRv = torch.bmm(x.Tinv.transpose(1, 2), dU)
+    dRv = torch.bmm(sol.T.transpose(1, 2), dU)
     dRw = torch.baddbmm(dKd, dRv, S.transpose(1, 2), beta=0, alpha=-1)  # dKd: a (m, C, D) ignored (beta=0)
-    # dA = -strictly-lower([dRv, dRw] [Uv, W]^T)
-    dAE = torch.bmm(dRv, x.Uv.transpose(1, 2)).baddbmm_(dRw, W.transpose(1, 2)).neg_().tril_(-1)
+    dAE = torch.bmm(dRv, U.transpose(1, 2)).neg_().tril_(-1)  # dA
     if x.E is not None:
         dAE.mul_(x.E)  # dA o E
     bcol = bf[:, :, None]
@@ -490,7 +516,7 @@ def _block_backward(q, k, v, b, g, st, do, dst, need_g, solve_block, scale, qk=N
     return dq, dk, dv, db, dg
 
 
-def _channel_block_grads(x: _Locals, q, k, v, b, g, do, S, dSn, U, dU, dP, need_g):
+def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, dP, need_g):
     """The end of :func:`_block_backward` for a gate per key channel (KDA): the same gradients,
     with the decayed scores' through the per-channel engine's backward
     (:func:`~linattn.functional.decayed.channel_scores_backward`) and one decay per channel in
@@ -499,14 +525,14 @@ def _channel_block_grads(x: _Locals, q, k, v, b, g, do, S, dSn, U, dU, dP, need_
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
     case, channel by channel."""
     c, qk, saved, reset = x.channel
-    dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
+    dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
     dOS = torch.bmm(do, S.transpose(1, 2))  # dO S^T, (m, C, D)
-    dRv = torch.bmm(x.Tinv.transpose(1, 2), dU)  # [dRv, dRw] as in _block_backward
+    dRv = torch.bmm(sol.T.transpose(1, 2), dU)  # [dRv, dRw] as in _block_backward
     dRw = torch.baddbmm(dKd, dRv, S.transpose(1, 2), beta=0, alpha=-1)  # dKd: a (m, C, D) ignored (beta=0)
     m, C, D = q.shape
     dscores = q.new_empty(m, 2, C, C)  # the gradients of P and of KK, as channel_scores gave them
     dscores[:, 0] = dP
-    dscores[:, 1] = torch.bmm(dRv, x.Uv.transpose(1, 2)).baddbmm_(dRw, x.W.transpose(1, 2))
+    torch.bmm(dRv, sol.U.transpose(1, 2), out=dscores[:, 1])  # -dA, as in _block_backward
     dA = dscores[:, 1].neg_().tril_(-1)  # d loss / d A, A = diag(beta) KK
     bcol = b[:, :, None]
     kdRw = k * dRw
@@ -538,78 +564,94 @@ def _channel_block_grads(x: _Locals, q, k, v, b, g, do, S, dSn, U, dU, dP, need_
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, do, ds_final, scale, lay, solve_block, need_g):
-    """Gradients of :func:`_chunked_forward`: ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
-    ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards."""
+def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g):
+    """Gradients of :func:`_chunked_forward` from what it kept (``states``, the state before every
+    block, and ``kept``, its :class:`_Solved` buffers): ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
+    ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards,
+    with one pair of state workspaces for all blocks."""
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc, doc = (lay.chunked(t) for t in (q, k, v, b, g, do))
     dq, dk, dv = lay.new_chunked(q, D), lay.new_chunked(q, D), lay.new_chunked(v, Dv)
     db = lay.new_chunked(b)
     dg = (lay.new_chunked(b) if g.dim() == 2 else lay.new_chunked(b, g.shape[-1])) if need_g else None
-    ds = ds_final
     per_channel = g is not None and g.dim() == 3
-    for blk in reversed(lay.tiles()):
-        dst = ds.new_empty(blk.stop - blk.start + 1, R, D, Dv)
-        dst[-1] = ds
+    tiles = lay.tiles()
+    most = max(blk.stop - blk.start for blk in tiles)
+    st_all, dst_all = v.new_empty(most, R, D, Dv), v.new_empty(most + 1, R, D, Dv)
+    ds = ds_final
+    for i in reversed(range(len(tiles))):
+        blk = tiles[i]
+        n = blk.stop - blk.start
+        dst = dst_all[:n + 1]
+        dst[n] = ds  # ds: ds_final, or dst_all[0] of the block after this one (n >= 1: no overlap)
         qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
-        parts = list(_block_backward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[blk.start:blk.stop + 1],
-                                     _take(lay, doc, blk), dst, need_g, solve_block, scale, qk))
-        for dst_all, part in zip((dq, dk, dv, db, dg), parts):
+        parts = _block_backward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[i], _kept(kept, blk),
+                                st_all[:n], _take(lay, doc, blk), dst, need_g, scale, qk)
+        for grad, part in zip((dq, dk, dv, db, dg), parts):
             if part is not None:
-                lay.put(dst_all, blk, part)
+                lay.put(grad, blk, part)
         ds = dst[0]
 
     dg = None if dg is None else lay.unchunked(dg)
-    return lay.unchunked(dq), lay.unchunked(dk), lay.unchunked(dv), lay.unchunked(db), dg, ds
+    return lay.unchunked(dq), lay.unchunked(dk), lay.unchunked(dv), lay.unchunked(db), dg, ds.clone()
 
 
 # The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
 # op with a shape function (no chunk loop to unroll, so a model compiles in seconds and whole), and
 # eager autograd runs the same two functions. On rows ``(R, N, ...)``; g may be None (no decay); s0
-# is a tensor (zeros when there was no initial state). Saves the inputs and the states before every
-# chunk and after the last, ``(Nc + 1, R, D, Dv)`` (as large as v when C = Dv), and recomputes the
-# chunk-local products in the backward.
+# is a tensor (zeros when there was no initial state). Saves the inputs, the states before every
+# block and after the last, and the chunk-local products T, U, W of every chunk (_Solved), and
+# recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
                                 "int chunk_size, int chunks_per_block, int solve_block, bool keep_states) "
-                                "-> (Tensor, Tensor, Tensor)")
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states):
-    """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)`` and the states the backward reads,
-    ``(Nc + 1, R, D, Dv)`` (``(0,)`` without ``keep_states``: a call no gradient flows through)."""
+    """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)``, and what the backward reads: the states
+    before every block and after the last ``(nb + 1, R, D, Dv)`` and the chunks' ``T, U, W``
+    ``(Nc, R, C, C | Dv | D)`` (each ``(0,)`` without ``keep_states``: a call no gradient flows
+    through)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
-        o, states = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states)
-    return o.contiguous(), states[-1].clone(), states if keep_states else v.new_empty(0)
+        o, states, kept = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states)
+    if not keep_states:
+        return o.contiguous(), states[-1].clone(), *(v.new_empty(0) for _ in range(4))
+    return o.contiguous(), states[-1].clone(), states, *kept
 
 
 @_delta_rule_chunked.register_fake
 def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states):
     R, N, D = q.shape
     Dv = v.shape[-1]
-    Nc = -(-N // min(chunk_size, N))
-    return v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), v.new_empty(Nc + 1, R, D, Dv) if keep_states else v.new_empty(0)
+    C = min(chunk_size, N)
+    Nc = -(-N // C)
+    if not keep_states:
+        return v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(4))
+    nb = -(-Nc // chunks_per_block)
+    return (v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), v.new_empty(nb + 1, R, D, Dv), v.new_empty(Nc, R, C, C),
+            v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D))
 
 
 @torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor do, "
-                                "Tensor ds_final, float scale, int chunk_size, int chunks_per_block, int solve_block, "
-                                "bool need_g) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _delta_rule_chunked_backward(q, k, v, b, g, states, do, ds_final, scale, chunk_size, chunks_per_block,
-                                 solve_block, need_g):
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, "
+                                "Tensor U, Tensor W, Tensor do, Tensor ds_final, float scale, int chunk_size, "
+                                "int chunks_per_block, bool need_g) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block,
+                                 need_g):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
         # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
         # the reshapes and make every batched product copy its matrices one by one
-        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, do.contiguous(), ds_final, scale, lay,
-                                                    solve_block, need_g)
+        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, _Solved(T, U, W), do.contiguous(),
+                                                    ds_final, scale, lay, need_g)
     dg = b.new_empty(0) if dg is None else dg.contiguous()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), db.contiguous(), dg, ds0.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), db.contiguous(), dg, ds0
 
 
 @_delta_rule_chunked_backward.register_fake
-def _(q, k, v, b, g, states, do, ds_final, scale, chunk_size, chunks_per_block, solve_block, need_g):
+def _(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block, need_g):
     dg = g.new_empty(g.shape) if need_g else b.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), b.new_empty(b.shape), dg, \
         ds_final.new_empty(ds_final.shape)
@@ -617,7 +659,7 @@ def _(q, k, v, b, g, states, do, ds_final, scale, chunk_size, chunks_per_block, 
 
 def _needs_states(*tensors) -> bool:
     """Whether a backward may run through a chunked call on these inputs: only then are the states
-    kept (:func:`_chunked_forward`)."""
+    and the chunk-local products kept (:func:`_chunked_forward`)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -626,22 +668,22 @@ def _delta_rule_setup(ctx, inputs, output):
     if not keep_states:  # _needs_states decided no gradient flows through this call
         raise RuntimeError("linattn::delta_rule_chunked: called with keep_states=False on inputs that need "
                            "gradients; its caller must pass _needs_states(...)")
-    ctx.save_for_backward(q, k, v, b, g, output[2])
-    ctx.knobs = (scale, chunk_size, chunks_per_block, solve_block)
-    ctx.mark_non_differentiable(output[2])
-    # unused outputs' gradients stay None: materialised, the saved states' would be a zero-filled tensor
-    # as large as the states themselves on every backward
+    ctx.save_for_backward(q, k, v, b, g, *output[2:])
+    ctx.knobs = (scale, chunk_size, chunks_per_block)
+    ctx.mark_non_differentiable(*output[2:])
+    # unused outputs' gradients stay None: materialised, the kept tensors' would be zero-filled
+    # tensors as large as themselves on every backward
     ctx.set_materialize_grads(False)
 
 
-def _delta_rule_autograd(ctx, do, ds_final, _dstates):
-    q, k, v, b, g, states = ctx.saved_tensors
+def _delta_rule_autograd(ctx, do, ds_final, *_kept):
+    q, k, v, b, g, states, T, U, W = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if ds_final is None:
         ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
     need_g = g is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, do, ds_final, *ctx.knobs,
+    dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, *ctx.knobs,
                                                            need_g)
     return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None
 
@@ -691,7 +733,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     g = lay.with_resets(g)
     Tx = lay.total
     g = g.view(H, Tx, D) if per_channel else g.view(H, Tx)
-    o, _, _ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
+    o, *_ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
                                   chunk_size, *knobs, _needs_states(q, k, v, b, g))  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
     return lay.packed(o), (lay.states(o) if return_state else None)
@@ -823,7 +865,7 @@ def delta_rule_attention(
                 return t.reshape(B * H, N, *t.shape[3:])
 
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
-            o, s, _ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
+            o, s, *_ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
                                           None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
                                           _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block,
                                           _needs_states(qx, kx, vx, beta, log_decay, s0r))

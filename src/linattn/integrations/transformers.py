@@ -223,6 +223,26 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 # ---------------------------------------------------------------------------------------------
 
 
+class _L2Norm(torch.autograd.Function):
+    """The families' L2 normalisation with its gradient in three passes over x, where autograd
+    through the norm, the root and the product takes about seven (x's gradient is
+    ``scale r (dy - r^2 (x . dy) x)`` for ``y = scale r x``, ``r = (sum x^2 + eps)^-1/2``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kind: str, scale: float) -> Tensor:
+        sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 1e-6  # (B, N, heads, 1)
+        r = torch.rsqrt(sq) if kind == "rsqrt" else 1.0 / torch.sqrt(sq)
+        ctx.save_for_backward(x, r)
+        ctx.scale = scale
+        return x * (r * scale if scale != 1.0 else r)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, r = ctx.saved_tensors
+        c = torch.linalg.vecdot(x, dy).unsqueeze(-1).mul_(r.square())  # r^2 (x . dy), (B, N, heads, 1)
+        return torch.addcmul(dy, x, c, value=-1).mul_(r * ctx.scale), None, None
+
+
 def _l2norm(x: Tensor, kind: str, scale: float = 1.0) -> Tensor:
     """The family's L2 normalisation over the last dim of ``x (B, N, heads, D)``, eps 1e-6 inside
     the root (not F.normalize's max(||x||, eps): for the small-norm inputs of a freshly initialised
@@ -231,14 +251,8 @@ def _l2norm(x: Tensor, kind: str, scale: float = 1.0) -> Tensor:
     The norms by ``vector_norm``, which reads x once and writes only the (..., 1) norms: x * x and
     its sum (or ``vecdot``, which forms x * x too) write a temporary as large as x, and on a CPU a
     fresh temporary of tens of MiB pays its page faults on every call. The read-out scale rides on
-    the same product. At Qwen3.5's width the x * x temporaries had cost about as much as a third
-    of the chunked recurrence (a profile; the A/B timings were not kept as a committed script, so
-    no ratio is claimed here)."""
-    sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 1e-6  # (B, N, heads, 1)
-    factor = torch.rsqrt(sq) if kind == "rsqrt" else 1.0 / torch.sqrt(sq)
-    if scale != 1.0:
-        factor = factor * scale
-    return (x * factor).transpose(1, 2)
+    the same product, and the gradient is :class:`_L2Norm`'s own."""
+    return _L2Norm.apply(x, kind, scale).transpose(1, 2)
 
 
 def _activation(name: str) -> Callable[[Tensor], Tensor]:
