@@ -308,10 +308,11 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None) -> _Scores:
     return _Scores(None, gam, delta, gC, KK, P, k * delta, q * gam, (c, qk, saved, decays.reset))
 
 
-def _solve(x: _Scores, k: Tensor, v: Tensor, b: Tensor, solve_block: int, out: _Solved | None = None) -> _Solved:
+def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, out: _Solved | None = None) -> _Solved:
     """The triangular inverse of m chunks and its two products (:class:`_Solved`), into ``out``
-    when given: ``k (m, C, D)``, ``v (m, C, Dv)``, ``b (m, C)``, the chunks' :class:`_Scores`
-    (``solve_block``: see :func:`_unit_lower_inverse`)."""
+    when given: ``k (m, C, D)``, ``bv (m, C, Dv)`` the values times beta (``diag(beta) V``, as the
+    block took them), ``b (m, C)``, the chunks' :class:`_Scores` (``solve_block``: see
+    :func:`_unit_lower_inverse`)."""
     bcol = b[:, :, None]
     if x.channel is not None:  # KK is then the decayed scores, already strictly lower
         A = x.KK * bcol
@@ -322,7 +323,7 @@ def _solve(x: _Scores, k: Tensor, v: Tensor, b: Tensor, solve_block: int, out: _
     # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
     # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
     wk = bcol if x.gam is None else (x.gam * bcol if x.channel is not None else (b * x.gam)[:, :, None])
-    U = torch.bmm(T, v * bcol, out=None if out is None else out.U)
+    U = torch.bmm(T, bv, out=None if out is None else out.U)
     W = torch.bmm(T, k * wk, out=None if out is None else out.W)
     return _Solved(T, U, W)
 
@@ -333,12 +334,21 @@ def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice) -> Tensor | None:
     return None if xc is None else lay.take(xc, tile).flatten(0, 1)
 
 
+def _take_product(lay: ChunkLayout, xc: Tensor, tile: slice, factor) -> Tensor:
+    """:func:`_take` of ``xc`` times ``factor`` (a number, or ``(R, Nc, C)`` per position) in the one
+    pass that takes it: ``(m*R, C, X)``."""
+    R, _, C, X = xc.shape
+    out = xc.new_empty(tile.stop - tile.start, R, C, X)
+    torch.mul(lay.view(xc, tile), factor if isinstance(factor, float) else lay.view(factor, tile)[..., None], out=out)
+    return out.flatten(0, 1)
+
+
 def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float, per_channel: bool):
     """A tile's ``scale * q`` and ``k`` as :func:`_take` gives them, ``(m*R, C, D)`` each, and with a
     gate per key channel also the one buffer ``(m*R, 2, C, D)`` they are views of (the per-channel
     scores take q and k as two sets of queries: written there once, not copied again), else None."""
     if not per_channel:
-        return _take(lay, qc, tile) * scale, _take(lay, kc, tile), None
+        return _take_product(lay, qc, tile, scale), _take(lay, kc, tile), None
     R, _, C, D = qc.shape
     m = tile.stop - tile.start
     qk = qc.new_empty(m, R, 2, C, D)
@@ -353,9 +363,9 @@ def _kept(kept: _Solved | None, tile: slice) -> _Solved | None:
     return None if kept is None else _Solved(*(t[tile].flatten(0, 1) for t in kept))
 
 
-def _block_forward(q, k, v, b, g, S, solve_block, qk=None, kept=None):
-    """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``,
-    ``v (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``S (R, D, Dv)``, the state before the block,
+def _block_forward(q, k, bv, b, g, S, solve_block, qk=None, kept=None):
+    """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``, the values
+    times beta ``bv (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``S (R, D, Dv)``, the state before the block,
     updated in place to the state after it; ``kept``: None, or the block's views of the buffers
     the backward reads (:class:`_Solved`), written here. Returns ``o (n*R, C, Dv)``.
 
@@ -368,7 +378,7 @@ def _block_forward(q, k, v, b, g, S, solve_block, qk=None, kept=None):
     R, Dv = S.shape[0], S.shape[-1]
     n = m // R
     x = _scores(q, k, g, qk=qk)
-    sol = _solve(x, k, v, b, solve_block, kept)
+    sol = _solve(x, k, bv, b, solve_block, kept)
     U, W = sol.U.view(n, R, C, Dv), sol.W.view(n, R, C, D)  # U: Uv, made U chunk by chunk in place
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
     gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
@@ -406,20 +416,22 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True):
     for i, blk in enumerate(tiles):
         S = states[i + 1].copy_(states[i]) if keep else states[0]
         qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
-        ob = _block_forward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), S, solve_block, qk,
-                            _kept(kept, blk))
+        ob = _block_forward(qb, kb, _take_product(lay, vc, blk, bc), *(_take(lay, t, blk) for t in (bc, gc)), S,
+                            solve_block, qk, _kept(kept, blk))
         lay.put(o, blk, ob)
     return lay.unchunked(o), states, kept
 
 
-def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, qk=None):
+def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into, qk=None):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, C, Dv)``, the state before the block ``start (R, D, Dv)``, the block's kept
     :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (n, R, D, Dv)`` that receives
     the state before each chunk, and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of
     the state after the block; ``dst[c]`` receives that of the state before chunk c; q is ``scale``
-    times the queries. Returns ``dq`` (of the queries before the scale), ``dk (n*R, C, D)``,
-    ``dv (n*R, C, Dv)``, ``db (n*R, C)`` and ``dg (n*R, C)`` (None unless ``need_g``).
+    times the queries. Writes ``dq`` (of the queries before the scale), ``dk`` and ``dv`` into
+    ``into``, three chunk-major ``(n, R, C, D | D | Dv)`` views of the gradients' own tensors (each
+    one's last pass writes there: no copy afterwards), and returns ``db (n*R, C)`` and
+    ``dg (n*R, C)`` (None unless ``need_g``).
 
     Per chunk, with S the state before it and dSn the gradient of the state after it, from
     ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
@@ -467,9 +479,13 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, qk=No
     qf, kf, vf, bf, dof = q, k, v, b, do
     S, dSn, dU = st.view(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
     dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
+    dq_to, dk_to, dv_to = into
     if x.channel is not None:
-        dq, *rest = _channel_block_grads(x, sol, qf, kf, vf, bf, dof, S, dSn, dU, dP, need_g)
-        return (dq.mul_(scale), *rest)  # the block saw scale * q
+        dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dof, S, dSn, dU, dP, need_g)
+        torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
+        dk_to.copy_(dk.view(dk_to.shape))
+        dv_to.copy_(dv.view(dv_to.shape))
+        return db, dg
     YP = dP * x.P if need_g else None  # dE o E through P
     dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
     dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
@@ -491,16 +507,20 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, qk=No
     t_w = _rowdot(dRw, kf)  # d loss / d (beta gamma)_t, (m, C)
     dAEK = dAE.mul_(x.KK)  # dA o E o KK
     db = _rowdot(dRv, vf).add_(dAEK.sum(-1))
-    dv = dRv * bcol
+
+    def blocked(t):  # (m, C, X) -> (n, R, C, X), as the targets index
+        return t.view(n, R, C, t.shape[-1])
+
+    torch.mul(blocked(dRv), blocked(bcol), out=dv_to)
     dg = None
     if x.gam is None:
-        dq.add_(dOS, alpha=scale)
-        dk.add_(dRw * bcol).add_(dKd)
+        torch.add(blocked(dq), blocked(dOS), alpha=scale, out=dq_to)
+        torch.add(blocked(dk.addcmul_(dRw, bcol)), blocked(dKd), out=dk_to)
         db.add_(t_w)
     else:
         gcol, dcol = x.gam[:, :, None], x.delta[:, :, None]
-        dq.addcmul_(dOS, gcol * scale)
-        dk.addcmul_(dRw, bcol * gcol).addcmul_(dKd, dcol)
+        torch.addcmul(blocked(dq), blocked(dOS), blocked(gcol * scale), out=dq_to)
+        torch.addcmul(blocked(dk.addcmul_(dRw, bcol * gcol)), blocked(dKd), blocked(dcol), out=dk_to)
         if need_g:
             # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E), gamma,
             # delta = exp(G_C - G) and gamma_C (in gamma_C S).
@@ -513,7 +533,7 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, qk=No
             # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
             dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
-    return dq, dk, dv, db, dg
+    return db, dg
 
 
 def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, dP, need_g):
@@ -586,11 +606,12 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
         dst = dst_all[:n + 1]
         dst[n] = ds  # ds: ds_final, or dst_all[0] of the block after this one (n >= 1: no overlap)
         qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
-        parts = _block_backward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[i], _kept(kept, blk),
-                                st_all[:n], _take(lay, doc, blk), dst, need_g, scale, qk)
-        for grad, part in zip((dq, dk, dv, db, dg), parts):
-            if part is not None:
-                lay.put(grad, blk, part)
+        into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
+        db_blk, dg_blk = _block_backward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[i],
+                                         _kept(kept, blk), st_all[:n], _take(lay, doc, blk), dst, need_g, scale, into, qk)
+        lay.put(db, blk, db_blk)
+        if dg_blk is not None:
+            lay.put(dg, blk, dg_blk)
         ds = dst[0]
 
     dg = None if dg is None else lay.unchunked(dg)

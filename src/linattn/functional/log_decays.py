@@ -27,6 +27,7 @@ Dimension legend: any leading dimensions, C positions of a chunk along ``dim``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["NEGLIGIBLE_DECAY", "RESET_LOG_DECAY", "RESET_STEP", "CumulativeLogDecay", "flush_negligible"]
@@ -46,9 +47,10 @@ NEGLIGIBLE_DECAY = 4.248354255291589e-18  # exp(RESET_LOG_DECAY)
 
 
 def flush_negligible(factors: Tensor) -> Tensor:
-    """``factors`` (decay factors in [0, 1]) with those below :data:`NEGLIGIBLE_DECAY` set to 0, in
-    place; returns it."""
-    return factors.masked_fill_(factors < NEGLIGIBLE_DECAY, 0.0)
+    """``factors`` (decay factors in [0, 1]) with those at or below :data:`NEGLIGIBLE_DECAY` set to 0,
+    in place (NaN stays NaN); returns it. One pass (``threshold_``), where a comparison and a
+    ``masked_fill_`` took two and a mask."""
+    return F.threshold_(factors, NEGLIGIBLE_DECAY, 0.0)
 
 
 class CumulativeLogDecay:

@@ -239,7 +239,11 @@ class _L2Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, r = ctx.saved_tensors
-        c = torch.linalg.vecdot(x, dy).unsqueeze(-1).mul_(r.square())  # r^2 (x . dy), (B, N, heads, 1)
+        dy = dy.contiguous()  # (a no-op for the engine's gradients)
+        D = x.shape[-1]
+        # x . dy as a batch of (1, D) x (D, 1) products: no x * dy temporary (a fresh one of tens of
+        # MiB costs its page faults on every call)
+        c = torch.bmm(x.reshape(-1, 1, D), dy.reshape(-1, D, 1)).view(r.shape).mul_(r.square())  # r^2 (x . dy)
         return torch.addcmul(dy, x, c, value=-1).mul_(r * ctx.scale), None, None
 
 
