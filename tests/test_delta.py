@@ -409,11 +409,103 @@ def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
     g_rows = None if ld is None else ld.reshape(B * H, N, *ld.shape[3:])
     op = torch.ops.linattn.delta_rule_chunked.default
     s0 = q.new_zeros(B * H, D, D)
-    kept = op(*rows, g_rows, s0, 1.0, 32, 3, 16, True)
-    light = op(*rows, g_rows, s0, 1.0, 32, 3, 16, False)
+    kept = op(*rows, g_rows, s0, 1.0, 32, 3, 16, True, None)
+    light = op(*rows, g_rows, s0, 1.0, 32, 3, 16, False, None)
     Nc, R = -(-N // 32), B * H
     assert kept[2].shape == (-(-Nc // 3) + 1, R, D, D)  # the state before every block of 3 chunks, and after
     assert [t.shape for t in kept[3:]] == [(Nc, R, 32, 32), (Nc, R, 32, D), (Nc, R, 32, D)]  # T, U, W
     assert all(t.numel() == 0 for t in light[2:])
     assert torch.equal(kept[2][-1], kept[1])  # the last kept state is the final one
     assert torch.equal(kept[0], light[0]) and torch.equal(kept[1], light[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_l2norm_eps: the L2 normalisation of q and k inside the engine
+# ---------------------------------------------------------------------------------------------
+
+
+def _unnormalised(x, seed):
+    """x with q and k of varied norms (some near sqrt(eps), where eps inside the root matters)."""
+    gen = torch.Generator().manual_seed(seed)
+    y = dict(x)
+    for name in ("q", "k"):
+        t = x[name]
+        norms = torch.exp(3 * torch.randn(t.shape[:-1], generator=gen, dtype=f64)).to(t.dtype)[..., None]
+        y[name] = t * norms
+        y[name][..., :2, :] *= 1e-4  # two positions with norms around 1e-4
+    return y
+
+
+@pytest.mark.parametrize("decay", [None, "head", "channel"])
+@pytest.mark.parametrize("N,chunk_size,grouped", [(1, 16, False), (70, 16, False), (70, 32, True), (300, 32, False)])
+def test_l2norm_inside_matches_reference(decay, N, chunk_size, grouped):
+    """Outputs, final state and every gradient (of the unnormalised q and k) against the reference
+    with the same option, in float64: chunk fill (N = 70), one position, grouped value heads, the
+    three kinds of decay."""
+    x = _unnormalised(make(N=N, D=12, Dv=10, decay=decay is not None, state=True, seed=N + 3), N)
+    if decay == "channel":
+        gen = torch.Generator().manual_seed(N)
+        x["log_decay"] = -torch.rand(1, 2, N, 12, generator=gen, dtype=f64)
+    if grouped:  # one key head for two value heads
+        x["q"], x["k"] = x["q"][:, :1], x["k"][:, :1]
+    names = [n for n in ALL if decay is not None or n != "log_decay"]
+    for eps in (1e-6, 0.5):
+        out, st = call(delta_rule_attention, x, chunk_size=chunk_size, qk_l2norm_eps=eps)
+        ref, st_ref = call(delta_rule_attention_reference, x, qk_l2norm_eps=eps)
+        close(out, ref)
+        close(st.s, st_ref.s)
+        got = _grads(delta_rule_attention, x, names, chunk_size=chunk_size, qk_l2norm_eps=eps)
+        want = _grads(delta_rule_attention_reference, x, names, qk_l2norm_eps=eps)
+        for n, a, b in zip(names, got, want):
+            close(a, b, 1e-9)
+
+
+def test_l2norm_inside_equals_normalised_inputs():
+    """The option gives what normalised inputs give: outputs and the gradients chained by hand
+    through x / sqrt(sum x^2 + eps); and the recurrent step (N = 1 with a state) and packed
+    documents, with and without states inserted, agree with the chunked form."""
+    x = _unnormalised(make(N=50, D=8, Dv=6, state=True, seed=4), 4)
+    eps = 1e-6
+
+    def normalised(t):
+        return t / torch.sqrt((t * t).sum(-1, keepdim=True) + eps)
+
+    y = dict(x, q=normalised(x["q"]), k=normalised(x["k"]))
+    close(call(delta_rule_attention, x, qk_l2norm_eps=eps)[0], call(delta_rule_attention, y)[0])
+    q, k = x["q"].clone().requires_grad_(), x["k"].clone().requires_grad_()
+    out = delta_rule_attention(q, k, x["v"], x["beta"], log_decay=x["log_decay"], qk_l2norm_eps=eps)
+    q2, k2 = x["q"].clone().requires_grad_(), x["k"].clone().requires_grad_()
+    out2 = delta_rule_attention(normalised(q2), normalised(k2), x["v"], x["beta"], log_decay=x["log_decay"])
+    w = torch.randn(out.shape, dtype=f64)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k)), torch.autograd.grad((out2 * w).sum(), (q2, k2))):
+        close(a, b)
+    # the step: position 50 after the first 49
+    _, st = delta_rule_attention(x["q"][:, :, :49], x["k"][:, :, :49], x["v"][:, :, :49], x["beta"][:, :, :49],
+                                 log_decay=x["log_decay"][:, :, :49], return_state=True, qk_l2norm_eps=eps)
+    step = delta_rule_attention(x["q"][:, :, 49:], x["k"][:, :, 49:], x["v"][:, :, 49:], x["beta"][:, :, 49:],
+                                log_decay=x["log_decay"][:, :, 49:], initial_state=st, qk_l2norm_eps=eps)
+    whole = delta_rule_attention(x["q"], x["k"], x["v"], x["beta"], log_decay=x["log_decay"], qk_l2norm_eps=eps)
+    close(step, whole[:, :, 49:])
+    # packed: two documents of 20 and 30, with initial states and final states, and without
+    cu = torch.tensor([0, 20, 50])
+    packed = {n: x[n][:1] for n in ("q", "k", "v", "beta", "log_decay")}
+    s0 = torch.randn(2, 2, 8, 6, dtype=f64)
+    for states in (False, True):
+        got = delta_rule_attention(packed["q"], packed["k"], packed["v"], packed["beta"], log_decay=packed["log_decay"],
+                                   cu_seqlens=cu, qk_l2norm_eps=eps, return_state=states,
+                                   initial_state=DecayedState(s0) if states else None)
+        got = got[0] if states else got
+        for i, (a, b) in enumerate([(0, 20), (20, 50)]):
+            one = delta_rule_attention(*(packed[n][:, :, a:b] for n in ("q", "k", "v", "beta")),
+                                       log_decay=packed["log_decay"][:, :, a:b], qk_l2norm_eps=eps,
+                                       initial_state=DecayedState(s0[i:i + 1]) if states else None)
+            close(got[:, :, a:b], one)
+
+
+@pytest.mark.parametrize("eps,error", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                                       ("1e-6", TypeError), (True, TypeError)])
+def test_l2norm_eps_is_checked(eps, error):
+    x = make(N=5, D=4, Dv=3)
+    for fn in (delta_rule_attention, delta_rule_attention_reference):
+        with pytest.raises(error, match="qk_l2norm_eps"):
+            call(fn, x, qk_l2norm_eps=eps)

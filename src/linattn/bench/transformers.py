@@ -104,8 +104,8 @@ def build(subject: str, sizes: str):
         theirs = module.chunk_kimi_delta_attention if family == "kimi_linear" else module.torch_chunk_gated_delta_rule
         H = (16 if family == "qwen3_5" else 32) if sizes == "checkpoint" else 4
         D = 128 if sizes == "checkpoint" else 16
-        return None, {"transformers": theirs, "linattn": functools.partial(
-            lt.delta_rule, l2norm=lt.FAMILIES[family].l2norm)}, {"heads": H, "head_dim": D, "kda": family == "kimi_linear"}
+        return None, {"transformers": theirs, "linattn": lt.delta_rule}, {"heads": H, "head_dim": D,
+                                                                           "kda": family == "kimi_linear"}
     if sizes == "tiny":
         dims = dict(hidden_size=64, heads=4, head_dim=16)
     elif family == "qwen3_5":

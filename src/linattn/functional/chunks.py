@@ -23,12 +23,36 @@ ever filled, and only a tile holding it is copied.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ChunkLayout"]
+__all__ = ["ChunkLayout", "TileBuffers"]
+
+
+class TileBuffers:
+    """Named buffers that the tiles of one call reuse, one tile after another: ``buffers(name,
+    *shape)`` is a ``shape`` view of the buffer ``name``, made (dtype and device of ``like``) for
+    the first tile that asks, and handed again to every later tile (the last may be smaller).
+
+    Why: a fresh tensor of a few MiB is page-faulted on every allocation on a CPU (glibc hands a
+    large freed block back to the OS, and maps it again for the next), and a tile's temporaries
+    are that large at real widths (16 heads of 128: 2 MiB each); written into the first tile's
+    buffers, later tiles fault nothing. A name must stand for one tensor at a time: a tile asks
+    again only once the earlier view is dead."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.like = like
+        self.buffers: dict[str, Tensor] = {}
+
+    def __call__(self, name: str, *shape: int) -> Tensor:
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = self.like.new_empty(numel)
+        return buf[:numel].view(shape)
 
 
 class ChunkLayout(NamedTuple):

@@ -72,6 +72,7 @@ keys' side is formed once; their gradients are its backward's. ``W = T diag(beta
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Union
 
 import torch
@@ -89,7 +90,7 @@ from .checks import (
     sanitize_padded,
     shape_str,
 )
-from .chunks import ChunkLayout
+from .chunks import ChunkLayout, TileBuffers
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
@@ -132,6 +133,29 @@ def _check_gate(fn: str, name: str, x, q: Tensor, *, per_channel: bool = False) 
                          f"{shape_str(q)}, got {shape_str(x)}")
     if x.device != q.device:
         raise ValueError(f"{fn}: {name} is on {x.device}, q on {q.device}")
+
+
+def _check_l2norm_eps(fn: str, eps) -> None:
+    """``qk_l2norm_eps``: None, or a finite number >= 0."""
+    if eps is None:
+        return
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{fn}: qk_l2norm_eps must be None or a number >= 0, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{fn}: qk_l2norm_eps must be a finite number >= 0, got {eps}")
+
+
+def _l2_factor(x: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(sum x^2 + eps)`` over the last dim of ``x (..., D)`` -> ``(...)``: the factor of the
+    L2 normalisation of ``qk_l2norm_eps``. The norm by ``vector_norm``, which reads x once and
+    writes only the norms (x * x would write a temporary as large as x)."""
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() + eps)
+
+
+def _l2_normalized(x: Tensor, eps: float | None) -> Tensor:
+    """``x / sqrt(sum x^2 + eps)`` over the last dim (plain autograd), or x itself for eps None: the
+    forms that do not normalise inside the chunked op (the recurrent step, packed documents)."""
+    return x if eps is None else x * _l2_factor(x, eps)[..., None]
 
 
 def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_state, cu_seqlens=None):
@@ -257,11 +281,14 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.reshape(-1, 1, X), b.reshape(-1, X, 1)).view(a.shape[:-1])
 
 
-def _scores(q: Tensor, k: Tensor, g: Tensor | None, sub_chunk_size: int = 4, qk: Tensor | None = None) -> _Scores:
+def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_size: int = 4,
+            qk: Tensor | None = None) -> _Scores:
     """``q, k (m, C, D)`` (q already scaled), ``g (m, C)`` (per head), ``(m, C, D)`` (per key
-    channel) or None -> :class:`_Scores` (``sub_chunk_size``: the per-channel scores' sub-chunks)."""
+    channel) or None -> :class:`_Scores`, its tensors in the tile buffers ``buf``
+    (``sub_chunk_size``: the per-channel scores' sub-chunks)."""
     if g is not None and g.dim() == 3:
         return _channel_scores(q, k, g, sub_chunk_size, qk)
+    m, C, D = k.shape
     E = gam = delta = gC = None
     if g is not None:
         # G (m, C) in the compute dtype, as small decays plus a count of resets (log decays below
@@ -272,15 +299,16 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, sub_chunk_size: int = 4, qk:
         # Factors below NEGLIGIBLE_DECAY are flushed to exactly 0: they would leave subnormal
         # numbers in the products below (log_decays.py).
         G = CumulativeLogDecay.of(g, -1)
-        E = flush_negligible((G[:, :, None] - G[:, None, :]).clamp_(max=0).exp_().tril_())  # (m, C, C)
+        E = G[:, :, None].sub(G[:, None, :], buf("E", m, C, C), buf("E scratch", m, C, C))
+        E = flush_negligible(E.clamp_(max=0).exp_().tril_())  # (m, C, C)
         gam = flush_negligible(G.exp())
         delta = flush_negligible((G[:, -1:] - G).exp_())
         gC = gam[:, -1]
-    KK = torch.bmm(k, k.transpose(1, 2))  # (m, C, C)
-    P = torch.bmm(q, k.transpose(1, 2))  # (m, C, C)
+    KK = torch.bmm(k, k.transpose(1, 2), out=buf("KK", m, C, C))
+    P = torch.bmm(q, k.transpose(1, 2), out=buf("P", m, C, C))
     P = P.tril_() if E is None else P.mul_(E)
-    Kd = k if delta is None else k * delta[:, :, None]
-    GQ = q if gam is None else q * gam[:, :, None]
+    Kd = k if delta is None else torch.mul(k, delta[:, :, None], out=buf("Kd", m, C, D))
+    GQ = q if gam is None else torch.mul(q, gam[:, :, None], out=buf("GQ", m, C, D))
     return _Scores(E, gam, delta, gC, KK, P, Kd, GQ)
 
 
@@ -308,52 +336,70 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None) -> _Scores:
     return _Scores(None, gam, delta, gC, KK, P, k * delta, q * gam, (c, qk, saved, decays.reset))
 
 
-def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, out: _Solved | None = None) -> _Solved:
+def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: TileBuffers,
+           out: _Solved | None = None) -> _Solved:
     """The triangular inverse of m chunks and its two products (:class:`_Solved`), into ``out``
-    when given: ``k (m, C, D)``, ``bv (m, C, Dv)`` the values times beta (``diag(beta) V``, as the
-    block took them), ``b (m, C)``, the chunks' :class:`_Scores` (``solve_block``: see
-    :func:`_unit_lower_inverse`)."""
+    when given, else into the tile buffers ``buf``: ``k (m, C, D)``, ``bv (m, C, Dv)`` the values
+    times beta (``diag(beta) V``, as the block took them), ``b (m, C)``, the chunks'
+    :class:`_Scores` (``solve_block``: see :func:`_unit_lower_inverse`)."""
+    m, C, D = k.shape
+    Dv = bv.shape[-1]
     bcol = b[:, :, None]
+    A = buf("A", m, C, C)
     if x.channel is not None:  # KK is then the decayed scores, already strictly lower
-        A = x.KK * bcol
+        torch.mul(x.KK, bcol, out=A)
     else:
-        A = (x.KK.tril(-1) if x.E is None else (x.KK * x.E).tril_(-1)).mul_(bcol)  # the unit diagonal is implicit
-    T = _unit_lower_inverse(A, solve_block, None if out is None else out.T)  # (I + A)^-1
+        (A.copy_(x.KK) if x.E is None else torch.mul(x.KK, x.E, out=A)).tril_(-1).mul_(bcol)  # the unit diagonal is implicit
+    out = out or _Solved(buf("T", m, C, C), buf("U", m, C, Dv), buf("W", m, C, D))
+    T = _unit_lower_inverse(A, solve_block, out.T)  # (I + A)^-1
     # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
     # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
     # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
     wk = bcol if x.gam is None else (x.gam * bcol if x.channel is not None else (b * x.gam)[:, :, None])
-    U = torch.bmm(T, bv, out=None if out is None else out.U)
-    W = torch.bmm(T, k * wk, out=None if out is None else out.W)
+    U = torch.bmm(T, bv, out=out.U)
+    W = torch.bmm(T, torch.mul(k, wk, out=buf("k w", m, C, D)), out=out.W)
     return _Solved(T, U, W)
 
 
-def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice) -> Tensor | None:
+def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice, buf: TileBuffers | None = None,
+          name: str = "") -> Tensor | None:
     """A tile's chunks of ``xc (R, Nc, C, ...)`` as the block functions take them: chunk-major and
-    contiguous, ``(m*R, C, ...)`` (the R rows of one chunk side by side)."""
-    return None if xc is None else lay.take(xc, tile).flatten(0, 1)
+    contiguous, ``(m*R, C, ...)`` (the R rows of one chunk side by side); into the tile buffer
+    ``name`` of ``buf`` when given."""
+    if xc is None:
+        return None
+    if buf is None:
+        return lay.take(xc, tile).flatten(0, 1)
+    view = lay.view(xc, tile)
+    return buf(name, *view.shape).copy_(view).flatten(0, 1)
 
 
-def _take_product(lay: ChunkLayout, xc: Tensor, tile: slice, factor) -> Tensor:
+def _take_product(lay: ChunkLayout, xc: Tensor, tile: slice, factor, out: Tensor) -> Tensor:
     """:func:`_take` of ``xc`` times ``factor`` (a number, or ``(R, Nc, C)`` per position) in the one
-    pass that takes it: ``(m*R, C, X)``."""
-    R, _, C, X = xc.shape
-    out = xc.new_empty(tile.stop - tile.start, R, C, X)
+    pass that takes it, into ``out`` (``(m, R, C, X)``, rows of one chunk side by side): ``(m*R, C, X)``."""
     torch.mul(lay.view(xc, tile), factor if isinstance(factor, float) else lay.view(factor, tile)[..., None], out=out)
     return out.flatten(0, 1)
 
 
-def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float, per_channel: bool):
-    """A tile's ``scale * q`` and ``k`` as :func:`_take` gives them, ``(m*R, C, D)`` each, and with a
-    gate per key channel also the one buffer ``(m*R, 2, C, D)`` they are views of (the per-channel
-    scores take q and k as two sets of queries: written there once, not copied again), else None."""
-    if not per_channel:
-        return _take_product(lay, qc, tile, scale), _take(lay, kc, tile), None
+def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float, per_channel: bool,
+             buf: TileBuffers, norms: tuple | None = None):
+    """A tile's ``scale * q`` and ``k`` as :func:`_take` gives them, ``(m*R, C, D)`` each (in the tile
+    buffers ``buf``), and with a gate per key channel also the one buffer ``(m*R, 2, C, D)`` they are
+    views of (the per-channel scores take q and k as two sets of queries: written there once, not
+    copied again), else None. ``norms``: None, or the L2 normalisation's factors ``(rq, rk)``
+    ``(R, Nc, C)`` (:func:`_l2_factor`), applied in the same pass (q then takes ``scale * rq``)."""
     R, _, C, D = qc.shape
     m = tile.stop - tile.start
-    qk = qc.new_empty(m, R, 2, C, D)
-    torch.mul(lay.view(qc, tile), scale, out=qk[:, :, 0])
-    qk[:, :, 1] = lay.view(kc, tile)
+    fq, fk = (scale, None) if norms is None else (norms[0].mul(scale) if scale != 1.0 else norms[0], norms[1])
+    if not per_channel:
+        kb = _take(lay, kc, tile, buf, "k") if fk is None else _take_product(lay, kc, tile, fk, buf("k", m, R, C, D))
+        return _take_product(lay, qc, tile, fq, buf("q", m, R, C, D)), kb, None
+    qk = buf("qk", m, R, 2, C, D)
+    _take_product(lay, qc, tile, fq, qk[:, :, 0])
+    if fk is None:
+        qk[:, :, 1] = lay.view(kc, tile)
+    else:
+        _take_product(lay, kc, tile, fk, qk[:, :, 1])
     qk = qk.view(m * R, 2, C, D)
     return qk[:, 0], qk[:, 1], qk
 
@@ -363,11 +409,12 @@ def _kept(kept: _Solved | None, tile: slice) -> _Solved | None:
     return None if kept is None else _Solved(*(t[tile].flatten(0, 1) for t in kept))
 
 
-def _block_forward(q, k, bv, b, g, S, solve_block, qk=None, kept=None):
+def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
     """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``, the values
     times beta ``bv (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``S (R, D, Dv)``, the state before the block,
-    updated in place to the state after it; ``kept``: None, or the block's views of the buffers
-    the backward reads (:class:`_Solved`), written here. Returns ``o (n*R, C, Dv)``.
+    updated in place to the state after it; ``buf``: the call's :class:`TileBuffers`; ``kept``: None,
+    or the block's views of the buffers the backward reads (:class:`_Solved`), written here. Returns
+    ``o (n*R, C, Dv)`` (a tile buffer).
 
     The loop over chunks carries the state, ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``, and
     forms each chunk's outputs ``O = diag(gamma) Q S + P U`` while its state is in cache: one state
@@ -377,13 +424,13 @@ def _block_forward(q, k, bv, b, g, S, solve_block, qk=None, kept=None):
     m, C, D = q.shape
     R, Dv = S.shape[0], S.shape[-1]
     n = m // R
-    x = _scores(q, k, g, qk=qk)
-    sol = _solve(x, k, bv, b, solve_block, kept)
+    x = _scores(q, k, g, buf, qk=qk)
+    sol = _solve(x, k, bv, b, solve_block, buf, kept)
     U, W = sol.U.view(n, R, C, Dv), sol.W.view(n, R, C, D)  # U: Uv, made U chunk by chunk in place
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
     gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
     P, GQ = x.P.view(n, R, C, C), x.GQ.view(n, R, C, D)
-    o = S.new_empty(n, R, C, Dv)
+    o = buf("o", n, R, C, Dv)
     for c in range(n):  # the only sequential part: three (R, C|D, D) x (R, D, Dv) products a chunk
         U[c].baddbmm_(W[c], S, alpha=-1)
         torch.bmm(P[c], U[c], out=o[c]).baddbmm_(GQ[c], S)
@@ -391,10 +438,18 @@ def _block_forward(q, k, bv, b, g, S, solve_block, qk=None, kept=None):
     return o.view(m, C, Dv)
 
 
-def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True):
+def _qk_norms(lay: ChunkLayout, q: Tensor, k: Tensor, eps: float | None) -> tuple | None:
+    """The L2 normalisation's factors of ``q, k (R, N, D)`` laid out in chunks, ``(R, Nc, C)`` each
+    (:func:`_l2_factor`), or None for eps None."""
+    return None if eps is None else (lay.chunked(_l2_factor(q, eps)), lay.chunked(_l2_factor(k, eps)))
+
+
+def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_eps=None):
     """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` -> ``o (R, N, Dv)``,
     the states and what a backward reads, on the :class:`~linattn.functional.chunks.ChunkLayout`
-    ``lay`` (its tiles are the blocks); ``solve_block``: see :func:`_unit_lower_inverse`.
+    ``lay`` (its tiles are the blocks); ``solve_block``: see :func:`_unit_lower_inverse`; ``qk_eps``:
+    None, or the eps of the L2 normalisation of q and k (``qk_l2norm_eps``), applied as the tiles
+    are taken.
 
     With ``keep`` (a backward will run): the states before every block and after the last,
     ``(nb + 1, R, D, Dv)``, and the chunk-local products of every chunk (:class:`_Solved` of
@@ -413,16 +468,19 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True):
         C = lay.C
         kept = _Solved(v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, Dv), v.new_empty(lay.Nc, R, C, D))
     per_channel = g is not None and g.dim() == 3
+    buf = TileBuffers(v)
+    norms = _qk_norms(lay, q, k, qk_eps)
     for i, blk in enumerate(tiles):
         S = states[i + 1].copy_(states[i]) if keep else states[0]
-        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
-        ob = _block_forward(qb, kb, _take_product(lay, vc, blk, bc), *(_take(lay, t, blk) for t in (bc, gc)), S,
-                            solve_block, qk, _kept(kept, blk))
+        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel, buf, norms)
+        bv = _take_product(lay, vc, blk, bc, buf("bv", blk.stop - blk.start, R, lay.C, Dv))
+        ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, solve_block, buf, qk,
+                            _kept(kept, blk))
         lay.put(o, blk, ob)
     return lay.unchunked(o), states, kept
 
 
-def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into, qk=None):
+def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, C, Dv)``, the state before the block ``start (R, D, Dv)``, the block's kept
     :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (n, R, D, Dv)`` that receives
@@ -431,7 +489,10 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
     times the queries. Writes ``dq`` (of the queries before the scale), ``dk`` and ``dv`` into
     ``into``, three chunk-major ``(n, R, C, D | D | Dv)`` views of the gradients' own tensors (each
     one's last pass writes there: no copy afterwards), and returns ``db (n*R, C)`` and
-    ``dg (n*R, C)`` (None unless ``need_g``).
+    ``dg (n*R, C)`` (None unless ``need_g``); ``buf``: the call's :class:`TileBuffers`; ``norms``:
+    None, or the block's L2 normalisation factors ``(rq, rk) (n*R, C)`` (q and k are then the
+    normalised ones, and the gradients written are those of the unnormalised, see
+    :func:`_unnormalized_grad`).
 
     Per chunk, with S the state before it and dSn the gradient of the state after it, from
     ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
@@ -452,7 +513,7 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
     """
     m, C, D = q.shape
     n, R, _, Dv = st.shape
-    x = _scores(q, k, g, qk=qk)
+    x = _scores(q, k, g, buf, qk=qk)
     U = sol.U
     U4, W4, Kd4 = U.view(n, R, C, Dv), sol.W.view(n, R, C, D), x.Kd.view(n, R, C, D)
     gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
@@ -463,14 +524,13 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
             torch.baddbmm(st[c], Kd4[c].transpose(1, 2), U4[c], out=st[c + 1])
         else:
             torch.mul(st[c], gC[c], out=st[c + 1]).baddbmm_(Kd4[c].transpose(1, 2), U4[c])
-    PtdO = torch.bmm(x.P.transpose(1, 2), do).view(n, R, C, Dv)  # P^T dO
-    # (diag(gamma) Q)^T dO straight into dst[:n], where each chunk's state gradient then accumulates
-    # in place: no separate buffer, and no out= pass that copies it over
+    # P^T dO straight into dU and (diag(gamma) Q)^T dO into dst[:n], where each chunk's gradients
+    # then accumulate in place: no separate buffers, and no out= pass that copies them over
+    dU = torch.bmm(x.P.transpose(1, 2), do, out=buf("dU", m, C, Dv)).view(n, R, C, Dv)
     torch.bmm(x.GQ.transpose(1, 2), do, out=dst[:n].view(m, D, Dv))
     WT = W4.transpose(2, 3)
-    dU = st.new_empty(n, R, C, Dv)
     for c in reversed(range(n)):
-        torch.baddbmm(PtdO[c], Kd4[c], dst[c + 1], out=dU[c])
+        dU[c].baddbmm_(Kd4[c], dst[c + 1])
         if gC is None:
             dst[c].add_(dst[c + 1])
         else:
@@ -478,32 +538,36 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
         dst[c].baddbmm_(WT[c], dU[c], alpha=-1)
     qf, kf, vf, bf, dof = q, k, v, b, do
     S, dSn, dU = st.view(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
-    dP = torch.bmm(dof, U.transpose(1, 2))  # d loss / d P, (m, C, C)
+    dP = torch.bmm(dof, U.transpose(1, 2), out=buf("dP", m, C, C))  # d loss / d P
     dq_to, dk_to, dv_to = into
     if x.channel is not None:
         dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dof, S, dSn, dU, dP, need_g)
-        torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
-        dk_to.copy_(dk.view(dk_to.shape))
+        if norms is None:
+            torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
+            dk_to.copy_(dk.view(dk_to.shape))
+        else:
+            _unnormalized_grad(dq.mul_(scale), qf, norms[0], scale, dq_to)
+            _unnormalized_grad(dk, kf, norms[1], 1.0, dk_to)
         dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
-    YP = dP * x.P if need_g else None  # dE o E through P
+    YP = torch.mul(dP, x.P, out=buf("dP P", m, C, C)) if need_g else None  # dE o E through P
     dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
-    dKd = torch.bmm(U, dSn.transpose(1, 2))  # (m, C, D)
-    dOS = torch.bmm(dof, S.transpose(1, 2))  # dO S^T, (m, C, D)
+    dKd = torch.bmm(U, dSn.transpose(1, 2), out=buf("dKd", m, C, D))
+    dOS = torch.bmm(dof, S.transpose(1, 2), out=buf("dO S^T", m, C, D))
     # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
-    dRv = torch.bmm(sol.T.transpose(1, 2), dU)
-    dRw = torch.baddbmm(dKd, dRv, S.transpose(1, 2), beta=0, alpha=-1)  # dKd: a (m, C, D) ignored (beta=0)
-    dAE = torch.bmm(dRv, U.transpose(1, 2)).neg_().tril_(-1)  # dA
+    dRv = torch.bmm(sol.T.transpose(1, 2), dU, out=buf("dRv", m, C, Dv))
+    dRw = torch.bmm(dRv, S.transpose(1, 2), out=buf("dRw", m, C, D)).neg_()
+    dAE = torch.bmm(dRv, U.transpose(1, 2), out=buf("dA", m, C, C)).neg_().tril_(-1)  # dA
     if x.E is not None:
         dAE.mul_(x.E)  # dA o E
     bcol = bf[:, :, None]
-    Z = dAE * bcol  # d loss / d (K K^T), strictly lower
-    Z += Z.transpose(1, 2).clone()  # K K^T is symmetric: both of its factors get the gradient
-    dk = torch.bmm(Z, kf).baddbmm_(dP.transpose(1, 2), qf)
+    Z = torch.mul(dAE, bcol, out=buf("Z", m, C, C))  # d loss / d (K K^T), strictly lower
+    Z += buf("Z^T", m, C, C).copy_(Z.transpose(1, 2))  # K K^T is symmetric: both of its factors get the gradient
+    dk = torch.bmm(Z, kf, out=buf("dk", m, C, D)).baddbmm_(dP.transpose(1, 2), qf)
     # dq of the unscaled queries: the block saw scale * q, so scale rides along here (alpha, and the
     # gamma column below) instead of a pass over dq afterwards
-    dq = torch.baddbmm(dOS, dP, kf, beta=0, alpha=scale)  # dOS: a (m, C, D) ignored (beta=0)
+    dq = torch.bmm(dP, kf, out=buf("dq", m, C, D)).mul_(scale)
     t_w = _rowdot(dRw, kf)  # d loss / d (beta gamma)_t, (m, C)
     dAEK = dAE.mul_(x.KK)  # dA o E o KK
     db = _rowdot(dRv, vf).add_(dAEK.sum(-1))
@@ -513,14 +577,18 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
 
     torch.mul(blocked(dRv), blocked(bcol), out=dv_to)
     dg = None
+    # the last term of dq and of dk goes straight into its target, or, normalised, into dq / dk and
+    # then through the normalisation's gradient into the target
+    dq_last = dq_to if norms is None else blocked(dq)
+    dk_last = dk_to if norms is None else blocked(dk)
     if x.gam is None:
-        torch.add(blocked(dq), blocked(dOS), alpha=scale, out=dq_to)
-        torch.add(blocked(dk.addcmul_(dRw, bcol)), blocked(dKd), out=dk_to)
+        torch.add(blocked(dq), blocked(dOS), alpha=scale, out=dq_last)
+        torch.add(blocked(dk.addcmul_(dRw, bcol)), blocked(dKd), out=dk_last)
         db.add_(t_w)
     else:
         gcol, dcol = x.gam[:, :, None], x.delta[:, :, None]
-        torch.addcmul(blocked(dq), blocked(dOS), blocked(gcol * scale), out=dq_to)
-        torch.addcmul(blocked(dk.addcmul_(dRw, bcol * gcol)), blocked(dKd), blocked(dcol), out=dk_to)
+        torch.addcmul(blocked(dq), blocked(dOS), blocked(gcol * scale), out=dq_last)
+        torch.addcmul(blocked(dk.addcmul_(dRw, bcol * gcol)), blocked(dKd), blocked(dcol), out=dk_last)
         if need_g:
             # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E), gamma,
             # delta = exp(G_C - G) and gamma_C (in gamma_C S).
@@ -533,7 +601,20 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
             # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
             dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
+    if norms is not None:
+        _unnormalized_grad(dq, qf, norms[0], scale, dq_to)
+        _unnormalized_grad(dk, kf, norms[1], 1.0, dk_to)
     return db, dg
+
+
+def _unnormalized_grad(grad: Tensor, xb: Tensor, r: Tensor, s: float, out: Tensor) -> None:
+    """The gradient of the unnormalised x, into ``out (n, R, C, D)``, from ``grad (m, C, D)``, that of
+    the block's ``xb = s r x`` times s (what is written without the normalisation), ``xb`` and the
+    factors ``r (m, C)``: for ``x^ = r x``, ``dx = s r (G - (x^ . G) x^)`` with G the gradient of xb,
+    which is ``r grad - (r / s^2) (xb . grad) xb``. ``grad`` is overwritten."""
+    c = _rowdot(xb, grad).mul_(r).div_(s * s)[:, :, None]  # (m, C, 1)
+    torch.addcmul(grad.mul_(r[:, :, None]).view(out.shape), xb.view(out.shape), c.view(*out.shape[:3], 1),
+                  value=-1, out=out)
 
 
 def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, dP, need_g):
@@ -584,7 +665,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, d
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g):
+def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, qk_eps=None):
     """Gradients of :func:`_chunked_forward` from what it kept (``states``, the state before every
     block, and ``kept``, its :class:`_Solved` buffers): ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
     ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards,
@@ -599,16 +680,20 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     tiles = lay.tiles()
     most = max(blk.stop - blk.start for blk in tiles)
     st_all, dst_all = v.new_empty(most, R, D, Dv), v.new_empty(most + 1, R, D, Dv)
+    buf = TileBuffers(v)
+    norms = _qk_norms(lay, q, k, qk_eps)
     ds = ds_final
     for i in reversed(range(len(tiles))):
         blk = tiles[i]
         n = blk.stop - blk.start
         dst = dst_all[:n + 1]
         dst[n] = ds  # ds: ds_final, or dst_all[0] of the block after this one (n >= 1: no overlap)
-        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel)
+        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel, buf, norms)
         into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
-        db_blk, dg_blk = _block_backward(qb, kb, *(_take(lay, t, blk) for t in (vc, bc, gc)), states[i],
-                                         _kept(kept, blk), st_all[:n], _take(lay, doc, blk), dst, need_g, scale, into, qk)
+        db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
+                                         states[i], _kept(kept, blk), st_all[:n], _take(lay, doc, blk, buf, "do"), dst,
+                                         need_g, scale, into, buf, qk,
+                                         None if norms is None else tuple(_take(lay, r, blk) for r in norms))
         lay.put(db, blk, db_blk)
         if dg_blk is not None:
             lay.put(dg, blk, dg_blk)
@@ -626,23 +711,23 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 # recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
-                                "int chunk_size, int chunks_per_block, int solve_block, bool keep_states) "
-                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states):
+                                "int chunk_size, int chunks_per_block, int solve_block, bool keep_states, "
+                                "float? qk_eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps):
     """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)``, and what the backward reads: the states
     before every block and after the last ``(nb + 1, R, D, Dv)`` and the chunks' ``T, U, W``
     ``(Nc, R, C, C | Dv | D)`` (each ``(0,)`` without ``keep_states``: a call no gradient flows
     through)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
-        o, states, kept = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states)
+        o, states, kept = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps)
     if not keep_states:
         return o.contiguous(), states[-1].clone(), *(v.new_empty(0) for _ in range(4))
     return o.contiguous(), states[-1].clone(), states, *kept
 
 
 @_delta_rule_chunked.register_fake
-def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states):
+def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps):
     R, N, D = q.shape
     Dv = v.shape[-1]
     C = min(chunk_size, N)
@@ -657,22 +742,23 @@ def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_
 @torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, "
                                 "Tensor U, Tensor W, Tensor do, Tensor ds_final, float scale, int chunk_size, "
-                                "int chunks_per_block, bool need_g) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                                "int chunks_per_block, float? qk_eps, bool need_g) "
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block,
-                                 need_g):
+                                 qk_eps, need_g):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
         # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
         # the reshapes and make every batched product copy its matrices one by one
         dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, _Solved(T, U, W), do.contiguous(),
-                                                    ds_final, scale, lay, need_g)
+                                                    ds_final, scale, lay, need_g, qk_eps)
     dg = b.new_empty(0) if dg is None else dg.contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), db.contiguous(), dg, ds0
 
 
 @_delta_rule_chunked_backward.register_fake
-def _(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block, need_g):
+def _(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps, need_g):
     dg = g.new_empty(g.shape) if need_g else b.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), b.new_empty(b.shape), dg, \
         ds_final.new_empty(ds_final.shape)
@@ -685,12 +771,12 @@ def _needs_states(*tensors) -> bool:
 
 
 def _delta_rule_setup(ctx, inputs, output):
-    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states = inputs
+    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps = inputs
     if not keep_states:  # _needs_states decided no gradient flows through this call
         raise RuntimeError("linattn::delta_rule_chunked: called with keep_states=False on inputs that need "
                            "gradients; its caller must pass _needs_states(...)")
     ctx.save_for_backward(q, k, v, b, g, *output[2:])
-    ctx.knobs = (scale, chunk_size, chunks_per_block)
+    ctx.knobs = (scale, chunk_size, chunks_per_block, qk_eps)
     ctx.mark_non_differentiable(*output[2:])
     # unused outputs' gradients stay None: materialised, the kept tensors' would be zero-filled
     # tensors as large as themselves on every backward
@@ -706,7 +792,7 @@ def _delta_rule_autograd(ctx, do, ds_final, *_kept):
     need_g = g is not None and ctx.needs_input_grad[4]
     dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, *ctx.knobs,
                                                            need_g)
-    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None
+    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None, None
 
 
 _delta_rule_chunked.register_autograd(_delta_rule_autograd, setup_context=_delta_rule_setup)
@@ -730,14 +816,16 @@ def _step(q, k, v, beta, log_decay, scale, s0):
     return scale * (q @ s), s
 
 
-def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size, knobs):
+def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size, knobs, qk_eps):
     """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
     ``beta, log_decay (1, H, T)`` (log_decay or None), ``s0 (n, H, D, Dv)`` or None, prepared ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
     ``return_state``). One run of the chunked form on the expanded sequence: -inf log decays at the
     documents' starts (so DeltaNet runs the decayed path, with zero decays elsewhere), D positions
     with beta = 1 replacing the rows of each initial state, D with beta = 0 reading each final one.
-    T, H >= 1: delta_rule_attention answers inputs without a position itself."""
+    T, H >= 1: delta_rule_attention answers inputs without a position itself. ``qk_eps``: the L2
+    normalisation of q and k (``qk_l2norm_eps``), inside the chunked op when no position is
+    inserted, else here beforehand (an inserted position's unit query or key must stay unit)."""
     H, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     lay = varlen_layout(cu_seqlens, q.shape[2], D, write_states=s0 is not None, read_states=return_state)
     per_channel = log_decay is not None and log_decay.dim() == 4  # KDA: g (1, H, T, D)
@@ -745,6 +833,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     b = beta.unsqueeze(-1)  # (1, H, T, 1)
     g = g if per_channel else g.unsqueeze(-1)  # (1, H, T, 1 | D)
     if lay.gather is not None:
+        q, k, qk_eps = _l2_normalized(q, qk_eps), _l2_normalized(k, qk_eps), None
         # inserted positions read with scale 1: scale the real queries here instead
         q, scale = lay.expand(q * scale, lay.zeros(q), lay.basis(q)), 1.0
         k = lay.expand(k, lay.basis(k), lay.zeros(k))
@@ -755,7 +844,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     Tx = lay.total
     g = g.view(H, Tx, D) if per_channel else g.view(H, Tx)
     o, *_ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
-                                  chunk_size, *knobs, _needs_states(q, k, v, b, g))  # rows (H, Tx, *): B = 1
+                                chunk_size, *knobs, _needs_states(q, k, v, b, g), qk_eps)  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
     return lay.packed(o), (lay.states(o) if return_state else None)
 
@@ -775,6 +864,7 @@ def delta_rule_attention(
     chunks_per_block: int | None = None,
     solve_block: int = 16,
     cu_seqlens: Tensor | None = None,
+    qk_l2norm_eps: float | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Causal delta-rule attention (DeltaNet, Gated DeltaNet), chunked, O(N) memory:
     ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``.
@@ -836,6 +926,14 @@ def delta_rule_attention(
             states), in one chunked run over T positions (plus n*D per kind of state asked for;
             see ``linattn.functional.varlen``). ``key_padding_mask`` ``(1, T)`` works alike.
             Without ``log_decay`` this runs the decayed path (zero decays, -inf at boundaries).
+        qk_l2norm_eps: None (q and k are used as given), or eps >= 0: every query and key is first
+            L2-normalised, ``x / sqrt(sum x^2 + eps)`` over its D channels (flash-linear-attention's
+            and transformers' ``use_qk_l2norm_in_kernel``, with eps 1e-6 there), and the gradients
+            are those of the unnormalised q and k. In the chunked form the normalisation is applied
+            as each block's q and k are taken, and its gradient as each block's dq and dk are
+            written: no normalised copy of q and k, and no pass of its own over their gradients.
+            (Not ``F.normalize``, whose eps bounds the norm from below: the two differ for norms
+            near sqrt(eps).)
 
     Causality and document isolation hold for finite inputs within the contract (unit keys, beta
     in [0, 2]): a NaN or inf at a real position t, or a state that overflows because keys far
@@ -855,6 +953,7 @@ def delta_rule_attention(
         ``initial_state.s``).
     """
     fn = "delta_rule_attention"
+    _check_l2norm_eps(fn, qk_l2norm_eps)
     if chunk_size is None:
         chunk_size = CHUNK_SIZES["channel" if isinstance(log_decay, Tensor) and log_decay.dim() == 4 else "head"]
     check_positive_int(fn, "chunk_size", chunk_size)
@@ -878,18 +977,19 @@ def delta_rule_attention(
             out, s = result_without_positions((qx, kx, vx, *gates), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
             out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size,
-                             (_chunks_per_block(chunks_per_block, H, D, Dv), solve_block))
+                             (_chunks_per_block(chunks_per_block, H, D, Dv), solve_block), qk_l2norm_eps)
         elif N == 1 and s0 is not None:  # the recurrent step
-            out, s = _step(qx, kx, vx, beta, log_decay, scale, s0)
+            out, s = _step(_l2_normalized(qx, qk_l2norm_eps), _l2_normalized(kx, qk_l2norm_eps), vx, beta, log_decay,
+                           scale, s0)
         else:
             def rows(t):  # (B, H, N, ...) -> (R, N, ...)
                 return t.reshape(B * H, N, *t.shape[3:])
 
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
             o, s, *_ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
-                                          None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
-                                          _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block,
-                                          _needs_states(qx, kx, vx, beta, log_decay, s0r))
+                                           None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
+                                           _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block,
+                                           _needs_states(qx, kx, vx, beta, log_decay, s0r), qk_l2norm_eps)
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
         out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
@@ -906,11 +1006,13 @@ def delta_rule_attention_reference(
     key_padding_mask: Tensor | None = None,
     initial_state: DecayedState | None = None,
     return_state: bool = False,
+    qk_l2norm_eps: float | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """The recurrence itself, position by position (a Python loop over N, O(N D Dv)): what the
     tests trust, in float64. Same arguments, checks and returns as :func:`delta_rule_attention`
     (no ``chunk_size``)."""
     fn = "delta_rule_attention_reference"
+    _check_l2norm_eps(fn, qk_l2norm_eps)
     in_dtype = q.dtype
     dt, scale, beta, log_decay, q, k, v = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
                                                    initial_state)
@@ -918,6 +1020,9 @@ def delta_rule_attention_reference(
     Dv = v.shape[-1]
     s0 = None if initial_state is None else initial_state.s.to(dt)
     q = sanitize_padded(q, key_padding_mask).to(dt)
+    if qk_l2norm_eps is not None:  # x / sqrt(sum x^2 + eps), written out
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + qk_l2norm_eps)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + qk_l2norm_eps)
     if B * H * N == 0:  # no step at all: as in delta_rule_attention
         gates = (beta,) if log_decay is None else (beta, log_decay)
         out, s = result_without_positions((q, k, v, *gates), s0, (B, H, N, Dv), (B, H, D, Dv))

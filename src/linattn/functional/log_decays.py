@@ -94,7 +94,13 @@ class CumulativeLogDecay:
         return CumulativeLogDecay(self.small.transpose(a, b), self.resets.transpose(a, b))
 
     def __sub__(self, other: "CumulativeLogDecay") -> Tensor:
-        return (self.small - other.small).add_(self.resets - other.resets, alpha=RESET_STEP)
+        return self.sub(other)
+
+    def sub(self, other: "CumulativeLogDecay", out: Tensor | None = None, scratch: Tensor | None = None) -> Tensor:
+        """``self - other`` as a tensor, written into ``out`` (and the resets' difference into
+        ``scratch``) when given: buffers of the difference's shape."""
+        diff = torch.sub(self.small, other.small, out=out)
+        return diff.add_(torch.sub(self.resets, other.resets, out=scratch), alpha=RESET_STEP)
 
     def exp(self) -> Tensor:
         """``exp(b)``: the decay from the chunk's start to each position."""

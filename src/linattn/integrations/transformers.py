@@ -43,8 +43,8 @@ How it plugs in (the route, and every place it touches transformers):
 What linattn computes differently, on purpose: q, k, v, beta and the decays in float32 (float64 for a
 float64 model, where transformers stays in float32), the recurrence chunked by linattn's engine, and
 nothing else: projections, gates, norms and the cache are transformers' own code or the same formulas.
-L2 normalisation is each family's (Qwen and OLMo: x rsqrt(sum x^2 + 1e-6); Kimi, GLM5, Bailing:
-x / sqrt(sum x^2 + 1e-6)).
+q and k are L2-normalised as every family does it, x / sqrt(sum x^2 + 1e-6) (Qwen and OLMo write
+it x * rsqrt(...), the same up to rounding), by the engine itself (``qk_l2norm_eps``).
 
 Written for CUDA and MPS as much as for CPUs (no float64 outside float64 models, no host reads in
 the fast path besides the packed documents' offsets, read once per model call); tested on CPUs only.
@@ -88,6 +88,8 @@ __all__ = [
 
 Form = Literal["chunked", "reference"]
 FORMS: tuple[str, ...] = ("chunked", "reference")
+# The eps of every family's q/k L2 normalisation, inside the root (transformers' l2norm functions)
+L2NORM_EPS = 1e-6
 
 
 class Projected(NamedTuple):
@@ -108,7 +110,6 @@ class Family:
         module: the transformers module defining the layer.
         layer: the layer class's name there.
         rule: ``"gated_delta_rule"`` (a decay per head) or ``"kda"`` (per key channel).
-        l2norm: ``"rsqrt"`` (x rsqrt(sum x^2 + eps)) or ``"divide"`` (x / sqrt(sum x^2 + eps)).
         norm, out_proj: the names of the layer's gated output norm and output projection.
         needs: every attribute of a layer the forward reads (checked when a layer is built).
         project: ``(layer, hidden (B, N, hidden)) -> Projected``.
@@ -118,7 +119,6 @@ class Family:
     module: str
     layer: str
     rule: Literal["gated_delta_rule", "kda"]
-    l2norm: Literal["rsqrt", "divide"]
     norm: str
     out_proj: str
     needs: tuple[str, ...]
@@ -187,13 +187,11 @@ _KDA_NEEDS = ("conv1d", "q_proj", "k_proj", "v_proj", "b_proj", "forget_gate", "
 
 
 def _gdn(model_type: str, module: str, layer: str, project, norm: str, out_proj: str, needs: tuple) -> Family:
-    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "gated_delta_rule", "rsqrt",
-                  norm, out_proj, _GDN_NEEDS + (norm, out_proj) + needs, project)
+    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "gated_delta_rule", norm, out_proj, _GDN_NEEDS + (norm, out_proj) + needs, project)
 
 
 def _kda(model_type: str, module: str, layer: str, gate, needs: tuple) -> Family:
-    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "kda", "divide", "o_norm",
-                  "o_proj", _KDA_NEEDS + needs, _project_kda(gate))
+    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "kda", "o_norm", "o_proj", _KDA_NEEDS + needs, _project_kda(gate))
 
 
 _QWEN3_5_NEEDS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -221,42 +219,6 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 # ---------------------------------------------------------------------------------------------
 # The shared forward
 # ---------------------------------------------------------------------------------------------
-
-
-class _L2Norm(torch.autograd.Function):
-    """The families' L2 normalisation with its gradient in three passes over x, where autograd
-    through the norm, the root and the product takes about seven (x's gradient is
-    ``scale r (dy - r^2 (x . dy) x)`` for ``y = scale r x``, ``r = (sum x^2 + eps)^-1/2``)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, kind: str, scale: float) -> Tensor:
-        sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 1e-6  # (B, N, heads, 1)
-        r = torch.rsqrt(sq) if kind == "rsqrt" else 1.0 / torch.sqrt(sq)
-        ctx.save_for_backward(x, r)
-        ctx.scale = scale
-        return x * (r * scale if scale != 1.0 else r)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, r = ctx.saved_tensors
-        dy = dy.contiguous()  # (a no-op for the engine's gradients)
-        D = x.shape[-1]
-        # x . dy as a batch of (1, D) x (D, 1) products: no x * dy temporary (a fresh one of tens of
-        # MiB costs its page faults on every call)
-        c = torch.bmm(x.reshape(-1, 1, D), dy.reshape(-1, D, 1)).view(r.shape).mul_(r.square())  # r^2 (x . dy)
-        return torch.addcmul(dy, x, c, value=-1).mul_(r * ctx.scale), None, None
-
-
-def _l2norm(x: Tensor, kind: str, scale: float = 1.0) -> Tensor:
-    """The family's L2 normalisation over the last dim of ``x (B, N, heads, D)``, eps 1e-6 inside
-    the root (not F.normalize's max(||x||, eps): for the small-norm inputs of a freshly initialised
-    model the two differ), times ``scale`` -> ``(B, heads, N, D)``.
-
-    The norms by ``vector_norm``, which reads x once and writes only the (..., 1) norms: x * x and
-    its sum (or ``vecdot``, which forms x * x too) write a temporary as large as x, and on a CPU a
-    fresh temporary of tens of MiB pays its page faults on every call. The read-out scale rides on
-    the same product, and the gradient is :class:`_L2Norm`'s own."""
-    return _L2Norm.apply(x, kind, scale).transpose(1, 2)
 
 
 def _activation(name: str) -> Callable[[Tensor], Tensor]:
@@ -291,13 +253,14 @@ def _reference_packed(q, k, v, beta, log_decay, cu_seqlens):
     """The float64 reference on packed documents, one document at a time (reads the offsets)."""
     cu = cu_seqlens.tolist()
     outs = [delta_rule_attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], beta[:, :, a:b],
-                                           log_decay=log_decay[:, :, a:b], scale=1.0) for a, b in zip(cu[:-1], cu[1:])]
+                                           log_decay=log_decay[:, :, a:b], qk_l2norm_eps=L2NORM_EPS)
+            for a, b in zip(cu[:-1], cu[1:])]
     return torch.cat(outs, dim=2)
 
 
 def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *,
                initial_state: Tensor | None = None, output_final_state: bool = False,
-               l2norm: Literal["rsqrt", "divide"] = "rsqrt", cu_seqlens: Tensor | None = None,
+               cu_seqlens: Tensor | None = None,
                form: Form = "chunked") -> tuple[Tensor, Tensor | None]:
     """The gated delta rule (per-head ``g``) or KDA (per-channel ``g``) in transformers' layout and
     semantics, on linattn: what the replacement layers run, and a drop-in for transformers'
@@ -311,8 +274,6 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
         beta: ``(B, N, H)`` in [0, 2].
         initial_state: None or ``(B, H, Dk, Dv)`` (``(n, H, Dk, Dv)`` with ``cu_seqlens``).
         output_final_state: also return the state after the last position.
-        l2norm: the family's normalisation of q and k: ``"rsqrt"`` x rsqrt(sum x^2 + 1e-6) (Qwen,
-            OLMo), ``"divide"`` x / sqrt(sum x^2 + 1e-6) (Kimi, GLM5, Bailing).
         cu_seqlens: None or int64 ``(n + 1,)`` offsets of n documents packed along N (B = 1).
         form: ``"chunked"`` or ``"reference"`` (linattn's recurrence, a loop over positions).
 
@@ -320,8 +281,8 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
     """
     ct = torch.float64 if query.dtype == torch.float64 else torch.float32
     # the read-out scale 1/sqrt(Dk) goes into q's normalisation (one pass less), the engine reads with 1
-    q = _l2norm(query.to(ct), l2norm, query.shape[-1] ** -0.5)  # (B, Hk, N, Dk)
-    k = _l2norm(key.to(ct), l2norm)  # (B, Hk, N, Dk)
+    # q and k L2-normalised by the engine as it takes them (qk_l2norm_eps): no normalised copies
+    q, k = query.transpose(1, 2).to(ct), key.transpose(1, 2).to(ct)  # (B, Hk, N, Dk)
     v = value.transpose(1, 2).to(ct)  # (B, H, N, Dv)
     beta = beta.transpose(1, 2).to(ct)  # (B, H, N)
     log_decay = g.transpose(1, 2).to(ct)  # (B, H, N[, Dk])
@@ -331,13 +292,13 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
             out, new = _reference_packed(q, k, v, beta, log_decay, cu_seqlens), None
         else:
             out, new = delta_rule_attention_reference(q, k, v, beta, log_decay=log_decay, initial_state=initial,
-                                                      return_state=True, scale=1.0)
+                                                      return_state=True, qk_l2norm_eps=L2NORM_EPS)
     elif output_final_state:
         out, new = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=initial,
-                                        return_state=True, cu_seqlens=cu_seqlens, scale=1.0)
+                                        return_state=True, cu_seqlens=cu_seqlens, qk_l2norm_eps=L2NORM_EPS)
     else:
         out, new = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=initial,
-                                        cu_seqlens=cu_seqlens, scale=1.0), None
+                                        cu_seqlens=cu_seqlens, qk_l2norm_eps=L2NORM_EPS), None
     state = new.s if (output_final_state and new is not None) else None
     return out.transpose(1, 2).to(query.dtype), state  # (B, N, H, Dv)
 
@@ -370,7 +331,7 @@ def _forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Ten
     state = None if cache_params is None else cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
     out, new = delta_rule(q.reshape(B, N, Hk, Dk), k.reshape(B, N, Hk, Dk), v.reshape(B, N, H, Dv), p.log_decay,
                           p.beta, initial_state=state, output_final_state=cache_params is not None,
-                          l2norm=family.l2norm, cu_seqlens=cu_seqlens, form=self._linattn_form)  # (B, N, H, Dv)
+                          cu_seqlens=cu_seqlens, form=self._linattn_form)  # (B, N, H, Dv)
     if cache_params is not None:
         cache_params.update_recurrent_state(new, self.layer_idx)
     out = getattr(self, family.norm)(out, p.gate).reshape(B, N, H * Dv)
