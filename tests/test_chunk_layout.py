@@ -61,3 +61,31 @@ def test_of_needs_exactly_one_tile_size():
         ChunkLayout.of(2, 10, 4)
     with pytest.raises(TypeError, match="exactly one of chunks_per_tile and tile_positions"):
         ChunkLayout.of(2, 10, 4, chunks_per_tile=1, tile_positions=8)
+
+
+def test_tile_buffers_reuse_one_buffer_per_name_and_keep_nothing_else_alive():
+    import gc
+    import weakref
+
+    from linattn.functional.chunks import TileBuffers, release_kept_buffers
+
+    like = torch.zeros(3)
+    buf = TileBuffers(like)
+    a = buf("x", 4, 5)
+    assert a.shape == (4, 5) and a.dtype == like.dtype
+    b = buf("x", 2, 3)  # a smaller tile: the same storage
+    assert b.data_ptr() == a.data_ptr() and b.shape == (2, 3)
+    assert buf("y", 2, 3).data_ptr() != a.data_ptr()  # another name, another buffer
+    c = buf("x", 5, 5)  # larger: made anew
+    assert c.numel() == 25
+    release_kept_buffers()
+    one = TileBuffers.kept(torch.zeros(2, dtype=torch.float64))
+    assert TileBuffers.kept(torch.ones(7, dtype=torch.float64)) is one  # kept per thread and dtype
+    assert TileBuffers.kept(torch.ones(7)) is not one
+    probe = torch.zeros(5)
+    ref = weakref.ref(probe)
+    TileBuffers.kept(probe)("z", 3)
+    del probe
+    gc.collect()
+    assert ref() is None  # the kept buffers do not hold the tensor they were made like
+    release_kept_buffers()

@@ -509,3 +509,57 @@ def test_l2norm_eps_is_checked(eps, error):
     for fn in (delta_rule_attention, delta_rule_attention_reference):
         with pytest.raises(error, match="qk_l2norm_eps"):
             call(fn, x, qk_l2norm_eps=eps)
+
+
+def test_gradient_of_any_layout_arrives_whole():
+    """The backward reads the output's gradient as it comes: expanded (of out.sum()), transposed
+    (of an output transposed afterwards) and contiguous give the same gradients."""
+    x = make(N=70, D=8, Dv=6, seed=5)
+    q = x["q"].clone().requires_grad_()
+
+    def grad(loss_of):
+        out = delta_rule_attention(q, x["k"], x["v"], x["beta"], log_decay=x["log_decay"], chunk_size=16)
+        return torch.autograd.grad(loss_of(out), q)[0]
+
+    want = grad(lambda out: (out * torch.ones_like(out)).sum())
+    close(grad(lambda out: out.sum()), want)  # stride-0 gradient
+    close(grad(lambda out: out.transpose(1, 2).contiguous().sum()), want)
+    w = torch.randn(1, 70, 2, 6, dtype=f64)
+    close(grad(lambda out: (out.transpose(1, 2) * w).sum()), grad(lambda out: (out * w.transpose(1, 2)).sum()))
+
+
+def test_threads_running_the_engine_at_once_keep_their_own_buffers():
+    """The chunked form's kept tile buffers are per thread: two threads running forward and
+    backward at once (different sizes, so a shared buffer would be resized under the other) give
+    what each gives alone; release_kept_buffers frees the calling thread's."""
+    import threading
+
+    from linattn.functional import chunks
+
+    xs = [make(N=n, D=d, Dv=d, seed=n) for n, d in ((300, 16), (200, 24))]
+
+    def run(x):
+        q = x["q"].clone().requires_grad_()
+        out = delta_rule_attention(q, x["k"], x["v"], x["beta"], log_decay=x["log_decay"], chunk_size=8,
+                                   chunks_per_block=2)
+        return out.detach(), torch.autograd.grad(out.square().sum(), q)[0]
+
+    alone = [run(x) for x in xs]
+    got = [[], []]
+
+    def worker(i):
+        for _ in range(5):
+            got[i].append(run(xs[i]))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert len(got[i]) == 5
+        for out, grad in got[i]:
+            assert torch.equal(out, alone[i][0]) and torch.equal(grad, alone[i][1])
+    assert chunks._KEPT.__dict__.get("buffers")
+    chunks.release_kept_buffers()
+    assert not chunks._KEPT.__dict__.get("buffers")

@@ -24,12 +24,16 @@ ever filled, and only a tile holding it is copied.
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["ChunkLayout", "TileBuffers"]
+__all__ = ["ChunkLayout", "TileBuffers", "release_kept_buffers"]
+
+_KEPT = threading.local()
 
 
 class TileBuffers:
@@ -44,15 +48,37 @@ class TileBuffers:
     again only once the earlier view is dead."""
 
     def __init__(self, like: Tensor) -> None:
-        self.like = like
+        self.dtype, self.device = like.dtype, like.device  # not like itself: kept buffers would keep it alive
         self.buffers: dict[str, Tensor] = {}
+
+    @staticmethod
+    def kept(like: Tensor) -> "TileBuffers":
+        """The calling thread's buffers for ``like``'s dtype on the CPU, kept from call to call, so
+        that a call's first tile faults nothing either (a new set for other devices, whose
+        allocators keep freed memory themselves). They hold what the largest tile asked for, a few
+        tiles' temporaries (tens of MiB at 16 heads of 128), until :func:`release_kept_buffers`.
+        Per thread: calls on two threads at once never share one. A call must not run inside
+        another on the same thread (the engines here never do)."""
+        if like.device.type != "cpu":
+            return TileBuffers(like)
+        kept = _KEPT.__dict__.setdefault("buffers", {})
+        buffers = kept.get(like.dtype)
+        if buffers is None:
+            buffers = kept[like.dtype] = TileBuffers(like)
+        return buffers
+
 
     def __call__(self, name: str, *shape: int) -> Tensor:
         numel = math.prod(shape)
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[name] = self.like.new_empty(numel)
+            buf = self.buffers[name] = torch.empty(numel, dtype=self.dtype, device=self.device)
         return buf[:numel].view(shape)
+
+
+def release_kept_buffers() -> None:
+    """Free the calling thread's kept tile buffers (:meth:`TileBuffers.kept`)."""
+    _KEPT.__dict__.pop("buffers", None)
 
 
 class ChunkLayout(NamedTuple):

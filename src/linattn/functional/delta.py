@@ -468,7 +468,7 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
         C = lay.C
         kept = _Solved(v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, Dv), v.new_empty(lay.Nc, R, C, D))
     per_channel = g is not None and g.dim() == 3
-    buf = TileBuffers(v)
+    buf = TileBuffers.kept(v)
     norms = _qk_norms(lay, q, k, qk_eps)
     for i, blk in enumerate(tiles):
         S = states[i + 1].copy_(states[i]) if keep else states[0]
@@ -679,8 +679,8 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     per_channel = g is not None and g.dim() == 3
     tiles = lay.tiles()
     most = max(blk.stop - blk.start for blk in tiles)
-    st_all, dst_all = v.new_empty(most, R, D, Dv), v.new_empty(most + 1, R, D, Dv)
-    buf = TileBuffers(v)
+    buf = TileBuffers.kept(v)
+    st_all, dst_all = buf("st", most, R, D, Dv), buf("dst", most + 1, R, D, Dv)
     norms = _qk_norms(lay, q, k, qk_eps)
     ds = ds_final
     for i in reversed(range(len(tiles))):
@@ -749,10 +749,10 @@ def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, s
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
-        # contiguous: an expanded gradient (of out.sum(), say) would stay a stride-0 view through
-        # the reshapes and make every batched product copy its matrices one by one
-        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, _Solved(T, U, W), do.contiguous(),
-                                                    ds_final, scale, lay, need_g, qk_eps)
+        # do as it comes (an expanded or transposed gradient too): it is only read by the copies
+        # into each block's buffer
+        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, _Solved(T, U, W), do, ds_final, scale,
+                                                    lay, need_g, qk_eps)
     dg = b.new_empty(0) if dg is None else dg.contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), db.contiguous(), dg, ds0
 
