@@ -4,7 +4,7 @@ integration) against its loop reference: bias, packed documents' positions, grad
 import pytest
 import torch
 
-from linattn.functional.conv import causal_conv1d, causal_conv1d_reference
+from linattn.functional.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_step
 from linattn.nn.positional import document_positions
 
 
@@ -36,3 +36,21 @@ def test_causal_conv1d_names_bad_shapes():
         causal_conv1d(x, torch.randn(4, 2), bias=torch.randn(5))
     with pytest.raises(ValueError, match=r"positions must be \(N,\) = \(6,\).*got \(5,?\)"):
         causal_conv1d(x, torch.randn(4, 2), positions=torch.arange(5))
+
+
+@pytest.mark.parametrize("K", [1, 4])
+def test_step_is_the_last_output_over_the_window(K):
+    """causal_conv1d_step against causal_conv1d's last position, over a window given in the
+    positions-second layout and as a cache's channels-first window transposed; shapes named."""
+    g = torch.Generator().manual_seed(K)
+    window = torch.randn(2, K, 6, generator=g, dtype=torch.float64)
+    w, b = torch.randn(6, K, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
+    want = causal_conv1d(window, w, bias=b)[:, -1:]
+    assert torch.allclose(causal_conv1d_step(window, w, bias=b), want, rtol=1e-14, atol=0)
+    channels_first = window.transpose(1, 2).contiguous()  # (B, C, K), as transformers' cache holds it
+    assert torch.allclose(causal_conv1d_step(channels_first.transpose(1, 2), w, bias=b), want, rtol=1e-14, atol=0)
+    assert torch.allclose(causal_conv1d_step(window, w), causal_conv1d(window, w)[:, -1:], rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match="window must be"):
+        causal_conv1d_step(window, torch.randn(6, K + 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="bias must be"):
+        causal_conv1d_step(window, w, bias=torch.randn(5, dtype=torch.float64))

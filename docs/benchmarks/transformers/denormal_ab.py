@@ -1,7 +1,10 @@
-"""The flush of negligible decay factors (functional/log_decays.py, NEGLIGIBLE_DECAY) against the
-engine before it, at Qwen3.5-0.8B's Gated DeltaNet width with the decays its layers have.
+"""The delta-rule engine against an earlier revision of it, at Qwen3.5-0.8B's Gated DeltaNet width:
+first written for the flush of negligible decay factors (functional/log_decays.py,
+NEGLIGIBLE_DECAY), with the decays Qwen3.5's layers have (set "denormal", the default), and used
+again for later engine work (set "engine": prefill and forward+backward at N = 1024 .. 16384 with
+the mild decays of `bench transformers`, and the layers' decays at two settings).
 
-    .venv/bin/python docs/benchmarks/transformers/denormal_ab.py OLD_REV
+    .venv/bin/python docs/benchmarks/transformers/denormal_ab.py OLD_REV [SET]
 
 Builds OLD_REV's package into a temporary folder (renamed linattn_old, its custom ops renamed),
 then, in 3 fresh processes, times ``linattn.integrations.transformers.delta_rule`` of both
@@ -9,7 +12,7 @@ interleaved (docs/benchmarks/ab.py), B = 1, H = 16, Dk = Dv = 128, float32, 2 th
 decays as a Qwen3.5 layer computes them at initialisation: -A softplus(a + dt_bias), A uniform in
 [0.01, 16] per head, dt_bias 1, a ~ N(0, 1) (so a chunk's cumulative decay reaches exp(-100) and
 less); and with the mild decays of `bench transformers`' core (log-sigmoid(N(0, 1) + 4)) as control.
-Writes denormal_ab.json and denormal_ab.md beside this file.
+Writes SET_ab.json and SET_ab.md beside this file (denormal_ab.*, engine_ab.*).
 """
 
 import json
@@ -22,11 +25,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-SETTINGS = (("layer decays", "prefill", 1024), ("layer decays", "prefill", 4096), ("layer decays", "train", 1024),
-            ("mild decays", "prefill", 4096))
+SETS = {
+    "denormal": ("Flushing negligible decay factors: the delta rule against the engine before it",
+                 (("layer decays", "prefill", 1024), ("layer decays", "prefill", 4096),
+                  ("layer decays", "train", 1024), ("mild decays", "prefill", 4096))),
+    "engine": ("The delta-rule engine against an earlier revision",
+               (("mild decays", "prefill", 1024), ("mild decays", "prefill", 4096), ("mild decays", "prefill", 16384),
+                ("mild decays", "train", 1024), ("mild decays", "train", 4096), ("layer decays", "prefill", 4096),
+                ("layer decays", "train", 1024))),
+}
 
 
-def child(old_src: str) -> dict:
+def child(old_src: str, name: str) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -37,9 +47,12 @@ def child(old_src: str) -> dict:
     import linattn.integrations.transformers as new
     import linattn_old.integrations.transformers as old
 
+    from linattn.bench.harness import OtherLoad
+
     torch.set_num_threads(2)
+    monitor = OtherLoad(reference=True)
     out = {}
-    for decays, pass_, n in SETTINGS:
+    for decays, pass_, n in SETS[name][1]:
         g = torch.Generator().manual_seed(0)
         x = {name: torch.randn(1, n, 16, 128, generator=g) for name in ("query", "key", "value")}
         if decays == "layer decays":
@@ -63,10 +76,11 @@ def child(old_src: str) -> dict:
 
         out[f"{decays}/{pass_}/{n}"] = interleaved(f, new, old, 5)
     out["load"] = os.getloadavg()
+    out["machine"] = monitor.finish()  # other processes' CPU share, the reference matmul's speed
     return out
 
 
-def main(old_rev: str) -> None:
+def main(old_rev: str, name: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(f"git -C {ROOT} archive {old_rev} src/linattn | tar -x -C {tmp}", shell=True, check=True)
         old = Path(tmp) / "src" / "linattn_old"
@@ -77,18 +91,19 @@ def main(old_rev: str) -> None:
                 path.write_text(text.replace('"linattn::', '"linattn_old::'))
         runs = []
         for _ in range(3):
-            proc = subprocess.run([sys.executable, __file__, "child", str(Path(tmp) / "src")], capture_output=True,
+            proc = subprocess.run([sys.executable, __file__, "child", str(Path(tmp) / "src"), name], capture_output=True,
                                   text=True, check=True)
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    keys = [f"{d}/{p}/{n}" for d, p, n in SETTINGS]
-    result = {"command": f"python docs/benchmarks/transformers/denormal_ab.py {old_rev}", "runs": runs,
+    keys = [f"{d}/{p}/{n}" for d, p, n in SETS[name][1]]
+    command = f"python docs/benchmarks/transformers/denormal_ab.py {old_rev}" + ("" if name == "denormal" else f" {name}")
+    result = {"command": command, "runs": runs,
               "new/old": {k: {"median": statistics.median(r[k]["new/old"] for r in runs),
                               "min": min(r[k]["new/old"] for r in runs), "max": max(r[k]["new/old"] for r in runs)}
                           for k in keys}}
-    (HERE / "denormal_ab.json").write_text(json.dumps(result, indent=2))
-    lines = ["# Flushing negligible decay factors: the delta rule against the engine before it", "",
+    (HERE / f"{name}_ab.json").write_text(json.dumps(result, indent=2))
+    lines = [f"# {SETS[name][0]}", "",
              f"Written by `{result['command']}` (see its docstring). new/old time, 3 runs in fresh processes of 5 "
-             "interleaved calls each; median (min-max). Each run's medians in seconds are in denormal_ab.json.", "",
+             f"interleaved calls each; median (min-max). Each run's medians in seconds are in {name}_ab.json.", "",
              "| decays | pass | N | new/old | old s (run 1) | new s (run 1) |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for k in keys:
         d, p, n = k.split("/")
@@ -97,12 +112,16 @@ def main(old_rev: str) -> None:
                      f"{runs[0][k]['old']:.3f} | {runs[0][k]['new']:.3f} |")
     lines += ["", "Load average (1 min) at the end of each run: "
               + ", ".join(f"{r['load'][0]:.2f}" for r in runs), ""]
-    (HERE / "denormal_ab.md").write_text("\n".join(lines))
+    if all("machine" in r for r in runs):
+        from linattn.bench.harness import format_run_loads
+
+        lines += ["Each run's machine:", "", *format_run_loads([r["machine"] for r in runs]), ""]
+    (HERE / f"{name}_ab.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "child":
-        print(json.dumps(child(sys.argv[2])))
+    if len(sys.argv) == 4 and sys.argv[1] == "child":
+        print(json.dumps(child(sys.argv[2], sys.argv[3])))
     else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "HEAD")
+        main(sys.argv[1] if len(sys.argv) > 1 else "HEAD", sys.argv[2] if len(sys.argv) > 2 else "denormal")

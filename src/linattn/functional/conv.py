@@ -1,6 +1,7 @@
 """The short causal depthwise convolution over positions, as a function: the one engine behind
 :class:`linattn.nn.conv.ShortConv` and the Hugging Face integration's convolutions
-(``linattn.integrations.transformers``), with document boundaries for packed inputs.
+(``linattn.integrations.transformers``), with document boundaries for packed inputs, and its
+recurrent form for decoding (:func:`causal_conv1d_step`, one output from the last K inputs).
 
 ``y[:, t, c] = bias[c] + sum_j weight[c, K-1-j] * x[:, t-j, c]`` over ``0 <= j < K``: tap ``K - 1``
 multiplies the current position, tap 0 the one ``K - 1`` back (the layout of a depthwise
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from .checks import shape_str
 
-__all__ = ["causal_conv1d", "causal_conv1d_reference"]
+__all__ = ["causal_conv1d", "causal_conv1d_reference", "causal_conv1d_step"]
 
 
 def _check(fn: str, x: Tensor, weight: Tensor, bias: Tensor | None, positions: Tensor | None) -> None:
@@ -60,6 +61,22 @@ def causal_conv1d(x: Tensor, weight: Tensor, *, bias: Tensor | None = None,
         h = F.pad(x.transpose(1, 2), (K - 1, 0))  # (B, C, N + K - 1)
         y = F.conv1d(h, w[:, None, :], groups=x.shape[-1]).transpose(1, 2)  # (B, N, C)
     return y if bias is None else y + bias.to(x.dtype)
+
+
+def causal_conv1d_step(window: Tensor, weight: Tensor, *, bias: Tensor | None = None) -> Tensor:
+    """The recurrent form: the output at the newest of the last K inputs ``window (B, K, C)`` (oldest
+    first; any strides, a cache's channels-first window transposed too) -> ``(B, 1, C)``, in the
+    window's dtype: ``bias + sum_j weight[:, j] * window[:, j]``, what :func:`causal_conv1d` gives at
+    the window's last position, as one weighted sum (a decoding step is a few microseconds of work:
+    padding the window and calling a convolution for one output cost more than the sum)."""
+    if window.dim() != 3 or weight.dim() != 2 or tuple(weight.shape) != (window.shape[2], window.shape[1]):
+        raise ValueError(f"causal_conv1d_step: window must be (B, K, C) and weight (C, K), got window "
+                         f"{shape_str(window)} and weight {shape_str(weight)}")
+    if bias is not None and tuple(bias.shape) != (window.shape[-1],):
+        raise ValueError(f"causal_conv1d_step: bias must be (C,) = ({window.shape[-1]},) for window "
+                         f"{shape_str(window)}, got {shape_str(bias)}")
+    y = torch.linalg.vecdot(window.transpose(1, 2), weight.to(window.dtype))[:, None]  # (B, 1, C)
+    return y if bias is None else y + bias.to(window.dtype)
 
 
 def causal_conv1d_reference(x: Tensor, weight: Tensor, *, bias: Tensor | None = None,

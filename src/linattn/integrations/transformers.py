@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import DecayedState, delta_rule_attention, delta_rule_attention_reference
-from ..functional.conv import causal_conv1d
+from ..functional.conv import causal_conv1d, causal_conv1d_step
 from ..nn.positional import document_positions
 
 __all__ = [
@@ -240,8 +240,7 @@ def _convolve(layer: nn.Module, mixed: Tensor, cache, cu_seqlens: Tensor | None)
             # one decoding step: the window is the state's last K - 1 inputs and this one
             window = torch.cat([conv_state, mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)[..., 1:]  # (B, C, K)
             conv_state.copy_(window)
-            # the convolution's last output over the window reads all of it
-            return act(causal_conv1d(window.transpose(1, 2).to(mixed.dtype), weight, bias=bias)[:, -1:])
+            return act(causal_conv1d_step(window.transpose(1, 2).to(mixed.dtype), weight, bias=bias))
         # the cache returns its earlier inputs followed by these, (B, C, P + N), and keeps the tail
         full = cache.update_conv_state(mixed.transpose(1, 2), layer.layer_idx, conv_kernel_size=layer.conv_kernel_size)
         return act(causal_conv1d(full.transpose(1, 2), weight, bias=bias)[:, -N:])

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..functional.conv import causal_conv1d, causal_conv1d_reference
+from ..functional.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_step
 
 
 __all__ = ["ShortConv", "short_conv_reference"]
@@ -118,8 +118,7 @@ class ShortConv(nn.Module):
                 f"{self.d_model}), got {tuple(x_t.shape)} and {tuple(state.shape)}"
             )
         window = torch.cat([state.to(x_t.dtype), x_t], dim=1)  # (B, K, C)
-        # the convolution's last output over the window reads all of it
-        return causal_conv1d(window, self.weight)[:, -1:], window[:, 1:]
+        return causal_conv1d_step(window, self.weight), window[:, 1:]
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, kernel_size={self.kernel_size}"
