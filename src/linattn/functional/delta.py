@@ -529,8 +529,12 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
     dU = torch.bmm(x.P.transpose(1, 2), do, out=buf("dU", m, C, Dv)).view(n, R, C, Dv)
     torch.bmm(x.GQ.transpose(1, 2), do, out=dst[:n].view(m, D, Dv))
     WT = W4.transpose(2, 3)
+    # <S, dSn> for a per-head decay's gradient, chunk by chunk while both are in cache
+    dgC = buf("dgC", n, R) if need_g and x.channel is None and gC is not None else None
     for c in reversed(range(n)):
         dU[c].baddbmm_(Kd4[c], dst[c + 1])
+        if dgC is not None:  # (vecdot: a batched (1, D Dv) x (D Dv, 1) product runs a slow generic kernel)
+            torch.linalg.vecdot(st[c].view(R, D * Dv), dst[c + 1].view(R, D * Dv), out=dgC[c])
         if gC is None:
             dst[c].add_(dst[c + 1])
         else:
@@ -596,8 +600,7 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
             dgam = _rowdot(qf, dOS).addcmul_(bf, t_w)  # d loss / d gamma_t
             ddel = _rowdot(kf, dKd).mul_(x.delta)  # (d loss / d delta_t) delta_t
             dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
-            dgC = _rowdot(S, dSn).sum(-1)  # <S, dSn>, (m,)
-            dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC, x.gC)
+            dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC.view(m), x.gC)  # dgC: <S, dSn>, from the loop
             # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
             dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
