@@ -6,9 +6,10 @@ inputs are viewed as ``(R, Nc, C, X)`` (a view when C divides N; else the last c
 zero positions, which every engine here treats as identity steps: no decay, no write, and their
 outputs are dropped), and a tile's inputs are taken chunk-major, ``(m, R, C, X)``, so that the
 sequential loop over its chunks reads and writes the ``(R, ...)`` slice of one chunk for all rows
-at once, and the states saved between chunks (``(Nc + 1, R, D, Dv)``) index the same way. A tile
-holds ``per_tile`` chunks: the batched per-chunk temporaries (C x C scores, D x D transitions)
-then exist for one tile only, small whatever N is, and in cache.
+at once, and the states saved between chunks or tiles (``(Nc + 1, R, D, Dv)``, or one per tile)
+index the same way. A tile holds ``per_tile`` chunks: the batched per-chunk temporaries (C x C
+scores, D x D transitions) then exist for one tile only, small whatever N is, and in cache; an
+engine can write them into :class:`TileBuffers` that every tile reuses.
 
 Dimension legend: R rows (B*H), N positions, C chunk length, Nc chunks, m chunks of one tile,
 X any trailing shape (none for a gate of one value a position).
