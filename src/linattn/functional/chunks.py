@@ -68,7 +68,6 @@ class TileBuffers:
             buffers = kept[like.dtype] = TileBuffers(like)
         return buffers
 
-
     def __call__(self, name: str, *shape: int) -> Tensor:
         numel = math.prod(shape)
         buf = self.buffers.get(name)

@@ -153,8 +153,8 @@ def _l2_factor(x: Tensor, eps: float) -> Tensor:
 
 
 def _l2_normalized(x: Tensor, eps: float | None) -> Tensor:
-    """``x / sqrt(sum x^2 + eps)`` over the last dim (plain autograd), or x itself for eps None: the
-    forms that do not normalise inside the chunked op (the recurrent step, packed documents)."""
+    """``x / sqrt(sum x^2 + eps)`` over the last dim (plain autograd), or x itself for eps None: for
+    packed documents with states inserted, which cannot normalise inside the chunked op."""
     return x if eps is None else x * _l2_factor(x, eps)[..., None]
 
 
@@ -381,16 +381,21 @@ def _take_product(lay: ChunkLayout, xc: Tensor, tile: slice, factor, out: Tensor
     return out.flatten(0, 1)
 
 
-def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float, per_channel: bool,
-             buf: TileBuffers, norms: tuple | None = None):
-    """A tile's ``scale * q`` and ``k`` as :func:`_take` gives them, ``(m*R, C, D)`` each (in the tile
-    buffers ``buf``), and with a gate per key channel also the one buffer ``(m*R, 2, C, D)`` they are
-    views of (the per-channel scores take q and k as two sets of queries: written there once, not
-    copied again), else None. ``norms``: None, or the L2 normalisation's factors ``(rq, rk)``
-    ``(R, Nc, C)`` (:func:`_l2_factor`), applied in the same pass (q then takes ``scale * rq``)."""
+def _qk_factors(scale: float, norms: tuple | None) -> tuple:
+    """What a tile's q and k are taken times (:func:`_take_qk`), formed once a call: ``(scale, None)``,
+    or with the L2 normalisation's factors ``(rq, rk)`` ``(scale * rq, rk)``."""
+    return (scale, None) if norms is None else (norms[0] * scale if scale != 1.0 else norms[0], norms[1])
+
+
+def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, factors: tuple, per_channel: bool,
+             buf: TileBuffers):
+    """A tile's q and k times their ``factors`` (:func:`_qk_factors`) as :func:`_take` gives them,
+    ``(m*R, C, D)`` each (in the tile buffers ``buf``), and with a gate per key channel also the one
+    buffer ``(m*R, 2, C, D)`` they are views of (the per-channel scores take q and k as two sets of
+    queries: written there once, not copied again), else None."""
     R, _, C, D = qc.shape
     m = tile.stop - tile.start
-    fq, fk = (scale, None) if norms is None else (norms[0].mul(scale) if scale != 1.0 else norms[0], norms[1])
+    fq, fk = factors
     if not per_channel:
         kb = _take(lay, kc, tile, buf, "k") if fk is None else _take_product(lay, kc, tile, fk, buf("k", m, R, C, D))
         return _take_product(lay, qc, tile, fq, buf("q", m, R, C, D)), kb, None
@@ -469,10 +474,10 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
         kept = _Solved(v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, Dv), v.new_empty(lay.Nc, R, C, D))
     per_channel = g is not None and g.dim() == 3
     buf = TileBuffers.kept(v)
-    norms = _qk_norms(lay, q, k, qk_eps)
+    factors = _qk_factors(scale, _qk_norms(lay, q, k, qk_eps))
     for i, blk in enumerate(tiles):
         S = states[i + 1].copy_(states[i]) if keep else states[0]
-        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel, buf, norms)
+        qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
         bv = _take_product(lay, vc, blk, bc, buf("bv", blk.stop - blk.start, R, lay.C, Dv))
         ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, solve_block, buf, qk,
                             _kept(kept, blk))
@@ -632,7 +637,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, d
     dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
     dOS = torch.bmm(do, S.transpose(1, 2))  # dO S^T, (m, C, D)
     dRv = torch.bmm(sol.T.transpose(1, 2), dU)  # [dRv, dRw] as in _block_backward
-    dRw = torch.baddbmm(dKd, dRv, S.transpose(1, 2), beta=0, alpha=-1)  # dKd: a (m, C, D) ignored (beta=0)
+    dRw = torch.bmm(dRv, S.transpose(1, 2)).neg_()
     m, C, D = q.shape
     dscores = q.new_empty(m, 2, C, C)  # the gradients of P and of KK, as channel_scores gave them
     dscores[:, 0] = dP
@@ -685,13 +690,14 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     buf = TileBuffers.kept(v)
     st_all, dst_all = buf("st", most, R, D, Dv), buf("dst", most + 1, R, D, Dv)
     norms = _qk_norms(lay, q, k, qk_eps)
+    factors = _qk_factors(scale, norms)
     ds = ds_final
     for i in reversed(range(len(tiles))):
         blk = tiles[i]
         n = blk.stop - blk.start
         dst = dst_all[:n + 1]
         dst[n] = ds  # ds: ds_final, or dst_all[0] of the block after this one (n >= 1: no overlap)
-        qb, kb, qk = _take_qk(lay, qc, kc, blk, scale, per_channel, buf, norms)
+        qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
         into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
         db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
                                          states[i], _kept(kept, blk), st_all[:n], _take(lay, doc, blk, buf, "do"), dst,

@@ -187,11 +187,13 @@ _KDA_NEEDS = ("conv1d", "q_proj", "k_proj", "v_proj", "b_proj", "forget_gate", "
 
 
 def _gdn(model_type: str, module: str, layer: str, project, norm: str, out_proj: str, needs: tuple) -> Family:
-    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "gated_delta_rule", norm, out_proj, _GDN_NEEDS + (norm, out_proj) + needs, project)
+    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "gated_delta_rule", norm,
+                  out_proj, _GDN_NEEDS + (norm, out_proj) + needs, project)
 
 
 def _kda(model_type: str, module: str, layer: str, gate, needs: tuple) -> Family:
-    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "kda", "o_norm", "o_proj", _KDA_NEEDS + needs, _project_kda(gate))
+    return Family(model_type, f"transformers.models.{model_type}.{module}", layer, "kda", "o_norm", "o_proj",
+                  _KDA_NEEDS + needs, _project_kda(gate))
 
 
 _QWEN3_5_NEEDS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -279,7 +281,6 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
     Returns ``(out (B, N, H, Dv), state (B, H, Dk, Dv) or None)``.
     """
     ct = torch.float64 if query.dtype == torch.float64 else torch.float32
-    # the read-out scale 1/sqrt(Dk) goes into q's normalisation (one pass less), the engine reads with 1
     # q and k L2-normalised by the engine as it takes them (qk_l2norm_eps): no normalised copies
     q, k = query.transpose(1, 2).to(ct), key.transpose(1, 2).to(ct)  # (B, Hk, N, Dk)
     v = value.transpose(1, 2).to(ct)  # (B, H, N, Dv)
@@ -292,12 +293,10 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
         else:
             out, new = delta_rule_attention_reference(q, k, v, beta, log_decay=log_decay, initial_state=initial,
                                                       return_state=True, qk_l2norm_eps=L2NORM_EPS)
-    elif output_final_state:
-        out, new = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=initial,
-                                        return_state=True, cu_seqlens=cu_seqlens, qk_l2norm_eps=L2NORM_EPS)
     else:
-        out, new = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=initial,
-                                        cu_seqlens=cu_seqlens, qk_l2norm_eps=L2NORM_EPS), None
+        result = delta_rule_attention(q, k, v, beta, log_decay=log_decay, initial_state=initial,
+                                      return_state=output_final_state, cu_seqlens=cu_seqlens, qk_l2norm_eps=L2NORM_EPS)
+        out, new = result if output_final_state else (result, None)
     state = new.s if (output_final_state and new is not None) else None
     return out.transpose(1, 2).to(query.dtype), state  # (B, N, H, Dv)
 
