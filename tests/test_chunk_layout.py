@@ -89,3 +89,21 @@ def test_tile_buffers_reuse_one_buffer_per_name_and_keep_nothing_else_alive():
     gc.collect()
     assert ref() is None  # the kept buffers do not hold the tensor they were made like
     release_kept_buffers()
+
+
+@pytest.mark.parametrize("N", [12, 10])  # C = 4 divides N, or the last chunk is filled
+def test_results_like_an_input_keep_its_layout(N):
+    """new_chunked_like / unchunked_like: a result written chunk by chunk comes back with the
+    strides of the input it is like (a (B, N, H, D) tensor seen as rows (H, N, D)), holding what
+    was written, filled last chunk or not."""
+    H, D = 3, 5
+    x = torch.randn(1, N, H, D).transpose(1, 2).reshape(H, N, D)  # strides (D, H D, 1): a view
+    lay = ChunkLayout.of(H, N, 4, chunks_per_tile=2)
+    out = lay.new_chunked_like(x)
+    assert out.shape == (H, lay.Nc, 4, D)
+    src = lay.chunked(x)
+    for tile in lay.tiles():
+        lay.put(out, tile, lay.take(src, tile) * 2)
+    result = lay.unchunked_like(out, x)
+    assert result.stride() == x.stride()
+    torch.testing.assert_close(result, x * 2, rtol=0, atol=0)

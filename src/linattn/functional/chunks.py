@@ -126,6 +126,26 @@ class ChunkLayout(NamedTuple):
         """``xc (R, Nc, C, *X)`` -> ``(R, N, *X)``, fill positions dropped (a view)."""
         return xc.reshape(self.R, self.Nc * self.C, *xc.shape[3:])[:, :self.N]
 
+    def new_chunked_like(self, x: Tensor) -> Tensor:
+        """An uninitialised ``(R, Nc, C, *X)`` tensor for a result of ``x (R, N, *X)``'s shape
+        written tile by tile, laid out in memory as ``x`` is when C divides N (a view of
+        ``torch.empty_like(x)``; else :meth:`new_chunked`); :meth:`unchunked_like` gives the result.
+
+        Why: a gradient laid out as its input is taken by autograd as it is, where one in another
+        layout is copied into the input's (a leaf's ``.grad`` follows the leaf's strides): an
+        ``(R, N, D)`` view of ``(B, N, H, D)`` inputs, transformers' layout, would otherwise cost a
+        copy of every gradient."""
+        if self.fill:
+            return self.new_chunked(x, *x.shape[2:])
+        return torch.empty_like(x).view(self.R, self.Nc, self.C, *x.shape[2:])
+
+    def unchunked_like(self, xc: Tensor, x: Tensor) -> Tensor:
+        """The ``(R, N, *X)`` result of ``xc`` from :meth:`new_chunked_like` of ``x``, in ``x``'s
+        layout (a view, or with a filled last chunk a copy into ``torch.empty_like(x)``)."""
+        if self.fill:
+            return torch.empty_like(x).copy_(self.unchunked(xc))
+        return xc.view(x.shape)
+
     def tiles(self) -> list[slice]:
         """The chunks of each tile, in order."""
         return [slice(c, min(c + self.per_tile, self.Nc)) for c in range(0, self.Nc, self.per_tile)]

@@ -681,9 +681,9 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc, doc = (lay.chunked(t) for t in (q, k, v, b, g, do))
-    dq, dk, dv = lay.new_chunked(q, D), lay.new_chunked(q, D), lay.new_chunked(v, Dv)
-    db = lay.new_chunked(b)
-    dg = (lay.new_chunked(b) if g.dim() == 2 else lay.new_chunked(b, g.shape[-1])) if need_g else None
+    # the gradients laid out as the inputs are (no copy by autograd into the inputs' layout)
+    dq, dk, dv, db = (lay.new_chunked_like(t) for t in (q, k, v, b))
+    dg = lay.new_chunked_like(g) if need_g else None
     per_channel = g is not None and g.dim() == 3
     tiles = lay.tiles()
     most = max(blk.stop - blk.start for blk in tiles)
@@ -708,8 +708,8 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
             lay.put(dg, blk, dg_blk)
         ds = dst[0]
 
-    dg = None if dg is None else lay.unchunked(dg)
-    return lay.unchunked(dq), lay.unchunked(dk), lay.unchunked(dv), lay.unchunked(db), dg, ds.clone()
+    dg = None if dg is None else lay.unchunked_like(dg, g)
+    return (*(lay.unchunked_like(d, t) for d, t in ((dq, q), (dk, k), (dv, v), (db, b))), dg, ds.clone())
 
 
 # The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
@@ -762,14 +762,14 @@ def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, s
         # into each block's buffer
         dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, _Solved(T, U, W), do, ds_final, scale,
                                                     lay, need_g, qk_eps)
-    dg = b.new_empty(0) if dg is None else dg.contiguous()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), db.contiguous(), dg, ds0
+    # each gradient in its input's layout (ChunkLayout.new_chunked_like), as the fake says
+    return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
 
 
 @_delta_rule_chunked_backward.register_fake
 def _(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps, need_g):
-    dg = g.new_empty(g.shape) if need_g else b.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), b.new_empty(b.shape), dg, \
+    dg = torch.empty_like(g) if need_g else b.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(b), dg, \
         ds_final.new_empty(ds_final.shape)
 
 
