@@ -565,22 +565,24 @@ def test_threads_running_the_engine_at_once_keep_their_own_buffers():
     assert not chunks._KEPT.__dict__.get("buffers")
 
 
-def test_gradients_come_back_in_the_inputs_layout():
-    """Inputs viewed from transformers' (B, N, H, D) layout, B = 1, get gradients in that layout
-    (autograd then hands them over as they are, not copied into the inputs' strides), equal to the
-    gradients of contiguous inputs."""
+def test_outputs_and_gradients_come_back_in_the_inputs_layout():
+    """Inputs viewed from transformers' (B, N, H, D) layout, B = 1, get the output laid out as v and
+    gradients laid out as their inputs (autograd then hands them over as they are, not copied into
+    the inputs' strides), equal to those of contiguous inputs."""
     x = make(N=64, D=8, Dv=6, seed=3)
     names = ("q", "k", "v", "beta", "log_decay")
     leaves = {n: x[n].transpose(1, 2).contiguous().requires_grad_() for n in names}  # (B, N, H, ...)
     seen = {n: t.transpose(1, 2) for n, t in leaves.items()}  # (B, H, N, ...) views
     out = delta_rule_attention(seen["q"], seen["k"], seen["v"], seen["beta"], log_decay=seen["log_decay"],
                                chunk_size=16, qk_l2norm_eps=1e-6)
+    assert out.transpose(1, 2).is_contiguous()  # (B, N, H, Dv), as v's leaf
     w = torch.randn_like(out)
     grads = torch.autograd.grad((out * w).sum(), [seen[n] for n in names])
     plain = {n: x[n].clone().requires_grad_() for n in names}
     out2 = delta_rule_attention(plain["q"], plain["k"], plain["v"], plain["beta"], log_decay=plain["log_decay"],
                                 chunk_size=16, qk_l2norm_eps=1e-6)
     want = torch.autograd.grad((out2 * w).sum(), [plain[n] for n in names])
+    close(out, out2)
     for n, got, ref in zip(names, grads, want):
         laid = [s for s, size in zip(got.stride(), got.shape) if size > 1]  # B = 1: its stride is moot
         assert laid == [s for s, size in zip(seen[n].stride(), got.shape) if size > 1], n

@@ -464,7 +464,7 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
-    o = lay.new_chunked(v, Dv)
+    o = lay.new_chunked_like(v)  # laid out as v: transformers' (B, N, H, Dv) comes back contiguous
     tiles = lay.tiles()
     states = v.new_empty(len(tiles) + 1 if keep else 1, R, D, Dv)
     states[0] = s0
@@ -482,7 +482,7 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
         ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, solve_block, buf, qk,
                             _kept(kept, blk))
         lay.put(o, blk, ob)
-    return lay.unchunked(o), states, kept
+    return lay.unchunked_like(o, v), states, kept
 
 
 def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None):
@@ -723,7 +723,8 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
                                 "int chunk_size, int chunks_per_block, int solve_block, bool keep_states, "
                                 "float? qk_eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps):
-    """-> ``o (R, N, Dv)``, the final state ``(R, D, Dv)``, and what the backward reads: the states
+    """-> ``o (R, N, Dv)`` (laid out as v, see :meth:`ChunkLayout.new_chunked_like`), the final state
+    ``(R, D, Dv)``, and what the backward reads: the states
     before every block and after the last ``(nb + 1, R, D, Dv)`` and the chunks' ``T, U, W``
     ``(Nc, R, C, C | Dv | D)`` (each ``(0,)`` without ``keep_states``: a call no gradient flows
     through)."""
@@ -731,8 +732,8 @@ def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, 
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
         o, states, kept = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps)
     if not keep_states:
-        return o.contiguous(), states[-1].clone(), *(v.new_empty(0) for _ in range(4))
-    return o.contiguous(), states[-1].clone(), states, *kept
+        return o, states[-1].clone(), *(v.new_empty(0) for _ in range(4))
+    return o, states[-1].clone(), states, *kept
 
 
 @_delta_rule_chunked.register_fake
@@ -742,9 +743,9 @@ def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_
     C = min(chunk_size, N)
     Nc = -(-N // C)
     if not keep_states:
-        return v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(4))
+        return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(4))
     nb = -(-Nc // chunks_per_block)
-    return (v.new_empty(R, N, Dv), v.new_empty(R, D, Dv), v.new_empty(nb + 1, R, D, Dv), v.new_empty(Nc, R, C, C),
+    return (torch.empty_like(v), v.new_empty(R, D, Dv), v.new_empty(nb + 1, R, D, Dv), v.new_empty(Nc, R, C, C),
             v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D))
 
 
