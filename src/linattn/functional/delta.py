@@ -277,8 +277,10 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     """``(a * b).sum(-1)`` for ``a, b (..., X)`` of one shape, as a batch of ``(1, X) x (X, 1)``
     products: no ``a * b`` temporary, and about half the time of ``torch.linalg.vecdot`` (which
     forms it) at (128, 32, 128) on a CPU thread."""
+    if not (a.is_contiguous() and b.is_contiguous()):  # the batch would be a copy: vecdot reads strides
+        return torch.linalg.vecdot(a, b)
     X = a.shape[-1]
-    return torch.bmm(a.reshape(-1, 1, X), b.reshape(-1, X, 1)).view(a.shape[:-1])
+    return torch.bmm(a.view(-1, 1, X), b.view(-1, X, 1)).view(a.shape[:-1])
 
 
 def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_size: int = 4,
@@ -372,6 +374,14 @@ def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice, buf: TileBuffers | N
         return lay.take(xc, tile).flatten(0, 1)
     view = lay.view(xc, tile)
     return buf(name, *view.shape).copy_(view).flatten(0, 1)
+
+
+def _take_stacked(lay: ChunkLayout, xc: Tensor, tile: slice, out: Tensor) -> Tensor:
+    """:func:`_take` of ``xc (R, Nc, C, X)`` into the first C rows of ``out (m, R, 2C, X)``:
+    ``(m*R, 2C, X)``, the second C rows of each chunk left to the caller."""
+    C = xc.shape[2]
+    out[:, :, :C] = lay.view(xc, tile)
+    return out.flatten(0, 1)
 
 
 def _take_product(lay: ChunkLayout, xc: Tensor, tile: slice, factor, out: Tensor) -> Tensor:
@@ -520,36 +530,45 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
     n, R, _, Dv = st.shape
     x = _scores(q, k, g, buf, qk=qk)
     U = sol.U
-    U4, W4, Kd4 = U.view(n, R, C, Dv), sol.W.view(n, R, C, D), x.Kd.view(n, R, C, D)
-    gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
+    # the loops' per-chunk views made at once (unbind), not indexed op by op
+    Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
+    Sl, dSl = st.unbind(), dst.unbind()
+    gCl = None if x.gC is None else x.gC.view(n, R, -1, 1).unbind()  # (R, 1 | D, 1): per head or per key channel
     # the state before each chunk again, from the one before the block: one product a chunk, U kept
     st[0] = start
     for c in range(n - 1):
-        if gC is None:
-            torch.baddbmm(st[c], Kd4[c].transpose(1, 2), U4[c], out=st[c + 1])
+        if gCl is None:
+            torch.baddbmm(Sl[c], Kdl[c].transpose(1, 2), Ul[c], out=Sl[c + 1])
         else:
-            torch.mul(st[c], gC[c], out=st[c + 1]).baddbmm_(Kd4[c].transpose(1, 2), U4[c])
+            torch.mul(Sl[c], gCl[c], out=Sl[c + 1]).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
+    # dO arrived in the first half of a (m, 2C, Dv) buffer whose second half receives dRv: the
+    # products of both with S^T and with U^T are then one product each (S and U read once)
+    dof = do[:, :C]
     # P^T dO straight into dU and (diag(gamma) Q)^T dO into dst[:n], where each chunk's gradients
     # then accumulate in place: no separate buffers, and no out= pass that copies them over
-    dU = torch.bmm(x.P.transpose(1, 2), do, out=buf("dU", m, C, Dv)).view(n, R, C, Dv)
-    torch.bmm(x.GQ.transpose(1, 2), do, out=dst[:n].view(m, D, Dv))
-    WT = W4.transpose(2, 3)
-    # <S, dSn> for a per-head decay's gradient, chunk by chunk while both are in cache
-    dgC = buf("dgC", n, R) if need_g and x.channel is None and gC is not None else None
+    dU = torch.bmm(x.P.transpose(1, 2), dof, out=buf("dU", m, C, Dv))
+    torch.bmm(x.GQ.transpose(1, 2), dof, out=dst[:n].view(m, D, Dv))
+    dUl, WTl = dU.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).transpose(2, 3).unbind()
+    # <S, dSn> for a per-head decay's gradient, chunk by chunk while both are in cache (a product
+    # into a kept buffer, then its sum: vecdot forms a fresh product, and a batched (1, D Dv) x
+    # (D Dv, 1) product runs a slow generic kernel)
+    dgC = buf("dgC", n, R) if need_g and x.channel is None and gCl is not None else None
+    if dgC is not None:
+        SdS, dgCl = buf("S dSn", R, D * Dv), dgC.unbind()
     for c in reversed(range(n)):
-        dU[c].baddbmm_(Kd4[c], dst[c + 1])
-        if dgC is not None:  # (vecdot: a batched (1, D Dv) x (D Dv, 1) product runs a slow generic kernel)
-            torch.linalg.vecdot(st[c].view(R, D * Dv), dst[c + 1].view(R, D * Dv), out=dgC[c])
-        if gC is None:
-            dst[c].add_(dst[c + 1])
+        dUl[c].baddbmm_(Kdl[c], dSl[c + 1])
+        if dgC is not None:
+            torch.sum(torch.mul(Sl[c].view(R, D * Dv), dSl[c + 1].view(R, D * Dv), out=SdS), -1, out=dgCl[c])
+        if gCl is None:
+            dSl[c].add_(dSl[c + 1])
         else:
-            dst[c].addcmul_(dst[c + 1], gC[c])
-        dst[c].baddbmm_(WT[c], dU[c], alpha=-1)
-    qf, kf, vf, bf, dof = q, k, v, b, do
-    S, dSn, dU = st.view(m, D, Dv), dst[1:].reshape(m, D, Dv), dU.view(m, C, Dv)
-    dP = torch.bmm(dof, U.transpose(1, 2), out=buf("dP", m, C, C))  # d loss / d P
+            dSl[c].addcmul_(dSl[c + 1], gCl[c])
+        dSl[c].baddbmm_(WTl[c], dUl[c], alpha=-1)
+    qf, kf, vf, bf = q, k, v, b
+    S, dSn = st.view(m, D, Dv), dst[1:].reshape(m, D, Dv)
     dq_to, dk_to, dv_to = into
     if x.channel is not None:
+        dP = torch.bmm(dof, U.transpose(1, 2), out=buf("dP", m, C, C))  # d loss / d P
         dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dof, S, dSn, dU, dP, need_g)
         if norms is None:
             torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
@@ -559,15 +578,18 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
             _unnormalized_grad(dk, kf, norms[1], 1.0, dk_to)
         dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
-    YP = torch.mul(dP, x.P, out=buf("dP P", m, C, C)) if need_g else None  # dE o E through P
-    dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
-    dKd = torch.bmm(U, dSn.transpose(1, 2), out=buf("dKd", m, C, D))
-    dOS = torch.bmm(dof, S.transpose(1, 2), out=buf("dO S^T", m, C, D))
     # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
     dRv = torch.bmm(sol.T.transpose(1, 2), dU, out=buf("dRv", m, C, Dv))
-    dRw = torch.bmm(dRv, S.transpose(1, 2), out=buf("dRw", m, C, D)).neg_()
-    dAE = torch.bmm(dRv, U.transpose(1, 2), out=buf("dA", m, C, C)).neg_().tril_(-1)  # dA
+    do[:, C:] = dRv
+    # [dO; dRv] S^T = [dO S^T; -dRw] and [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
+    XS = torch.bmm(do, S.transpose(1, 2), out=buf("[dO; dRv] S^T", m, 2 * C, D))
+    XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
+    dOS, dRw = XS[:, :C], XS[:, C:].neg_()
+    dP, dAE = XU[:, :C], XU[:, C:].neg_().tril_(-1)  # dA
+    YP = torch.mul(dP, x.P, out=buf("dP P", m, C, C)) if need_g else None  # dE o E through P
+    dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
+    dKd = torch.bmm(U, dSn.transpose(1, 2), out=buf("dKd", m, C, D))
     if x.E is not None:
         dAE.mul_(x.E)  # dA o E
     bcol = bf[:, :, None]
@@ -700,7 +722,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
         qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
         into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
         db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
-                                         states[i], _kept(kept, blk), st_all[:n], _take(lay, doc, blk, buf, "do"), dst,
+                                         states[i], _kept(kept, blk), st_all[:n], _take_stacked(lay, doc, blk, buf("[dO; dRv]", n, R, 2 * lay.C, Dv)), dst,
                                          need_g, scale, into, buf, qk,
                                          None if norms is None else tuple(_take(lay, r, blk) for r in norms))
         lay.put(db, blk, db_blk)
