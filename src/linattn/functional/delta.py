@@ -497,7 +497,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
 
 def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
-    ``do (n*R, C, Dv)``, the state before the block ``start (R, D, Dv)``, the block's kept
+    ``do (n*R, 2C, Dv)``, each chunk's output gradient in its first C rows (the second C rows are
+    a workspace, see :func:`_take_stacked`), the state before the block ``start (R, D, Dv)``, the block's kept
     :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (n, R, D, Dv)`` that receives
     the state before each chunk, and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of
     the state after the block; ``dst[c]`` receives that of the state before chunk c; q is ``scale``
