@@ -413,7 +413,8 @@ def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
     light = op(*rows, g_rows, s0, 1.0, 32, 3, 16, False, None)
     Nc, R = -(-N // 32), B * H
     assert kept[2].shape == (-(-Nc // 3) + 1, R, D, D)  # the state before every block of 3 chunks, and after
-    assert [t.shape for t in kept[3:]] == [(Nc, R, 32, 32), (Nc, R, 32, D), (Nc, R, 32, D)]  # T, U, W
+    assert [t.shape for t in kept[3:6]] == [(Nc, R, 32, 32), (Nc, R, 32, D), (Nc, R, 32, D)]  # T, U, W
+    assert kept[6].numel() == 0  # no L2 normalisation: no factors kept
     assert all(t.numel() == 0 for t in light[2:])
     assert torch.equal(kept[2][-1], kept[1])  # the last kept state is the final one
     assert torch.equal(kept[0], light[0]) and torch.equal(kept[1], light[1])

@@ -145,11 +145,14 @@ def _check_l2norm_eps(fn: str, eps) -> None:
         raise ValueError(f"{fn}: qk_l2norm_eps must be a finite number >= 0, got {eps}")
 
 
-def _l2_factor(x: Tensor, eps: float) -> Tensor:
+def _l2_factor(x: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """``1 / sqrt(sum x^2 + eps)`` over the last dim of ``x (..., D)`` -> ``(...)``: the factor of the
-    L2 normalisation of ``qk_l2norm_eps``. The norm by ``vector_norm``, which reads x once and
-    writes only the norms (x * x would write a temporary as large as x)."""
-    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() + eps)
+    L2 normalisation of ``qk_l2norm_eps``, into ``out`` when given (then not differentiable). The
+    norm by ``vector_norm``, which reads x once and writes only the norms (x * x would write a
+    temporary as large as x)."""
+    if out is None:
+        return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() + eps)
+    return torch.linalg.vector_norm(x, dim=-1, out=out).square_().add_(eps).rsqrt_()
 
 
 def _l2_normalized(x: Tensor, eps: float | None) -> Tensor:
@@ -441,22 +444,35 @@ def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
     n = m // R
     x = _scores(q, k, g, buf, qk=qk)
     sol = _solve(x, k, bv, b, solve_block, buf, kept)
-    U, W = sol.U.view(n, R, C, Dv), sol.W.view(n, R, C, D)  # U: Uv, made U chunk by chunk in place
-    KdT = x.Kd.view(n, R, C, D).transpose(2, 3)  # (n, R, D, C)
-    gC = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1): per head or per key channel
-    P, GQ = x.P.view(n, R, C, C), x.GQ.view(n, R, C, D)
+    # each chunk's views made at once (unbind), not indexed op by op; U: Uv, made U chunk by chunk in place
+    U, W = sol.U.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).unbind()
+    KdT = x.Kd.view(n, R, C, D).transpose(2, 3).unbind()  # (R, D, C) each
+    gC = None if x.gC is None else x.gC.view(n, R, -1, 1).unbind()  # (R, 1 | D, 1): per head or per key channel
+    P, GQ = x.P.view(n, R, C, C).unbind(), x.GQ.view(n, R, C, D).unbind()
     o = buf("o", n, R, C, Dv)
+    ol = o.unbind()
     for c in range(n):  # the only sequential part: three (R, C|D, D) x (R, D, Dv) products a chunk
         U[c].baddbmm_(W[c], S, alpha=-1)
-        torch.bmm(P[c], U[c], out=o[c]).baddbmm_(GQ[c], S)
+        torch.bmm(P[c], U[c], out=ol[c]).baddbmm_(GQ[c], S)
         (S if gC is None else S.mul_(gC[c])).baddbmm_(KdT[c], U[c])
     return o.view(m, C, Dv)
 
 
-def _qk_norms(lay: ChunkLayout, q: Tensor, k: Tensor, eps: float | None) -> tuple | None:
-    """The L2 normalisation's factors of ``q, k (R, N, D)`` laid out in chunks, ``(R, Nc, C)`` each
-    (:func:`_l2_factor`), or None for eps None."""
-    return None if eps is None else (lay.chunked(_l2_factor(q, eps)), lay.chunked(_l2_factor(k, eps)))
+def _qk_norms(lay: ChunkLayout, factors: Tensor | None) -> tuple | None:
+    """The L2 normalisation's factors ``(2, R, N)`` (q's, k's: :func:`_qk_factors_of`) laid out in
+    chunks, ``(R, Nc, C)`` each, or None."""
+    return None if factors is None else (lay.chunked(factors[0]), lay.chunked(factors[1]))
+
+
+def _qk_factors_of(q: Tensor, k: Tensor, eps: float | None) -> Tensor | None:
+    """The L2 normalisation's factors of ``q, k (R, N, D)``, ``(2, R, N)`` (:func:`_l2_factor`), or
+    None for eps None. The forward a backward follows keeps them for it."""
+    if eps is None:
+        return None
+    factors = q.new_empty(2, *q.shape[:-1])
+    _l2_factor(q, eps, factors[0])
+    _l2_factor(k, eps, factors[1])
+    return factors
 
 
 def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_eps=None):
@@ -470,7 +486,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
     ``(nb + 1, R, D, Dv)``, and the chunk-local products of every chunk (:class:`_Solved` of
     ``(Nc, R, C, *)`` buffers, chunk-major): together about 2.5 times the size of v at C = 32,
     D = Dv (the state before every chunk, which the backward also reads, would be D / C times
-    it); without: ``(1, R, D, Dv)``, the final state, and None."""
+    it); without: ``(1, R, D, Dv)``, the final state, and None. Last, the L2 normalisation's
+    factors ``(2, R, N)`` (:func:`_qk_factors_of`), None for ``qk_eps`` None."""
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
@@ -484,7 +501,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
         kept = _Solved(v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, Dv), v.new_empty(lay.Nc, R, C, D))
     per_channel = g is not None and g.dim() == 3
     buf = TileBuffers.kept(v)
-    factors = _qk_factors(scale, _qk_norms(lay, q, k, qk_eps))
+    l2 = _qk_factors_of(q, k, qk_eps)
+    factors = _qk_factors(scale, _qk_norms(lay, l2))
     for i, blk in enumerate(tiles):
         S = states[i + 1].copy_(states[i]) if keep else states[0]
         qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
@@ -492,13 +510,14 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
         ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, solve_block, buf, qk,
                             _kept(kept, blk))
         lay.put(o, blk, ob)
-    return lay.unchunked_like(o, v), states, kept
+    return lay.unchunked_like(o, v), states, kept, l2
 
 
-def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None):
+def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, 2C, Dv)``, each chunk's output gradient in its first C rows (the second C rows are
-    a workspace, see :func:`_take_stacked`), the state before the block ``start (R, D, Dv)``, the block's kept
+    a workspace, see :func:`_take_stacked`), the states before and after the block ``start, end
+    (R, D, Dv)``, the block's kept
     :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (n, R, D, Dv)`` that receives
     the state before each chunk, and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of
     the state after the block; ``dst[c]`` receives that of the state before chunk c; q is ``scale``
@@ -515,7 +534,7 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
 
         dU  = P^T dO + Kd dSn,   dS = gamma_C dSn + (diag(gamma) Q)^T dO - W^T dU
               (run backwards chunk by chunk: the only sequential part)
-        dP  = dO U^T (lower),    dKd = U dSn^T,    dgamma_C = <S, dSn>
+        dP  = dO U^T (lower),    dKd = U dSn^T,    dgamma_C = <S, dSn> (see :func:`_energies`)
         dQ  = diag(gamma) dO S^T + (dP o E) K
         [dRv, dRw] = T^T [dU, -dU S^T]               (X = T Rhs, so dRhs = T^T dX)
         dA  = -strictly-lower([dRv, dRw] [Uv, W]^T)  (T = (I + A)^-1, so dA = -T^T dT T^T)
@@ -550,16 +569,12 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
     dU = torch.bmm(x.P.transpose(1, 2), dof, out=buf("dU", m, C, Dv))
     torch.bmm(x.GQ.transpose(1, 2), dof, out=dst[:n].view(m, D, Dv))
     dUl, WTl = dU.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).transpose(2, 3).unbind()
-    # <S, dSn> for a per-head decay's gradient, chunk by chunk while both are in cache (a product
-    # into a kept buffer, then its sum: vecdot forms a fresh product, and a batched (1, D Dv) x
-    # (D Dv, 1) product runs a slow generic kernel)
-    dgC = buf("dgC", n, R) if need_g and x.channel is None and gCl is not None else None
-    if dgC is not None:
-        SdS, dgCl = buf("S dSn", R, D * Dv), dgC.unbind()
+    # <S, dS> after the block, for a per-head decay's gradient (the chunks' are telescoped from it)
+    energy = None
+    if need_g and x.channel is None and gCl is not None:
+        energy = torch.linalg.vecdot(end.view(R, D * Dv), dst[n].view(R, D * Dv))  # (R,)
     for c in reversed(range(n)):
         dUl[c].baddbmm_(Kdl[c], dSl[c + 1])
-        if dgC is not None:
-            torch.sum(torch.mul(Sl[c].view(R, D * Dv), dSl[c + 1].view(R, D * Dv), out=SdS), -1, out=dgCl[c])
         if gCl is None:
             dSl[c].add_(dSl[c + 1])
         else:
@@ -628,7 +643,9 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
             dgam = _rowdot(qf, dOS).addcmul_(bf, t_w)  # d loss / d gamma_t
             ddel = _rowdot(kf, dKd).mul_(x.delta)  # (d loss / d delta_t) delta_t
             dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
-            dG[:, -1].add_(ddel.sum(-1)).addcmul_(dgC.view(m), x.gC)  # dgC: <S, dSn>, from the loop
+            # gamma_C's: gamma_C <S, dSn> + sum_t ddel_t at the chunk's last position, which is
+            # <Sn, dSn>, the next chunk's "energy": telescoped from the block's end (see above)
+            dG[:, -1].add_(_energies(energy, torch.mul(dgam, x.gam).sum(-1).sub_(ddel.sum(-1)).view(n, R)).view(m))
             # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
             dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
@@ -636,6 +653,24 @@ def _block_backward(q, k, v, b, g, start, sol, st, do, dst, need_g, scale, into,
         _unnormalized_grad(dq, qf, norms[0], scale, dq_to)
         _unnormalized_grad(dk, kf, norms[1], 1.0, dk_to)
     return db, dg
+
+
+def _energies(end: Tensor, change: Tensor) -> Tensor:
+    """``<S_c+1, dS_c+1>`` ``(n, R)`` for the chunks c of a block, the state after each and its
+    gradient, from ``end (R,)``, that after the block's last chunk, and each chunk's ``change
+    (n, R)``, ``<S_c, dS_c> - <S_c+1, dS_c+1>``.
+
+    Why: a per-head decay's gradient needs ``gamma_C <S_c, dS_c+1>`` for every chunk, one pass
+    over two (D, Dv) states each; but from the chunk's recurrences,
+    ``S_c+1 = gamma_C S_c + Kd^T U`` and ``dS_c = gamma_C dS_c+1 + (diag(gamma) Q)^T dO - W^T dU``,
+    ``gamma_C <S_c, dS_c+1> = <S_c+1, dS_c+1> - <Kd, dKd>`` and
+    ``<S_c, dS_c> = gamma_C <S_c, dS_c+1> + sum_t gamma_t dgamma_t``: the change is
+    ``sum_t (gamma_t dgamma_t - ddelta_t)``, chunk-local sums the backward forms anyway, and one
+    pass over the states a block (``end``) replaces one a chunk. Sums are taken within the block
+    only (from its own end): a rounding error that of a few chunks' sums, as within a chunk,
+    not of the whole sequence's."""
+    later = change.flip(0).cumsum(0).flip(0).sub_(change)  # sum over the chunks after each
+    return later.add_(end)
 
 
 def _unnormalized_grad(grad: Tensor, xb: Tensor, r: Tensor, s: float, out: Tensor) -> None:
@@ -696,9 +731,10 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, d
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, qk_eps=None):
+def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, l2=None):
     """Gradients of :func:`_chunked_forward` from what it kept (``states``, the state before every
-    block, and ``kept``, its :class:`_Solved` buffers): ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
+    block, ``kept``, its :class:`_Solved` buffers, and ``l2``, the L2 normalisation's factors of q
+    and k ``(2, R, N)`` or None without one): ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
     ``db, dg (R, N)`` (dg None unless ``need_g``) and ``ds0 (R, D, Dv)``, block by block backwards,
     with one pair of state workspaces for all blocks."""
     R, N, D = q.shape
@@ -712,7 +748,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     most = max(blk.stop - blk.start for blk in tiles)
     buf = TileBuffers.kept(v)
     st_all, dst_all = buf("st", most, R, D, Dv), buf("dst", most + 1, R, D, Dv)
-    norms = _qk_norms(lay, q, k, qk_eps)
+    norms = _qk_norms(lay, l2)
     factors = _qk_factors(scale, norms)
     ds = ds_final
     for i in reversed(range(len(tiles))):
@@ -723,7 +759,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
         qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
         into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
         db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
-                                         states[i], _kept(kept, blk), st_all[:n], _take_stacked(lay, doc, blk, buf("[dO; dRv]", n, R, 2 * lay.C, Dv)), dst,
+                                         states[i], states[i + 1], _kept(kept, blk), st_all[:n], _take_stacked(lay, doc, blk, buf("[dO; dRv]", n, R, 2 * lay.C, Dv)), dst,
                                          need_g, scale, into, buf, qk,
                                          None if norms is None else tuple(_take(lay, r, blk) for r in norms))
         lay.put(db, blk, db_blk)
@@ -739,24 +775,25 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 # op with a shape function (no chunk loop to unroll, so a model compiles in seconds and whole), and
 # eager autograd runs the same two functions. On rows ``(R, N, ...)``; g may be None (no decay); s0
 # is a tensor (zeros when there was no initial state). Saves the inputs, the states before every
-# block and after the last, and the chunk-local products T, U, W of every chunk (_Solved), and
-# recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
+# block and after the last, the chunk-local products T, U, W of every chunk (_Solved) and the L2
+# normalisation's factors of q and k, and recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
                                 "int chunk_size, int chunks_per_block, int solve_block, bool keep_states, "
-                                "float? qk_eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                                "float? qk_eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps):
     """-> ``o (R, N, Dv)`` (laid out as v, see :meth:`ChunkLayout.new_chunked_like`), the final state
     ``(R, D, Dv)``, and what the backward reads: the states
-    before every block and after the last ``(nb + 1, R, D, Dv)`` and the chunks' ``T, U, W``
-    ``(Nc, R, C, C | Dv | D)`` (each ``(0,)`` without ``keep_states``: a call no gradient flows
-    through)."""
+    before every block and after the last ``(nb + 1, R, D, Dv)``, the chunks' ``T, U, W``
+    ``(Nc, R, C, C | Dv | D)`` and the L2 normalisation's factors of q and k ``(2, R, N)`` (each
+    ``(0,)`` without ``keep_states``, a call no gradient flows through; the factors also without
+    ``qk_eps``)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
-        o, states, kept = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps)
+        o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps)
     if not keep_states:
-        return o, states[-1].clone(), *(v.new_empty(0) for _ in range(4))
-    return o, states[-1].clone(), states, *kept
+        return o, states[-1].clone(), *(v.new_empty(0) for _ in range(5))
+    return o, states[-1].clone(), states, *kept, v.new_empty(0) if l2 is None else l2
 
 
 @_delta_rule_chunked.register_fake
@@ -766,32 +803,33 @@ def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_
     C = min(chunk_size, N)
     Nc = -(-N // C)
     if not keep_states:
-        return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(4))
+        return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(5))
     nb = -(-Nc // chunks_per_block)
+    l2 = v.new_empty(0) if qk_eps is None else q.new_empty(2, R, N)
     return (torch.empty_like(v), v.new_empty(R, D, Dv), v.new_empty(nb + 1, R, D, Dv), v.new_empty(Nc, R, C, C),
-            v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D))
+            v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D), l2)
 
 
 @torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, "
-                                "Tensor U, Tensor W, Tensor do, Tensor ds_final, float scale, int chunk_size, "
-                                "int chunks_per_block, float? qk_eps, bool need_g) "
+                                "Tensor U, Tensor W, Tensor l2, Tensor do, Tensor ds_final, float scale, "
+                                "int chunk_size, int chunks_per_block, float? qk_eps, bool need_g) "
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block,
-                                 qk_eps, need_g):
+def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, l2, do, ds_final, scale, chunk_size,
+                                 chunks_per_block, qk_eps, need_g):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
         # do as it comes (an expanded or transposed gradient too): it is only read by the copies
         # into each block's buffer
         dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, _Solved(T, U, W), do, ds_final, scale,
-                                                    lay, need_g, qk_eps)
+                                                    lay, need_g, None if qk_eps is None else l2)
     # each gradient in its input's layout (ChunkLayout.new_chunked_like), as the fake says
     return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
 
 
 @_delta_rule_chunked_backward.register_fake
-def _(q, k, v, b, g, states, T, U, W, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps, need_g):
+def _(q, k, v, b, g, states, T, U, W, l2, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps, need_g):
     dg = torch.empty_like(g) if need_g else b.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(b), dg, \
         ds_final.new_empty(ds_final.shape)
@@ -817,14 +855,14 @@ def _delta_rule_setup(ctx, inputs, output):
 
 
 def _delta_rule_autograd(ctx, do, ds_final, *_kept):
-    q, k, v, b, g, states, T, U, W = ctx.saved_tensors
+    q, k, v, b, g, states, T, U, W, l2 = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if ds_final is None:
         ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
     need_g = g is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, do, ds_final, *ctx.knobs,
-                                                           need_g)
+    dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, l2, do, ds_final,
+                                                           *ctx.knobs, need_g)
     return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None, None
 
 
