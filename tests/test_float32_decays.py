@@ -53,6 +53,29 @@ def test_float32_within_1e5_of_float64(kind, N, exact):
     assert _rel(o32, o64) < 1e-5 and _rel(s32.s, s64.s) < 1e-5, kind
 
 
+@pytest.mark.parametrize("kind", KINDS + ("layer",))
+def test_delta_rule_float32_gradients_within_2e5_of_float64(kind):
+    """The gated delta rule's gradients (every input, the log decays' included, with the L2
+    normalisation of q and k) in float32 against the float64 chunked form (itself checked against
+    the reference elsewhere), relative to each gradient's largest entry; "layer": the decays of a
+    Qwen3.5 layer at initialisation (-A softplus(a + 1), A up to 16)."""
+    g, q, k, v, beta = _inputs(2000, D=32)
+    if kind == "layer":
+        A = torch.empty(q.shape[1], 1, dtype=torch.float64).uniform_(0.01, 16, generator=g)
+        log_decay = -A * F.softplus(torch.randn(q.shape[:3], generator=g, dtype=torch.float64) + 1)
+    else:
+        log_decay = _gates(kind, q.shape[:3], g)
+    w = torch.randn(v.shape, generator=g, dtype=torch.float64)
+
+    def grads(dtype):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v, beta, log_decay)]
+        o = linattn.delta_rule_attention(*xs[:4], log_decay=xs[4], qk_l2norm_eps=1e-6)
+        return torch.autograd.grad((o * w.to(dtype)).sum(), xs)
+
+    for name, got, want in zip(("q", "k", "v", "beta", "log_decay"), grads(torch.float32), grads(torch.float64)):
+        assert _rel(got, want) < 2e-5, (kind, name, _rel(got, want))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_packed_documents_within_1e5(kind):
     g, q, k, v, beta = _inputs(700)
