@@ -360,9 +360,12 @@ def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: 
     # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
     # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
     # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
-    wk = bcol if x.gam is None else (x.gam * bcol if x.channel is not None else (b * x.gam)[:, :, None])
     U = torch.bmm(T, bv, out=out.U)
-    W = torch.bmm(T, torch.mul(k, wk, out=buf("k w", m, C, D)), out=out.W)
+    if x.channel is not None:  # W = T diag(beta) (gamma o K), gamma per key channel
+        W = torch.bmm(T, torch.mul(k, x.gam * bcol, out=buf("k w", m, C, D)), out=out.W)
+    else:  # W = (T diag(beta gamma)) K: the columns of T scaled, not the rows of K (C x C, not C x D)
+        w = b if x.gam is None else b * x.gam
+        W = torch.bmm(torch.mul(T, w[:, None, :], out=buf("T w", m, C, C)), k, out=out.W)
     return _Solved(T, U, W)
 
 
@@ -590,8 +593,8 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
             torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
             dk_to.copy_(dk.view(dk_to.shape))
         else:
-            _unnormalized_grad(dq.mul_(scale), qf, norms[0], scale, dq_to)
-            _unnormalized_grad(dk, kf, norms[1], 1.0, dk_to)
+            _unnormalized_grad(dq.mul_((norms[0] * scale)[:, :, None]), qf, scale, dq_to)
+            _unnormalized_grad(dk.mul_(norms[1][:, :, None]), kf, 1.0, dk_to)
         dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
     # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
@@ -601,7 +604,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # [dO; dRv] S^T = [dO S^T; -dRw] and [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
     XS = torch.bmm(do, S.transpose(1, 2), out=buf("[dO; dRv] S^T", m, 2 * C, D))
     XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
-    dOS, dRw = XS[:, :C], XS[:, C:].neg_()
+    dOS, mdRw = XS[:, :C], XS[:, C:]  # mdRw = -dRw: its sign rides on the factors it is taken times
     dP, dAE = XU[:, :C], XU[:, C:].neg_().tril_(-1)  # dA
     YP = torch.mul(dP, x.P, out=buf("dP P", m, C, C)) if need_g else None  # dE o E through P
     dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
@@ -611,11 +614,18 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     bcol = bf[:, :, None]
     Z = torch.mul(dAE, bcol, out=buf("Z", m, C, C))  # d loss / d (K K^T), strictly lower
     Z += buf("Z^T", m, C, C).copy_(Z.transpose(1, 2))  # K K^T is symmetric: both of its factors get the gradient
-    dk = torch.bmm(Z, kf, out=buf("dk", m, C, D)).baddbmm_(dP.transpose(1, 2), qf)
-    # dq of the unscaled queries: the block saw scale * q, so scale rides along here (alpha, and the
-    # gamma column below) instead of a pass over dq afterwards
-    dq = torch.bmm(dP, kf, out=buf("dq", m, C, D)).mul_(scale)
-    t_w = _rowdot(dRw, kf)  # d loss / d (beta gamma)_t, (m, C)
+    # Each position's factors ride on the C x C operands and the columns of the last terms, not on
+    # passes over dq and dk: the gradients of the unscaled (and, normalised, of the unnormalised)
+    # queries are written as fq o (dP K + gamma o dO S^T) with fq = scale (times r_q normalised: then
+    # they are r_q times the normalised queries' ones, see _unnormalized_grad), and the keys' as
+    # fk o (Z K + dP^T Q + beta gamma o dRw + delta o dKd) with fk = 1 (r_k normalised).
+    fq = scale if norms is None else (norms[0] * scale)[:, :, None]  # a number, or (m, C, 1)
+    fk = None if norms is None else norms[1][:, :, None]  # None, or (m, C, 1)
+    dPq = dP if norms is None and scale == 1.0 else torch.mul(dP, fq, out=buf("dP fq", m, C, C))
+    dPk = dP if fk is None else torch.mul(dP, fk.view(m, 1, C), out=buf("dP fk", m, C, C))
+    dq = torch.bmm(dPq, kf, out=buf("dq", m, C, D))
+    dk = torch.bmm(Z if fk is None else Z.mul_(fk), kf, out=buf("dk", m, C, D)).baddbmm_(dPk.transpose(1, 2), qf)
+    t_w = _rowdot(mdRw, kf).neg_()  # d loss / d (beta gamma)_t, (m, C)
     dAEK = dAE.mul_(x.KK)  # dA o E o KK
     db = _rowdot(dRv, vf).add_(dAEK.sum(-1))
 
@@ -628,19 +638,26 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # then through the normalisation's gradient into the target
     dq_last = dq_to if norms is None else blocked(dq)
     dk_last = dk_to if norms is None else blocked(dk)
+    # the factors of the last terms, (m, C, 1) or numbers: gamma fq (dO S^T), -beta gamma fk (-dRw),
+    # delta fk (dKd); gamma and delta are 1 without a decay
+    gcol, dcol = (1.0, 1.0) if x.gam is None else (x.gam[:, :, None], x.delta[:, :, None])
+    mbg = (bcol if x.gam is None else bcol * gcol).neg()
+    if fk is not None:
+        mbg, dcol = mbg.mul_(fk), dcol * fk
+    dk.addcmul_(mdRw, mbg)
+    for acc, term, factor, last in ((dq, dOS, gcol * fq, dq_last), (dk, dKd, dcol, dk_last)):
+        if isinstance(factor, Tensor):
+            torch.addcmul(blocked(acc), blocked(term), blocked(factor), out=last)
+        else:
+            torch.add(blocked(acc), blocked(term), alpha=factor, out=last)
     if x.gam is None:
-        torch.add(blocked(dq), blocked(dOS), alpha=scale, out=dq_last)
-        torch.add(blocked(dk.addcmul_(dRw, bcol)), blocked(dKd), out=dk_last)
         db.add_(t_w)
     else:
-        gcol, dcol = x.gam[:, :, None], x.delta[:, :, None]
-        torch.addcmul(blocked(dq), blocked(dOS), blocked(gcol * scale), out=dq_last)
-        torch.addcmul(blocked(dk.addcmul_(dRw, bcol * gcol)), blocked(dKd), blocked(dcol), out=dk_last)
         if need_g:
             # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E), gamma,
             # delta = exp(G_C - G) and gamma_C (in gamma_C S).
             Y = dAEK.mul_(bcol).add_(YP)  # dE o E, (m, C, C)
-            dgam = _rowdot(qf, dOS).addcmul_(bf, t_w)  # d loss / d gamma_t
+            dgam = _rowdot(qf, dOS).addcmul_(bf, t_w)  # d loss / d gamma_t (dOS as the product gave it)
             ddel = _rowdot(kf, dKd).mul_(x.delta)  # (d loss / d delta_t) delta_t
             dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
             # gamma_C's: gamma_C <S, dSn> + sum_t ddel_t at the chunk's last position, which is
@@ -649,9 +666,9 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
             # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
             dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
-    if norms is not None:
-        _unnormalized_grad(dq, qf, norms[0], scale, dq_to)
-        _unnormalized_grad(dk, kf, norms[1], 1.0, dk_to)
+    if norms is not None:  # dq, dk: r times the normalised q's and k's gradients (see fq, fk above)
+        _unnormalized_grad(dq, qf, scale, dq_to)
+        _unnormalized_grad(dk, kf, 1.0, dk_to)
     return db, dg
 
 
@@ -673,14 +690,15 @@ def _energies(end: Tensor, change: Tensor) -> Tensor:
     return later.add_(end)
 
 
-def _unnormalized_grad(grad: Tensor, xb: Tensor, r: Tensor, s: float, out: Tensor) -> None:
-    """The gradient of the unnormalised x, into ``out (n, R, C, D)``, from ``grad (m, C, D)``, that of
-    the block's ``xb = s r x`` times s (what is written without the normalisation), ``xb`` and the
-    factors ``r (m, C)``: for ``x^ = r x``, ``dx = s r (G - (x^ . G) x^)`` with G the gradient of xb,
-    which is ``r grad - (r / s^2) (xb . grad) xb``. ``grad`` is overwritten."""
-    c = _rowdot(xb, grad).mul_(r).div_(s * s)[:, :, None]  # (m, C, 1)
-    torch.addcmul(grad.mul_(r[:, :, None]).view(out.shape), xb.view(out.shape), c.view(*out.shape[:3], 1),
-                  value=-1, out=out)
+def _unnormalized_grad(rgrad: Tensor, xb: Tensor, s: float, out: Tensor) -> None:
+    """The gradient of the unnormalised x, into ``out (n, R, C, D)``, from ``rgrad (m, C, D)``, r times
+    the gradient of the block's ``xb = s r x`` times s (r, s: the normalisation's factors and the
+    scale), and ``xb``: for ``x^ = r x``, ``dx = s r (G - (x^ . G) x^)`` with G the gradient of xb,
+    which is ``rgrad - (xb . rgrad / s^2) xb``."""
+    c = _rowdot(xb, rgrad)  # (m, C)
+    if s != 1.0:
+        c.div_(s * s)
+    torch.addcmul(rgrad.view(out.shape), xb.view(out.shape), c.view(*out.shape[:3], 1), value=-1, out=out)
 
 
 def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, dP, need_g):
