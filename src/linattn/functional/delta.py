@@ -257,8 +257,8 @@ def _unit_lower_inverse(A: Tensor, solve_block: int, out: Tensor | None = None) 
 
     By halves, ``[[L11, 0], [L21, L22]]^-1 = [[T11, 0], [-T22 L21 T11, T22]]``, down to diagonal
     blocks of at most ``solve_block`` rows, which ``torch.linalg.solve_triangular`` inverts, all
-    chunks at once. The off-diagonal blocks are then batched matrix products, which run markedly
-    faster on CPUs than one triangular solve of the whole C x C matrix (LAPACK's small trsm).
+    chunks at once; the off-diagonal blocks are then batched matrix products (for large C faster
+    than one triangular solve of the whole matrix; at C = 32 the one solve was faster).
     """
     m, C, _ = A.shape
     if C <= solve_block:
@@ -960,7 +960,7 @@ def delta_rule_attention(
     return_state: bool = False,
     chunk_size: int | None = None,
     chunks_per_block: int | None = None,
-    solve_block: int = 16,
+    solve_block: int = 32,
     cu_seqlens: Tensor | None = None,
     qk_l2norm_eps: float | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
@@ -1014,8 +1014,9 @@ def delta_rule_attention(
             D = Dv = 128 (timings: docs/benchmarks/README.md, History).
         solve_block: a tuning knob, the largest diagonal block of a chunk's triangular inverse
             that ``torch.linalg.solve_triangular`` inverts directly (larger ones by halves, as
-            batched products, which CPUs run faster); any value >= 1 gives the same result up to
-            rounding.
+            batched products); any value >= 1 gives the same result up to rounding. The default
+            solves a chunk of the default length whole, which ran faster than by halves of 16
+            (timings: docs/benchmarks/README.md, History).
         cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
