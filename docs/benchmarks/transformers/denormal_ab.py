@@ -4,7 +4,7 @@ NEGLIGIBLE_DECAY), with the decays Qwen3.5's layers have (set "denormal", the de
 again for later engine work (set "engine": prefill and forward+backward at N = 1024 .. 16384 with
 the mild decays of `bench transformers`, and the layers' decays at two settings).
 
-    .venv/bin/python docs/benchmarks/transformers/denormal_ab.py OLD_REV [SET]
+    .venv/bin/python docs/benchmarks/transformers/denormal_ab.py OLD_REV [SET [NAME]]
 
 Builds OLD_REV's package into a temporary folder (renamed linattn_old, its custom ops renamed),
 then, in 3 fresh processes, times ``linattn.integrations.transformers.delta_rule`` of both
@@ -12,7 +12,8 @@ interleaved (docs/benchmarks/ab.py), B = 1, H = 16, Dk = Dv = 128, float32, 2 th
 decays as a Qwen3.5 layer computes them at initialisation: -A softplus(a + dt_bias), A uniform in
 [0.01, 16] per head, dt_bias 1, a ~ N(0, 1) (so a chunk's cumulative decay reaches exp(-100) and
 less); and with the mild decays of `bench transformers`' core (log-sigmoid(N(0, 1) + 4)) as control.
-Writes SET_ab.json and SET_ab.md beside this file (denormal_ab.*, engine_ab.*).
+Writes SET_ab.json and SET_ab.md beside this file (denormal_ab.*, engine_ab.*), or NAME.json and
+NAME.md (a later round of a set against another revision: engine2_ab.*).
 """
 
 import json
@@ -80,7 +81,8 @@ def child(old_src: str, name: str) -> dict:
     return out
 
 
-def main(old_rev: str, name: str) -> None:
+def main(old_rev: str, name: str, out_name: str | None = None) -> None:
+    out_name = out_name or f"{name}_ab"
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(f"git -C {ROOT} archive {old_rev} src/linattn | tar -x -C {tmp}", shell=True, check=True)
         old = Path(tmp) / "src" / "linattn_old"
@@ -95,15 +97,16 @@ def main(old_rev: str, name: str) -> None:
                                   text=True, check=True)
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     keys = [f"{d}/{p}/{n}" for d, p, n in SETS[name][1]]
-    command = f"python docs/benchmarks/transformers/denormal_ab.py {old_rev}" + ("" if name == "denormal" else f" {name}")
+    command = (f"python docs/benchmarks/transformers/denormal_ab.py {old_rev}" + ("" if name == "denormal" else f" {name}")
+               + ("" if out_name == f"{name}_ab" else f" {out_name}"))
     result = {"command": command, "runs": runs,
               "new/old": {k: {"median": statistics.median(r[k]["new/old"] for r in runs),
                               "min": min(r[k]["new/old"] for r in runs), "max": max(r[k]["new/old"] for r in runs)}
                           for k in keys}}
-    (HERE / f"{name}_ab.json").write_text(json.dumps(result, indent=2))
+    (HERE / f"{out_name}.json").write_text(json.dumps(result, indent=2))
     lines = [f"# {SETS[name][0]}", "",
              f"Written by `{result['command']}` (see its docstring). new/old time, 3 runs in fresh processes of 5 "
-             f"interleaved calls each; median (min-max). Each run's medians in seconds are in {name}_ab.json.", "",
+             f"interleaved calls each; median (min-max). Each run's medians in seconds are in {out_name}.json.", "",
              "| decays | pass | N | new/old | old s (run 1) | new s (run 1) |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for k in keys:
         d, p, n = k.split("/")
@@ -116,7 +119,7 @@ def main(old_rev: str, name: str) -> None:
         from linattn.bench.harness import format_run_loads
 
         lines += ["Each run's machine:", "", *format_run_loads([r["machine"] for r in runs]), ""]
-    (HERE / f"{name}_ab.md").write_text("\n".join(lines))
+    (HERE / f"{out_name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
@@ -124,4 +127,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "child":
         print(json.dumps(child(sys.argv[2], sys.argv[3])))
     else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "HEAD", sys.argv[2] if len(sys.argv) > 2 else "denormal")
+        main(sys.argv[1] if len(sys.argv) > 1 else "HEAD", sys.argv[2] if len(sys.argv) > 2 else "denormal",
+             sys.argv[3] if len(sys.argv) > 3 else None)
