@@ -588,3 +588,30 @@ def test_outputs_and_gradients_come_back_in_the_inputs_layout():
         laid = [s for s, size in zip(got.stride(), got.shape) if size > 1]  # B = 1: its stride is moot
         assert laid == [s for s, size in zip(seen[n].stride(), got.shape) if size > 1], n
         close(got, ref)
+
+
+def test_strong_decays_leave_no_subnormal_numbers_in_the_kept_inverse():
+    """A Qwen3.5 layer's decays at initialisation (-A softplus(a + 1), A up to 16) make the chunks'
+    triangular inverses products of many small entries; in float32 those reached the subnormal
+    range, where every product with them runs several times slower. Entries negligible beside the
+    unit diagonal are flushed (log_decays.negligible_decay): none is left subnormal, and the result
+    still matches float64."""
+    from linattn.functional.log_decays import NEGLIGIBLE_DECAY_FLOAT32, flush_negligible
+
+    g = torch.Generator().manual_seed(0)
+    R, N, D = 8, 256, 32
+    q, v = torch.randn(R, N, D, generator=g), torch.randn(R, N, D, generator=g)
+    k = F.normalize(torch.randn(R, N, D, generator=g), dim=-1)
+    b = torch.sigmoid(torch.randn(R, N, generator=g))
+    ld = -torch.empty(R, 1).uniform_(0.01, 16, generator=g) * F.softplus(torch.randn(R, N, generator=g) + 1)
+    op = torch.ops.linattn.delta_rule_chunked.default
+    out = op(q, k, v, b, ld, q.new_zeros(R, D, D), D ** -0.5, 32, 4, 32, True, None)
+    T = out[3]
+    tiny = torch.finfo(torch.float32).tiny
+    assert not ((T != 0) & (T.abs() < tiny)).any()
+    assert ((T != 0) & (T.abs() < 1e-6)).any()  # small entries kept, only negligible ones flushed
+    want = op(*(t.double() for t in (q, k, v, b, ld)), q.new_zeros(R, D, D, dtype=f64), D ** -0.5, 32, 4, 32,
+              True, None)
+    assert float((out[0].double() - want[0]).abs().max() / want[0].abs().max()) < 1e-5
+    flushed = flush_negligible(torch.tensor([NEGLIGIBLE_DECAY_FLOAT32 / 2, NEGLIGIBLE_DECAY_FLOAT32 * 2]))
+    assert flushed[0] == 0 and flushed[1] > 0

@@ -93,7 +93,7 @@ from .checks import (
 from .chunks import ChunkLayout, TileBuffers
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
-from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
+from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, varlen_layout
 
@@ -301,7 +301,7 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
         # digits without float64 (log_decays.py). G does not increase, so the differences are <= 0
         # on and below the diagonal; clamping those above it to 0 before the exp (then zeroing
         # them) keeps every exponentiated number <= 0.
-        # Factors below NEGLIGIBLE_DECAY are flushed to exactly 0: they would leave subnormal
+        # Factors below negligible_decay(dtype) are flushed to exactly 0: they would leave subnormal
         # numbers in the products below (log_decays.py).
         G = CumulativeLogDecay.of(g, -1)
         E = G[:, :, None].sub(G[:, None, :], buf("E", m, C, C), buf("E scratch", m, C, C))
@@ -357,6 +357,10 @@ def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: 
         (A.copy_(x.KK) if x.E is None else torch.mul(x.KK, x.E, out=A)).tril_(-1).mul_(bcol)  # the unit diagonal is implicit
     out = out or _Solved(buf("T", m, C, C), buf("U", m, C, Dv), buf("W", m, C, D))
     T = _unit_lower_inverse(A, solve_block, out.T)  # (I + A)^-1
+    # Entries negligible beside T's unit diagonal to exactly 0: under strong decays T holds products
+    # of many small entries of A, down into the subnormal range, which every product with T would
+    # then compute several times slower (log_decays.negligible_decay)
+    torch.hardshrink(T, negligible_decay(T.dtype), out=T)
     # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
     # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
     # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)

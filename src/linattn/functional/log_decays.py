@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["NEGLIGIBLE_DECAY", "RESET_LOG_DECAY", "RESET_STEP", "CumulativeLogDecay", "flush_negligible"]
+__all__ = ["NEGLIGIBLE_DECAY", "NEGLIGIBLE_DECAY_FLOAT32", "RESET_LOG_DECAY", "RESET_STEP", "CumulativeLogDecay",
+           "flush_negligible", "negligible_decay"]
 
 # A log decay below this is a reset (a decay of exactly 0) inside the chunked forms.
 RESET_LOG_DECAY = -40.0
@@ -44,13 +45,27 @@ RESET_STEP = -1.0e4
 # per thread). Trained Gated DeltaNet layers have such decays (A up to 16: a chunk's cumulative
 # decay reaches exp(-100) and less).
 NEGLIGIBLE_DECAY = 4.248354255291589e-18  # exp(RESET_LOG_DECAY)
+# The same for a float32 compute dtype (float32 and half inputs): 2**-40 (9.1e-13), still 6e4 times
+# below float32's resolution (6e-8) of what it multiplies, and the product of two such factors
+# (2**-80) times the data stays far inside float32's normal range (down to 2**-126). Factors near
+# exp(-40) left subnormal products in float32 (at 16 heads of 128 with a Qwen3.5 layer's decays at
+# initialisation, flush-to-zero made a forward+backward on one thread 0.7x the time; it is a
+# per-thread mode, so it cannot be set for the threads of torch's matrix products).
+NEGLIGIBLE_DECAY_FLOAT32 = 2.0 ** -40
+
+
+def negligible_decay(dtype: torch.dtype) -> float:
+    """The flush threshold of decay factors (and of anything else of scale 1 built from them) in the
+    compute dtype ``dtype``: :data:`NEGLIGIBLE_DECAY` for float64, else
+    :data:`NEGLIGIBLE_DECAY_FLOAT32`."""
+    return NEGLIGIBLE_DECAY if dtype == torch.float64 else NEGLIGIBLE_DECAY_FLOAT32
 
 
 def flush_negligible(factors: Tensor) -> Tensor:
-    """``factors`` (decay factors in [0, 1]) with those at or below :data:`NEGLIGIBLE_DECAY` set to 0,
-    in place (NaN stays NaN); returns it. One pass (``threshold_``), where a comparison and a
-    ``masked_fill_`` took two and a mask."""
-    return F.threshold_(factors, NEGLIGIBLE_DECAY, 0.0)
+    """``factors`` (decay factors in [0, 1]) with those at or below :func:`negligible_decay` of their
+    dtype set to 0, in place (NaN stays NaN); returns it. One pass (``threshold_``), where a
+    comparison and a ``masked_fill_`` took two and a mask."""
+    return F.threshold_(factors, negligible_decay(factors.dtype), 0.0)
 
 
 class CumulativeLogDecay:
