@@ -160,3 +160,32 @@ def test_context_parallel_over_two_ranks(tmp_path):
         torch.testing.assert_close(r["state"], st.s.detach())
     for i, w in enumerate(want):
         torch.testing.assert_close(torch.cat([r["grads"][i] for r in results], 2), w, msg=f"gradient {i}")
+
+
+def test_strong_per_channel_decays_leave_no_subnormal_decay_factors_in_float32():
+    """Per-channel decays as strong as a Qwen3.5 layer's at initialisation (A up to 16) made the
+    products of decays subnormal in float32, where every product with them runs several times
+    slower: the factors are flushed below log_decays.negligible_decay as they are formed (in
+    float32; float64's are kept). KDA in float32 still matches float64, and float64 the reference."""
+    from linattn.functional.decayed import channel_decays
+
+    g = torch.Generator().manual_seed(3)
+    B, H, N, D = 1, 2, 200, 16
+    log_decay = -torch.empty(H, 1, 1, dtype=torch.float64).uniform_(0.01, 16, generator=g) * \
+        F.softplus(torch.randn(B, H, N, D, generator=g, dtype=torch.float64) + 1)
+    decays = channel_decays(log_decay.float().reshape(-1, 16, D), 4)
+    before = decays.before()
+    tiny = torch.finfo(torch.float32).tiny
+    for name, t in (("runs", torch.cat([r.flatten() for r in decays.runs[1:]])), ("inner", decays.inner),
+                    ("from_start", decays.from_start(before)), ("to_end", decays.to_end()),
+                    ("whole", decays.whole(before)), ("between", decays.between())):
+        assert not ((t != 0) & (t.abs() < tiny)).any(), name
+    q, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k = F.normalize(torch.randn(B, H, N, D, generator=g, dtype=torch.float64), dim=-1)
+    beta = torch.sigmoid(torch.randn(B, H, N, generator=g, dtype=torch.float64))
+    want = delta_rule_attention_reference(q, k, v, beta, log_decay=log_decay)
+    got64 = linattn.delta_rule_attention(q, k, v, beta, log_decay=log_decay)
+    got32 = linattn.delta_rule_attention(q.float(), k.float(), v.float(), beta.float(), log_decay=log_decay.float())
+    scale = want.abs().max()
+    assert float((got64 - want).abs().max() / scale) < 1e-12
+    assert float((got32.double() - want).abs().max() / scale) < 1e-5

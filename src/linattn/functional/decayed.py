@@ -44,7 +44,7 @@ from torch import Tensor
 from .checks import engine_op
 from .chunks import ChunkLayout
 from .feature_maps import ELEMENTWISE_MAPS
-from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay
+from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
 from .normaliser import guarded_normaliser, normaliser_floor
 
 __all__ = ["CHUNK_SIZES", "ChannelDecays", "channel_decays", "channel_scores", "channel_scores_backward", "decayed_product",
@@ -507,6 +507,14 @@ def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay) -> tuple[Tensor, Te
     return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
 
 
+def _flush_low(factors: Tensor) -> Tensor:
+    """``factors`` (per-channel decay factors in [0, 1]) with the negligible ones flushed to 0 in
+    place (log_decays.flush_negligible), in a float32 or half compute dtype; float64's are left
+    as they are (no subnormal slowdown there above 1e-308, and flushing them at exp(-40) moved
+    KDA's float64 result by 6e-11 of its scale under strong decays, against 4e-16 without)."""
+    return factors if factors.dtype == torch.float64 else flush_negligible(factors)
+
+
 def _sub_chunk_runs(a: Tensor) -> list:
     """``a (M, n, c, D)`` per-position decays -> ``runs``: ``runs[d] (M, n, c - d, D)`` holds, at
     s, the product ``a_{s+1} ... a_{s+d}`` = ``exp(b_{s+d} - b_s)`` for the pairs s < t = s + d of
@@ -515,7 +523,7 @@ def _sub_chunk_runs(a: Tensor) -> list:
     c = a.shape[2]
     runs = [None, a[:, :, 1:]] if c > 1 else [None]
     for d in range(2, c):
-        runs.append(runs[d - 1][:, :, :-1] * a[:, :, d:])
+        runs.append(_flush_low(runs[d - 1][:, :, :-1] * a[:, :, d:]))
     return runs
 
 
@@ -543,13 +551,13 @@ class ChannelDecays(NamedTuple):
     def before(self) -> Tensor:
         """``(M, n, 1, D)``: ``exp(r_{i-1})``, the product over the sub-chunks before i."""
         t = self.total
-        return torch.cat([t.new_ones(t.shape[0], 1, t.shape[2]), t[:, :-1].cumprod(1)], dim=1).unsqueeze(2)
+        return _flush_low(torch.cat([t.new_ones(t.shape[0], 1, t.shape[2]), t[:, :-1].cumprod(1)], dim=1)).unsqueeze(2)
 
     def from_start(self, before: Tensor) -> Tensor:
         """``(M, C, D)``: ``exp(b_t)``, the decay from the chunk's start to t (``before`` from
         :meth:`before`)."""
         M, n, c, D = self.inner.shape
-        return (self.inner * before).view(M, n * c, D)
+        return _flush_low(self.inner * before).view(M, n * c, D)
 
     def to_end(self) -> Tensor:
         """``(M, C, D)``: ``exp(b_C - b_t)``, the decay after t to the chunk's end."""
@@ -557,11 +565,11 @@ class ChannelDecays(NamedTuple):
         t = self.total
         # exp(b_C - r_i): the product over the sub-chunks after i (reverse, exclusive)
         after = torch.cat([t[:, 1:].flip(1).cumprod(1).flip(1), t.new_ones(M, 1, D)], dim=1).unsqueeze(2)
-        return (self.rev * after).view(M, n * c, D)
+        return _flush_low(self.rev * after).view(M, n * c, D)
 
     def whole(self, before: Tensor) -> Tensor:
         """``(M, D)``: ``exp(b_C)``, the decay over the whole chunk."""
-        return before[:, -1, 0] * self.total[:, -1]
+        return _flush_low(before[:, -1, 0] * self.total[:, -1])
 
     def between(self) -> Tensor:
         """``(M, n-1 (i), n-1 (j), D)``: ``exp(r_{i-1} - r_j)`` for a query sub-chunk i >= 1 and a
@@ -572,7 +580,7 @@ class ChannelDecays(NamedTuple):
         # the totals of sub-chunks j + 1 .. i - 1
         f = torch.where((i[None, :] < i[:, None])[:, :, None], self.total[:, 1:].unsqueeze(1),
                         self.total.new_ones(()))  # (M, n-1, n-1, D)
-        return f.flip(2).cumprod(2).flip(2).masked_fill_((i[None, :] > i[:, None])[:, :, None], 0)
+        return _flush_low(f.flip(2).cumprod(2).flip(2).masked_fill_((i[None, :] > i[:, None])[:, :, None], 0))
 
 
 def channel_decays(g: Tensor, c: int, reset: Tensor | None = None) -> ChannelDecays:
@@ -582,10 +590,13 @@ def channel_decays(g: Tensor, c: int, reset: Tensor | None = None) -> ChannelDec
     n = C // c
     reset = g < RESET_LOG_DECAY if reset is None else reset
     # a reset an exact 0 (log_decays.py); clamped first, as exp of far below its range takes a
-    # slow path on CPUs
-    a = g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(reset, 0).view(M, n, c, D)
+    # slow path on CPUs. In float32 every factor below log_decays.negligible_decay (2**-40) is
+    # flushed to 0 as it is formed (_flush_low): products of such factors fell into the subnormal
+    # range, where every product with them ran several times slower (KDA at 8 heads of 128 with
+    # strong per-channel decays: flush-to-zero made a one-thread forward+backward 0.4x the time)
+    a = _flush_low(g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(reset, 0)).view(M, n, c, D)
     runs = _sub_chunk_runs(a)
-    inner = a.cumprod(2)
+    inner = _flush_low(a.cumprod(2))
     # the products to the end of the sub-chunk are runs already formed: a_{t+1} .. a_c = runs[c-1-t][t]
     rev = a.new_empty(M, n, c, D)
     rev[:, :, -1] = 1
