@@ -592,8 +592,8 @@ def channel_decays(g: Tensor, c: int, reset: Tensor | None = None) -> ChannelDec
     # a reset an exact 0 (log_decays.py); clamped first, as exp of far below its range takes a
     # slow path on CPUs. In float32 every factor below log_decays.negligible_decay (2**-40) is
     # flushed to 0 as it is formed (_flush_low): products of such factors fell into the subnormal
-    # range, where every product with them ran several times slower (KDA at 8 heads of 128 with
-    # strong per-channel decays: flush-to-zero made a one-thread forward+backward 0.4x the time)
+    # range, where every product with them runs several times slower (KDA with strong per-channel
+    # decays: docs/benchmarks/README.md, History)
     a = _flush_low(g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(reset, 0)).view(M, n, c, D)
     runs = _sub_chunk_runs(a)
     inner = _flush_low(a.cumprod(2))

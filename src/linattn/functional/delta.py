@@ -354,7 +354,8 @@ def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: 
     if x.channel is not None:  # KK is then the decayed scores, already strictly lower
         torch.mul(x.KK, bcol, out=A)
     else:
-        (A.copy_(x.KK) if x.E is None else torch.mul(x.KK, x.E, out=A)).tril_(-1).mul_(bcol)  # the unit diagonal is implicit
+        # the unit diagonal is implicit
+        (A.copy_(x.KK) if x.E is None else torch.mul(x.KK, x.E, out=A)).tril_(-1).mul_(bcol)
     out = out or _Solved(buf("T", m, C, C), buf("U", m, C, Dv), buf("W", m, C, D))
     T = _unit_lower_inverse(A, solve_block, out.T)  # (I + A)^-1
     # Entries negligible beside T's unit diagonal to exactly 0: under strong decays T holds products
@@ -532,9 +533,9 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     ``into``, three chunk-major ``(n, R, C, D | D | Dv)`` views of the gradients' own tensors (each
     one's last pass writes there: no copy afterwards), and returns ``db (n*R, C)`` and
     ``dg (n*R, C)`` (None unless ``need_g``); ``buf``: the call's :class:`TileBuffers`; ``norms``:
-    None, or the block's L2 normalisation factors ``(rq, rk) (n*R, C)`` (q and k are then the
-    normalised ones, and the gradients written are those of the unnormalised, see
-    :func:`_unnormalized_grad`).
+    None, or with the L2 normalisation the block's chunks of what q and k were taken times,
+    ``(scale r_q, r_k) (n*R, C)`` (:func:`_qk_factors`; q and k are then the normalised ones, and
+    the gradients written are those of the unnormalised, see :func:`_unnormalized_grad`).
 
     Per chunk, with S the state before it and dSn the gradient of the state after it, from
     ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
@@ -597,7 +598,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
             torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
             dk_to.copy_(dk.view(dk_to.shape))
         else:
-            _unnormalized_grad(dq.mul_((norms[0] * scale)[:, :, None]), qf, scale, dq_to)
+            _unnormalized_grad(dq.mul_(norms[0][:, :, None]), qf, scale, dq_to)
             _unnormalized_grad(dk.mul_(norms[1][:, :, None]), kf, 1.0, dk_to)
         dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
@@ -623,7 +624,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # queries are written as fq o (dP K + gamma o dO S^T) with fq = scale (times r_q normalised: then
     # they are r_q times the normalised queries' ones, see _unnormalized_grad), and the keys' as
     # fk o (Z K + dP^T Q + beta gamma o dRw + delta o dKd) with fk = 1 (r_k normalised).
-    fq = scale if norms is None else (norms[0] * scale)[:, :, None]  # a number, or (m, C, 1)
+    fq = scale if norms is None else norms[0][:, :, None]  # a number, or (m, C, 1)
     fk = None if norms is None else norms[1][:, :, None]  # None, or (m, C, 1)
     dPq = dP if norms is None and scale == 1.0 else torch.mul(dP, fq, out=buf("dP fq", m, C, C))
     dPk = dP if fk is None else torch.mul(dP, fk.view(m, 1, C), out=buf("dP fk", m, C, C))
@@ -770,8 +771,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     most = max(blk.stop - blk.start for blk in tiles)
     buf = TileBuffers.kept(v)
     st_all, dst_all = buf("st", most, R, D, Dv), buf("dst", most + 1, R, D, Dv)
-    norms = _qk_norms(lay, l2)
-    factors = _qk_factors(scale, norms)
+    factors = _qk_factors(scale, _qk_norms(lay, l2))
     ds = ds_final
     for i in reversed(range(len(tiles))):
         blk = tiles[i]
@@ -780,10 +780,11 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
         dst[n] = ds  # ds: ds_final, or dst_all[0] of the block after this one (n >= 1: no overlap)
         qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
         into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
+        do_blk = _take_stacked(lay, doc, blk, buf("[dO; dRv]", n, R, 2 * lay.C, Dv))
         db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
-                                         states[i], states[i + 1], _kept(kept, blk), st_all[:n], _take_stacked(lay, doc, blk, buf("[dO; dRv]", n, R, 2 * lay.C, Dv)), dst,
+                                         states[i], states[i + 1], _kept(kept, blk), st_all[:n], do_blk, dst,
                                          need_g, scale, into, buf, qk,
-                                         None if norms is None else tuple(_take(lay, r, blk) for r in norms))
+                                         None if l2 is None else tuple(_take(lay, f, blk) for f in factors))
         lay.put(db, blk, db_blk)
         if dg_blk is not None:
             lay.put(dg, blk, dg_blk)
@@ -798,7 +799,8 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 # eager autograd runs the same two functions. On rows ``(R, N, ...)``; g may be None (no decay); s0
 # is a tensor (zeros when there was no initial state). Saves the inputs, the states before every
 # block and after the last, the chunk-local products T, U, W of every chunk (_Solved) and the L2
-# normalisation's factors of q and k, and recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
+# normalisation's factors of q and k, and recomputes the rest of the chunk-local quantities and
+# the states inside a block in the backward.
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
                                 "int chunk_size, int chunks_per_block, int solve_block, bool keep_states, "

@@ -48,9 +48,9 @@ NEGLIGIBLE_DECAY = 4.248354255291589e-18  # exp(RESET_LOG_DECAY)
 # The same for a float32 compute dtype (float32 and half inputs): 2**-40 (9.1e-13), still 6e4 times
 # below float32's resolution (6e-8) of what it multiplies, and the product of two such factors
 # (2**-80) times the data stays far inside float32's normal range (down to 2**-126). Factors near
-# exp(-40) left subnormal products in float32 (at 16 heads of 128 with a Qwen3.5 layer's decays at
-# initialisation, flush-to-zero made a forward+backward on one thread 0.7x the time; it is a
-# per-thread mode, so it cannot be set for the threads of torch's matrix products).
+# exp(-40) left subnormal products in float32 (a Qwen3.5 layer's decays at initialisation:
+# docs/benchmarks/README.md, History), which CPUs compute several times slower; flush-to-zero is a
+# per-thread mode, so it cannot be set for the threads of torch's matrix products.
 NEGLIGIBLE_DECAY_FLOAT32 = 2.0 ** -40
 
 
