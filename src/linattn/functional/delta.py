@@ -50,11 +50,11 @@ inverses), and the output is cast back.
 The backward (the custom op ``linattn::delta_rule_chunked_backward``) reads what the forward kept
 when gradients flow: the inputs, the state before every block of chunks, and every chunk's ``T``,
 ``U`` (the pseudo-values ``Uv - W S``) and ``W`` (about 2.5 times the size of v at C = 32,
-D = Dv: memory stays O(N)). Block by block backwards, it forms the state before each chunk of the
-block again (one product a chunk, ``S <- gamma_C S + Kd^T U``), the chunk-local scores again (not
+D = Dv: memory stays O(N)). Block by block backwards, it forms the chunk-local scores again (not
 the inverse), runs the state gradient back through ``dU = P^T dO + Kd dS_end``,
-``dS = gamma_C dS_end + (gamma Q)^T dO - W^T dU``, chunk by chunk, and derives every other
-gradient in batched products (the derivation is written out at ``_block_backward``; the triangular
+``dS = gamma_C dS_end + (gamma Q)^T dO - W^T dU``, chunk by chunk, then forms the state before
+each chunk of the block again (one product a chunk, ``S <- gamma_C S + Kd^T U``) for the products
+with it, and derives every other gradient in batched products (the derivation is written out at ``_block_backward``; the triangular
 inverse's is ``dA = -T^T dT T^T``, which with ``U`` kept is ``-dRv U^T``, one product). Chunks and
 blocks follow ``linattn.functional.chunks``, the layout the gated engine uses too.
 
@@ -526,8 +526,8 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     ``do (n*R, 2C, Dv)``, each chunk's output gradient in its first C rows (the second C rows are
     a workspace, see :func:`_take_stacked`), the states before and after the block ``start, end
     (R, D, Dv)``, the block's kept
-    :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (n, R, D, Dv)`` that receives
-    the state before each chunk, and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of
+    :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (R, D, Dv)`` in which the state
+    before each chunk is formed again, and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of
     the state after the block; ``dst[c]`` receives that of the state before chunk c; q is ``scale``
     times the queries. Writes ``dq`` (of the queries before the scale), ``dk`` and ``dv`` into
     ``into``, three chunk-major ``(n, R, C, D | D | Dv)`` views of the gradients' own tensors (each
@@ -541,7 +541,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
 
         dU  = P^T dO + Kd dSn,   dS = gamma_C dSn + (diag(gamma) Q)^T dO - W^T dU
-              (run backwards chunk by chunk: the only sequential part)
+              (run backwards chunk by chunk; then, forwards, the states again for [dO; dRv] S^T)
         dP  = dO U^T (lower),    dKd = U dSn^T,    dgamma_C = <S, dSn> (see :func:`_energies`)
         dQ  = diag(gamma) dO S^T + (dP o E) K
         [dRv, dRw] = T^T [dU, -dU S^T]               (X = T Rhs, so dRhs = T^T dX)
@@ -555,20 +555,14 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
         dg  = the reverse cumulative sum of dG within the chunk (G = cumsum g).
     """
     m, C, D = q.shape
-    n, R, _, Dv = st.shape
+    R, Dv = st.shape[0], st.shape[-1]
+    n = m // R
     x = _scores(q, k, g, buf, qk=qk)
     U = sol.U
     # the loops' per-chunk views made at once (unbind), not indexed op by op
     Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
-    Sl, dSl = st.unbind(), dst.unbind()
+    dSl = dst.unbind()
     gCl = None if x.gC is None else x.gC.view(n, R, -1, 1).unbind()  # (R, 1 | D, 1): per head or per key channel
-    # the state before each chunk again, from the one before the block: one product a chunk, U kept
-    st[0] = start
-    for c in range(n - 1):
-        if gCl is None:
-            torch.baddbmm(Sl[c], Kdl[c].transpose(1, 2), Ul[c], out=Sl[c + 1])
-        else:
-            torch.mul(Sl[c], gCl[c], out=Sl[c + 1]).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
     # dO arrived in the first half of a (m, 2C, Dv) buffer whose second half receives dRv: the
     # products of both with S^T and with U^T are then one product each (S and U read once)
     dof = do[:, :C]
@@ -581,19 +575,41 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     energy = None
     if need_g and x.channel is None and gCl is not None:
         energy = torch.linalg.vecdot(end.view(R, D * Dv), dst[n].view(R, D * Dv))  # (R,)
-    for c in reversed(range(n)):
+    for c in reversed(range(n)):  # the state's gradient, backwards: no state needed
         dUl[c].baddbmm_(Kdl[c], dSl[c + 1])
         if gCl is None:
             dSl[c].add_(dSl[c + 1])
         else:
             dSl[c].addcmul_(dSl[c + 1], gCl[c])
         dSl[c].baddbmm_(WTl[c], dUl[c], alpha=-1)
+    # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
+    # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
+    dRv = torch.bmm(sol.T.transpose(1, 2), dU, out=buf("dRv", m, C, Dv))
+    do[:, C:] = dRv
+    # [dO; dRv] S^T = [dO S^T; -dRw] chunk by chunk, as the state before each chunk is formed again
+    # from the one before the block (one product a chunk, U kept), in place in one (R, D, Dv)
+    # workspace that stays in cache (a state kept for every chunk of the block, read again by one
+    # batched product, took longer); with a gate per key channel also the gradient of its decay
+    # gamma_C, <S, dSn> row by row
+    XS = buf("[dO; dRv] S^T", m, 2 * C, D)
+    XSl, dol = XS.view(n, R, 2 * C, D).unbind(), do.view(n, R, 2 * C, Dv).unbind()
+    dgC = q.new_empty(n, R, D) if need_g and x.channel is not None else None
+    S = st.copy_(start)
+    ST = S.transpose(1, 2)
+    for c in range(n):
+        torch.bmm(dol[c], ST, out=XSl[c])
+        if dgC is not None:
+            torch.bmm(S.view(R * D, 1, Dv), dSl[c + 1].view(R * D, Dv, 1), out=dgC[c].view(R * D, 1, 1))
+        if c < n - 1:
+            (S if gCl is None else S.mul_(gCl[c])).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
+    # [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
+    XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     qf, kf, vf, bf = q, k, v, b
-    S, dSn = st.view(m, D, Dv), dst[1:].reshape(m, D, Dv)
+    dSn = dst[1:].reshape(m, D, Dv)
     dq_to, dk_to, dv_to = into
     if x.channel is not None:
-        dP = torch.bmm(dof, U.transpose(1, 2), out=buf("dP", m, C, C))  # d loss / d P
-        dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dof, S, dSn, dU, dP, need_g)
+        dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dRv, XS, XU, dSn,
+                                                  None if dgC is None else dgC.view(m, D), need_g)
         if norms is None:
             torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
             dk_to.copy_(dk.view(dk_to.shape))
@@ -602,13 +618,6 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
             _unnormalized_grad(dk.mul_(norms[1][:, :, None]), kf, 1.0, dk_to)
         dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
-    # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
-    # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
-    dRv = torch.bmm(sol.T.transpose(1, 2), dU, out=buf("dRv", m, C, Dv))
-    do[:, C:] = dRv
-    # [dO; dRv] S^T = [dO S^T; -dRw] and [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
-    XS = torch.bmm(do, S.transpose(1, 2), out=buf("[dO; dRv] S^T", m, 2 * C, D))
-    XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     dOS, mdRw = XS[:, :C], XS[:, C:]  # mdRw = -dRw: its sign rides on the factors it is taken times
     dP, dAE = XU[:, :C], XU[:, C:].neg_().tril_(-1)  # dA
     YP = torch.mul(dP, x.P, out=buf("dP P", m, C, C)) if need_g else None  # dE o E through P
@@ -706,23 +715,23 @@ def _unnormalized_grad(rgrad: Tensor, xb: Tensor, s: float, out: Tensor) -> None
     torch.addcmul(rgrad.view(out.shape), xb.view(out.shape), c.view(*out.shape[:3], 1), value=-1, out=out)
 
 
-def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, dP, need_g):
+def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, XS, XU, dSn, dgC, need_g):
     """The end of :func:`_block_backward` for a gate per key channel (KDA): the same gradients,
     with the decayed scores' through the per-channel engine's backward
     (:func:`~linattn.functional.decayed.channel_scores_backward`) and one decay per channel in
     gamma, delta and gamma_C. A per-channel cumulative decay G_td enters a score
     ``sum_d x_td y_id exp(G_td - G_id)`` as ``x_td dx_td - y_id dy_id`` (dx, dy the score's
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
-    case, channel by channel."""
+    case, channel by channel. ``dRv (m, C, Dv)``, ``XS (m, 2C, D)`` = [dO; dRv] S^T, ``XU (m, 2C, C)``
+    = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``, ``dgC (m, D)``: <S, dSn> row by row (None
+    unless ``need_g``), as :func:`_block_backward` formed them."""
     c, qk, saved, reset = x.channel
-    dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
-    dOS = torch.bmm(do, S.transpose(1, 2))  # dO S^T, (m, C, D)
-    dRv = torch.bmm(sol.T.transpose(1, 2), dU)  # [dRv, dRw] as in _block_backward
-    dRw = torch.bmm(dRv, S.transpose(1, 2)).neg_()
     m, C, D = q.shape
-    dscores = q.new_empty(m, 2, C, C)  # the gradients of P and of KK, as channel_scores gave them
-    dscores[:, 0] = dP
-    torch.bmm(dRv, sol.U.transpose(1, 2), out=dscores[:, 1])  # -dA, as in _block_backward
+    dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
+    dOS, dRw = XS[:, :C], XS[:, C:].neg()  # dO S^T, dRw = -dRv S^T, as in _block_backward
+    # the gradients of P and of KK, as channel_scores gave them: [dP; -dA] from _block_backward is
+    # laid out as (m, 2, C, C)
+    dscores = XU.view(m, 2, C, C)
     dA = dscores[:, 1].neg_().tril_(-1)  # d loss / d A, A = diag(beta) KK
     bcol = b[:, :, None]
     kdRw = k * dRw
@@ -746,7 +755,6 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, do, S, dSn, dU, d
         # holding q's part through GQ: dG = q dq + k (u - dkey - t), plus the terms at C.
         dG = (u - dkey).sub_(t).mul_(k).addcmul_(q, dq)
         ddel = k * t  # (d loss / d delta_td) delta_td
-        dgC = torch.bmm(S.reshape(-1, 1, S.shape[-1]), dSn.reshape(-1, S.shape[-1], 1)).view(S.shape[:2])  # (m, D)
         dG[:, -1].add_(ddel.sum(1)).addcmul_(dgC, x.gC)  # the state's rows decay by gamma_C
         # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
         dg = dG.flip(1).cumsum_(1).flip(1).masked_fill_(reset, 0)
@@ -770,7 +778,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     tiles = lay.tiles()
     most = max(blk.stop - blk.start for blk in tiles)
     buf = TileBuffers.kept(v)
-    st_all, dst_all = buf("st", most, R, D, Dv), buf("dst", most + 1, R, D, Dv)
+    st, dst_all = buf("st", R, D, Dv), buf("dst", most + 1, R, D, Dv)
     factors = _qk_factors(scale, _qk_norms(lay, l2))
     ds = ds_final
     for i in reversed(range(len(tiles))):
@@ -782,7 +790,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
         into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
         do_blk = _take_stacked(lay, doc, blk, buf("[dO; dRv]", n, R, 2 * lay.C, Dv))
         db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
-                                         states[i], states[i + 1], _kept(kept, blk), st_all[:n], do_blk, dst,
+                                         states[i], states[i + 1], _kept(kept, blk), st, do_blk, dst,
                                          need_g, scale, into, buf, qk,
                                          None if l2 is None else tuple(_take(lay, f, blk) for f in factors))
         lay.put(db, blk, db_blk)
