@@ -620,7 +620,9 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
         return db, dg
     dOS, mdRw = XS[:, :C], XS[:, C:]  # mdRw = -dRw: its sign rides on the factors it is taken times
     dP, dAE = XU[:, :C], XU[:, C:].neg_().tril_(-1)  # dA
-    YP = torch.mul(dP, x.P, out=buf("dP P", m, C, C)) if need_g else None  # dE o E through P
+    # dP o P: through P, both dE o E (the decays' gradient) and the parts of the queries' and the
+    # keys' gradients along themselves (the normalisation's, below)
+    YP = torch.mul(dP, x.P, out=buf("dP P", m, C, C)) if need_g or norms is not None else None
     dP = dP.tril_() if x.E is None else dP.mul_(x.E)  # now d loss / d (Q K^T)
     dKd = torch.bmm(U, dSn.transpose(1, 2), out=buf("dKd", m, C, D))
     if x.E is not None:
@@ -628,30 +630,42 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     bcol = bf[:, :, None]
     Z = torch.mul(dAE, bcol, out=buf("Z", m, C, C))  # d loss / d (K K^T), strictly lower
     Z += buf("Z^T", m, C, C).copy_(Z.transpose(1, 2))  # K K^T is symmetric: both of its factors get the gradient
+    dAEK = dAE.mul_(x.KK)  # dA o E o KK
+    db = _rowdot(dRv, vf).add_(dAEK.sum(-1))
+    t_w = _rowdot(mdRw, kf).neg_()  # d loss / d (beta gamma)_t, (m, C)
+    gam, dlt = (1.0, 1.0) if x.gam is None else (x.gam, x.delta)  # (m, C) or numbers
+    YK = sums = None
+    if need_g or norms is not None:
+        YK = dAEK.mul_(bcol)  # Z o KK is YK + YK^T
+        # row and column sums of the two products, and the rows' dot products with the last terms
+        sums = (YK.sum(-1), YK.sum(-2), YP.sum(-1), YP.sum(-2), _rowdot(qf, dOS), _rowdot(kf, dKd))
     # Each position's factors ride on the C x C operands and the columns of the last terms, not on
     # passes over dq and dk: the gradients of the unscaled (and, normalised, of the unnormalised)
-    # queries are written as fq o (dP K + gamma o dO S^T) with fq = scale (times r_q normalised: then
-    # they are r_q times the normalised queries' ones, see _unnormalized_grad), and the keys' as
-    # fk o (Z K + dP^T Q + beta gamma o dRw + delta o dKd) with fk = 1 (r_k normalised).
+    # queries are written as fq o (dP K + gamma o dO S^T) with fq = scale (times r_q normalised),
+    # and the keys' as fk o (Z K + dP^T Q + beta gamma o dRw + delta o dKd) with fk = 1 (r_k
+    # normalised). Normalised, the unnormalised x's gradient is that minus c xb, c = xb . that / s^2
+    # (xb = s r x the block's queries or keys, s the scale: _unnormalized_grad), and each such dot
+    # product is a sum of the row and column sums above (xb_t . (dP K)_t = sum_i dP_ti P_ti,
+    # xb_t . (Z K)_t = sum_i Z_ti KK_ti, ...): the correction costs no pass over dq or dk to find c,
+    # and rides on Z's (zero) diagonal for the keys, on one multiply-add for the queries.
     fq = scale if norms is None else norms[0][:, :, None]  # a number, or (m, C, 1)
     fk = None if norms is None else norms[1][:, :, None]  # None, or (m, C, 1)
     dPq = dP if norms is None and scale == 1.0 else torch.mul(dP, fq, out=buf("dP fq", m, C, C))
     dPk = dP if fk is None else torch.mul(dP, fk.view(m, 1, C), out=buf("dP fk", m, C, C))
+    if fk is not None:
+        rK, cK, rP, cP, qdOS, kdKd = sums
+        ck = (rK + cK).add_(cP).addcmul_(t_w, bf if x.gam is None else bf * gam).add_(kdKd * dlt).mul_(norms[1])
+        cq = (rP + gam * qdOS).mul_(norms[0]).div_(scale * scale)  # (xb . rgrad) / s^2, see _unnormalized_grad
+        Z.mul_(fk).diagonal(dim1=1, dim2=2).sub_(ck)
     dq = torch.bmm(dPq, kf, out=buf("dq", m, C, D))
-    dk = torch.bmm(Z if fk is None else Z.mul_(fk), kf, out=buf("dk", m, C, D)).baddbmm_(dPk.transpose(1, 2), qf)
-    t_w = _rowdot(mdRw, kf).neg_()  # d loss / d (beta gamma)_t, (m, C)
-    dAEK = dAE.mul_(x.KK)  # dA o E o KK
-    db = _rowdot(dRv, vf).add_(dAEK.sum(-1))
+    dk = torch.bmm(Z, kf, out=buf("dk", m, C, D)).baddbmm_(dPk.transpose(1, 2), qf)
+    if fk is not None:
+        dq.addcmul_(qf, cq[:, :, None], value=-1)
 
     def blocked(t):  # (m, C, X) -> (n, R, C, X), as the targets index
         return t.view(n, R, C, t.shape[-1])
 
     torch.mul(blocked(dRv), blocked(bcol), out=dv_to)
-    dg = None
-    # the last term of dq and of dk goes straight into its target, or, normalised, into dq / dk and
-    # then through the normalisation's gradient into the target
-    dq_last = dq_to if norms is None else blocked(dq)
-    dk_last = dk_to if norms is None else blocked(dk)
     # the factors of the last terms, (m, C, 1) or numbers: gamma fq (dO S^T), -beta gamma fk (-dRw),
     # delta fk (dKd); gamma and delta are 1 without a decay
     gcol, dcol = (1.0, 1.0) if x.gam is None else (x.gam[:, :, None], x.delta[:, :, None])
@@ -659,30 +673,29 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     if fk is not None:
         mbg, dcol = mbg.mul_(fk), dcol * fk
     dk.addcmul_(mdRw, mbg)
-    for acc, term, factor, last in ((dq, dOS, gcol * fq, dq_last), (dk, dKd, dcol, dk_last)):
+    # the last term of dq and of dk goes straight into its target
+    for acc, term, factor, last in ((dq, dOS, gcol * fq, dq_to), (dk, dKd, dcol, dk_to)):
         if isinstance(factor, Tensor):
             torch.addcmul(blocked(acc), blocked(term), blocked(factor), out=last)
         else:
             torch.add(blocked(acc), blocked(term), alpha=factor, out=last)
+    dg = None
     if x.gam is None:
         db.add_(t_w)
     else:
         if need_g:
-            # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E), gamma,
-            # delta = exp(G_C - G) and gamma_C (in gamma_C S).
-            Y = dAEK.mul_(bcol).add_(YP)  # dE o E, (m, C, C)
-            dgam = _rowdot(qf, dOS).addcmul_(bf, t_w)  # d loss / d gamma_t (dOS as the product gave it)
-            ddel = _rowdot(kf, dKd).mul_(x.delta)  # (d loss / d delta_t) delta_t
-            dG = Y.sum(-1).sub_(Y.sum(-2)).addcmul_(dgam, x.gam).sub_(ddel)
+            # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E, which is
+            # YK + YP), gamma, delta = exp(G_C - G) and gamma_C (in gamma_C S).
+            rK, cK, rP, cP, qdOS, kdKd = sums
+            dgam = qdOS.addcmul_(bf, t_w)  # d loss / d gamma_t
+            ddel = kdKd.mul_(x.delta)  # (d loss / d delta_t) delta_t
+            dG = rK.add_(rP).sub_(cK).sub_(cP).addcmul_(dgam, x.gam).sub_(ddel)
             # gamma_C's: gamma_C <S, dSn> + sum_t ddel_t at the chunk's last position, which is
             # <Sn, dSn>, the next chunk's "energy": telescoped from the block's end (see above)
             dG[:, -1].add_(_energies(energy, torch.mul(dgam, x.gam).sum(-1).sub_(ddel.sum(-1)).view(n, R)).view(m))
             # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
             dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
-    if norms is not None:  # dq, dk: r times the normalised q's and k's gradients (see fq, fk above)
-        _unnormalized_grad(dq, qf, scale, dq_to)
-        _unnormalized_grad(dk, kf, 1.0, dk_to)
     return db, dg
 
 
