@@ -278,11 +278,12 @@ def _unit_lower_inverse(A: Tensor, solve_block: int, out: Tensor | None = None) 
 
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     """``(a * b).sum(-1)`` for ``a, b (..., X)`` of one shape, as a batch of ``(1, X) x (X, 1)``
-    products: no ``a * b`` temporary, and about half the time of ``torch.linalg.vecdot`` (which
-    forms it) at (128, 32, 128) on a CPU thread."""
-    if not (a.is_contiguous() and b.is_contiguous()):  # the batch would be a copy: vecdot reads strides
-        return torch.linalg.vecdot(a, b)
+    products for X <= 256 (no ``a * b`` temporary, and faster than ``torch.linalg.vecdot`` at
+    (128, 32, 128) on two CPU threads), else by ``vecdot`` (the products' time grew fivefold from
+    X = 256 to 512, and was 40 times vecdot's at 16 rows of 16384)."""
     X = a.shape[-1]
+    if X > 256 or not (a.is_contiguous() and b.is_contiguous()):  # a strided batch would be a copy
+        return torch.linalg.vecdot(a, b)
     return torch.bmm(a.view(-1, 1, X), b.view(-1, X, 1)).view(a.shape[:-1])
 
 
@@ -586,18 +587,22 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
     dRv = torch.bmm(sol.T.transpose(1, 2), dU, out=buf("dRv", m, C, Dv))
     do[:, C:] = dRv
-    # [dO; dRv] S^T = [dO S^T; -dRw] chunk by chunk, as the state before each chunk is formed again
-    # from the one before the block (one product a chunk, U kept), in place in one (R, D, Dv)
-    # workspace that stays in cache (a state kept for every chunk of the block, read again by one
-    # batched product, took longer); with a gate per key channel also the gradient of its decay
-    # gamma_C, <S, dSn> row by row
-    XS = buf("[dO; dRv] S^T", m, 2 * C, D)
-    XSl, dol = XS.view(n, R, 2 * C, D).unbind(), do.view(n, R, 2 * C, Dv).unbind()
+    # dO S^T and dRv S^T = -dRw chunk by chunk, as the state before each chunk is formed again from
+    # the one before the block (one product a chunk, U kept), in place in one (R, D, Dv) workspace
+    # that stays in cache (a state kept for every chunk of the block, read again by one batched
+    # product, took longer); with a gate per key channel also the gradient of its decay gamma_C,
+    # <S, dSn> row by row. Two products a chunk into two buffers, not one of [dO; dRv]: their rows'
+    # dot products with q and k below are then batched products too (of a (m, 2C, D) buffer's
+    # halves, torch.linalg.vecdot formed a temporary)
+    dOS, mdRw = buf("dO S^T", m, C, D), buf("-dRw", m, C, D)  # mdRw: the sign rides on its factors
+    dOSl, mdRwl = dOS.view(n, R, C, D).unbind(), mdRw.view(n, R, C, D).unbind()
+    dol, dRvl = do.view(n, R, 2 * C, Dv)[:, :, :C].unbind(), dRv.view(n, R, C, Dv).unbind()
     dgC = q.new_empty(n, R, D) if need_g and x.channel is not None else None
     S = st.copy_(start)
     ST = S.transpose(1, 2)
     for c in range(n):
-        torch.bmm(dol[c], ST, out=XSl[c])
+        torch.bmm(dol[c], ST, out=dOSl[c])
+        torch.bmm(dRvl[c], ST, out=mdRwl[c])
         if dgC is not None:
             torch.bmm(S.view(R * D, 1, Dv), dSl[c + 1].view(R * D, Dv, 1), out=dgC[c].view(R * D, 1, 1))
         if c < n - 1:
@@ -608,7 +613,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     dSn = dst[1:].reshape(m, D, Dv)
     dq_to, dk_to, dv_to = into
     if x.channel is not None:
-        dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dRv, XS, XU, dSn,
+        dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dRv, dOS, mdRw, XU, dSn,
                                                   None if dgC is None else dgC.view(m, D), need_g)
         if norms is None:
             torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
@@ -618,7 +623,6 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
             _unnormalized_grad(dk.mul_(norms[1][:, :, None]), kf, 1.0, dk_to)
         dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
-    dOS, mdRw = XS[:, :C], XS[:, C:]  # mdRw = -dRw: its sign rides on the factors it is taken times
     dP, dAE = XU[:, :C], XU[:, C:].neg_().tril_(-1)  # dA
     # dP o P: through P, both dE o E (the decays' gradient) and the parts of the queries' and the
     # keys' gradients along themselves (the normalisation's, below)
@@ -728,20 +732,20 @@ def _unnormalized_grad(rgrad: Tensor, xb: Tensor, s: float, out: Tensor) -> None
     torch.addcmul(rgrad.view(out.shape), xb.view(out.shape), c.view(*out.shape[:3], 1), value=-1, out=out)
 
 
-def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, XS, XU, dSn, dgC, need_g):
+def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, XU, dSn, dgC, need_g):
     """The end of :func:`_block_backward` for a gate per key channel (KDA): the same gradients,
     with the decayed scores' through the per-channel engine's backward
     (:func:`~linattn.functional.decayed.channel_scores_backward`) and one decay per channel in
     gamma, delta and gamma_C. A per-channel cumulative decay G_td enters a score
     ``sum_d x_td y_id exp(G_td - G_id)`` as ``x_td dx_td - y_id dy_id`` (dx, dy the score's
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
-    case, channel by channel. ``dRv (m, C, Dv)``, ``XS (m, 2C, D)`` = [dO; dRv] S^T, ``XU (m, 2C, C)``
+    case, channel by channel. ``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T, ``XU (m, 2C, C)``
     = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``, ``dgC (m, D)``: <S, dSn> row by row (None
     unless ``need_g``), as :func:`_block_backward` formed them."""
     c, qk, saved, reset = x.channel
     m, C, D = q.shape
     dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
-    dOS, dRw = XS[:, :C], XS[:, C:].neg()  # dO S^T, dRw = -dRv S^T, as in _block_backward
+    dRw = mdRw.neg_()  # dRw = -dRv S^T, as in _block_backward
     # the gradients of P and of KK, as channel_scores gave them: [dP; -dA] from _block_backward is
     # laid out as (m, 2, C, C)
     dscores = XU.view(m, 2, C, C)
