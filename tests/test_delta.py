@@ -392,7 +392,7 @@ def test_out_of_range_gates_at_padded_positions_are_ignored():
 @pytest.mark.parametrize("decay", [None, "head", "channel"])
 def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
     """Under no_grad (prefill, evaluation) the chunked op keeps nothing for a backward (neither the
-    state before every block nor the chunks' T, U, W), and gives bit for bit the same output and
+    state before every block nor the chunks' T, U, W, E, KK, P), and gives bit for bit the same output and
     state as a call that keeps them."""
     g = torch.Generator().manual_seed(0)
     B, H, N, D = 2, 3, 300, 16
@@ -414,7 +414,12 @@ def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
     Nc, R = -(-N // 32), B * H
     assert kept[2].shape == (-(-Nc // 3) + 1, R, D, D)  # the state before every block of 3 chunks, and after
     assert [t.shape for t in kept[3:6]] == [(Nc, R, 32, 32), (Nc, R, 32, D), (Nc, R, 32, D)]  # T, U, W
-    assert kept[6].numel() == 0  # no L2 normalisation: no factors kept
+    # E, KK, P: the scores, kept where the backward takes them as they are (E only with a decay;
+    # a gate per key channel forms its scores again)
+    want = {None: [0, 1, 1], "head": [1, 1, 1], "channel": [0, 0, 0]}[decay]
+    assert [t.shape if w else t.numel() for t, w in zip(kept[6:9], want)] == \
+        [(Nc, R, 32, 32) if w else 0 for w in want]
+    assert kept[9].numel() == 0  # no L2 normalisation: no factors kept
     assert all(t.numel() == 0 for t in light[2:])
     assert torch.equal(kept[2][-1], kept[1])  # the last kept state is the final one
     assert torch.equal(kept[0], light[0]) and torch.equal(kept[1], light[1])

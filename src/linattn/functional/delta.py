@@ -49,9 +49,10 @@ inverses), and the output is cast back.
 
 The backward (the custom op ``linattn::delta_rule_chunked_backward``) reads what the forward kept
 when gradients flow: the inputs, the state before every block of chunks, and every chunk's ``T``,
-``U`` (the pseudo-values ``Uv - W S``) and ``W`` (about 2.5 times the size of v at C = 32,
-D = Dv: memory stays O(N)). Block by block backwards, it forms the chunk-local scores again (not
-the inverse), runs the state gradient back through ``dU = P^T dO + Kd dS_end``,
+``U`` (the pseudo-values ``Uv - W S``) and ``W``, with a decay per head or none also its scores
+``E``, ``KK`` and ``P`` (about 3.3 times the size of v at C = 32, D = Dv = 128: memory stays
+O(N)). Block by block backwards, it forms what it did not keep of the chunk-local scores again
+(not the inverse), runs the state gradient back through ``dU = P^T dO + Kd dS_end``,
 ``dS = gamma_C dS_end + (gamma Q)^T dO - W^T dU``, chunk by chunk, then forms the state before
 each chunk of the block again (one product a chunk, ``S <- gamma_C S + Kd^T U``) for the products
 with it, and derives every other gradient in batched products (the derivation is written out at ``_block_backward``; the triangular
@@ -244,11 +245,20 @@ class _Solved(NamedTuple):
     pseudo-values ``Uv - W S`` in place by the forward's loop over chunks; ``W (m, C, D)``:
     ``T diag(beta gamma) K``. The forward of a call gradients flow through writes them into the
     buffers the backward reads (:func:`_chunked_forward`): the backward forms neither the inverse
-    nor the products again, and needs no state but the one before each block."""
+    nor the products again, and needs no state but the one before each block.
+
+    There, with a decay per head or none, also three of the chunks' :class:`_Scores`, ``(m, C, C)``
+    each: ``E`` (None without a decay), ``KK`` and ``P``, which the backward then takes as they are
+    (a quarter of v's size each at C = 32, D = 128; their products and passes were about a tenth of
+    the backward's time at that width); None elsewhere (a gate per key channel forms its scores
+    again, with what their backward needs)."""
 
     T: Tensor
     U: Tensor
     W: Tensor
+    E: Tensor | None = None
+    KK: Tensor | None = None
+    P: Tensor | None = None
 
 
 def _unit_lower_inverse(A: Tensor, solve_block: int, out: Tensor | None = None) -> Tensor:
@@ -288,14 +298,25 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_size: int = 4,
-            qk: Tensor | None = None) -> _Scores:
+            qk: Tensor | None = None, kept: _Solved | None = None, form: bool = True) -> _Scores:
     """``q, k (m, C, D)`` (q already scaled), ``g (m, C)`` (per head), ``(m, C, D)`` (per key
     channel) or None -> :class:`_Scores`, its tensors in the tile buffers ``buf``
-    (``sub_chunk_size``: the per-channel scores' sub-chunks)."""
+    (``sub_chunk_size``: the per-channel scores' sub-chunks), or E, KK and P in those of ``kept``
+    (:class:`_Solved`) where it has them: formed there (``form``), or taken as they are."""
     if g is not None and g.dim() == 3:
         return _channel_scores(q, k, g, sub_chunk_size, qk)
     m, C, D = k.shape
     E = gam = delta = gC = None
+    if kept is not None and kept.KK is not None and not form:  # formed by the forward
+        if g is not None:
+            G = CumulativeLogDecay.of(g, -1)
+            gam = flush_negligible(G.exp())
+            delta = flush_negligible((G[:, -1:] - G).exp_())
+            gC = gam[:, -1]
+        Kd = k if delta is None else torch.mul(k, delta[:, :, None], out=buf("Kd", m, C, D))
+        GQ = q if gam is None else torch.mul(q, gam[:, :, None], out=buf("GQ", m, C, D))
+        return _Scores(kept.E, gam, delta, gC, kept.KK, kept.P, Kd, GQ)
+    into = kept if kept is not None and kept.KK is not None else None
     if g is not None:
         # G (m, C) in the compute dtype, as small decays plus a count of resets (log decays below
         # -40), so that G_t - G_i after a large decay earlier in the chunk keeps the small decays'
@@ -305,13 +326,13 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
         # Factors below negligible_decay(dtype) are flushed to exactly 0: they would leave subnormal
         # numbers in the products below (log_decays.py).
         G = CumulativeLogDecay.of(g, -1)
-        E = G[:, :, None].sub(G[:, None, :], buf("E", m, C, C), buf("E scratch", m, C, C))
+        E = G[:, :, None].sub(G[:, None, :], buf("E", m, C, C) if into is None else into.E, buf("E scratch", m, C, C))
         E = flush_negligible(E.clamp_(max=0).exp_().tril_())  # (m, C, C)
         gam = flush_negligible(G.exp())
         delta = flush_negligible((G[:, -1:] - G).exp_())
         gC = gam[:, -1]
-    KK = torch.bmm(k, k.transpose(1, 2), out=buf("KK", m, C, C))
-    P = torch.bmm(q, k.transpose(1, 2), out=buf("P", m, C, C))
+    KK = torch.bmm(k, k.transpose(1, 2), out=buf("KK", m, C, C) if into is None else into.KK)
+    P = torch.bmm(q, k.transpose(1, 2), out=buf("P", m, C, C) if into is None else into.P)
     P = P.tril_() if E is None else P.mul_(E)
     Kd = k if delta is None else torch.mul(k, delta[:, :, None], out=buf("Kd", m, C, D))
     GQ = q if gam is None else torch.mul(q, gam[:, :, None], out=buf("GQ", m, C, D))
@@ -372,7 +393,7 @@ def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: 
     else:  # W = (T diag(beta gamma)) K: the columns of T scaled, not the rows of K (C x C, not C x D)
         w = b if x.gam is None else b * x.gam
         W = torch.bmm(torch.mul(T, w[:, None, :], out=buf("T w", m, C, C)), k, out=out.W)
-    return _Solved(T, U, W)
+    return out._replace(T=T, U=U, W=W)
 
 
 def _take(lay: ChunkLayout, xc: Tensor | None, tile: slice, buf: TileBuffers | None = None,
@@ -432,8 +453,8 @@ def _take_qk(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, factors: tup
 
 
 def _kept(kept: _Solved | None, tile: slice) -> _Solved | None:
-    """A tile's chunks of the kept ``(Nc, R, C, *)`` buffers, ``(m*R, C, *)`` views."""
-    return None if kept is None else _Solved(*(t[tile].flatten(0, 1) for t in kept))
+    """A tile's chunks of the kept ``(Nc, R, C, *)`` buffers, ``(m*R, C, *)`` views (None stays None)."""
+    return None if kept is None else _Solved(*(None if t is None else t[tile].flatten(0, 1) for t in kept))
 
 
 def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
@@ -451,7 +472,7 @@ def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
     m, C, D = q.shape
     R, Dv = S.shape[0], S.shape[-1]
     n = m // R
-    x = _scores(q, k, g, buf, qk=qk)
+    x = _scores(q, k, g, buf, qk=qk, kept=kept)
     sol = _solve(x, k, bv, b, solve_block, buf, kept)
     # each chunk's views made at once (unbind), not indexed op by op; U: Uv, made U chunk by chunk in place
     U, W = sol.U.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).unbind()
@@ -493,9 +514,9 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
 
     With ``keep`` (a backward will run): the states before every block and after the last,
     ``(nb + 1, R, D, Dv)``, and the chunk-local products of every chunk (:class:`_Solved` of
-    ``(Nc, R, C, *)`` buffers, chunk-major): together about 2.5 times the size of v at C = 32,
-    D = Dv (the state before every chunk, which the backward also reads, would be D / C times
-    it); without: ``(1, R, D, Dv)``, the final state, and None. Last, the L2 normalisation's
+    ``(Nc, R, C, *)`` buffers, chunk-major, E, KK and P among them with a decay per head or
+    none): together about 3.3 times the size of v at C = 32, D = Dv = 128 (the state before every
+    chunk, which the backward also reads, would be D / C times it); without: ``(1, R, D, Dv)``, the final state, and None. Last, the L2 normalisation's
     factors ``(2, R, N)`` (:func:`_qk_factors_of`), None for ``qk_eps`` None."""
     R, N, D = q.shape
     Dv = v.shape[-1]
@@ -507,7 +528,10 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
     kept = None
     if keep:
         C = lay.C
-        kept = _Solved(v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, Dv), v.new_empty(lay.Nc, R, C, D))
+        scores = g is None or g.dim() == 2  # E, KK and P kept too (not with a gate per key channel)
+        kept = _Solved(v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, Dv), v.new_empty(lay.Nc, R, C, D),
+                       *((None if g is None else v.new_empty(lay.Nc, R, C, C), v.new_empty(lay.Nc, R, C, C),
+                          v.new_empty(lay.Nc, R, C, C)) if scores else ()))
     per_channel = g is not None and g.dim() == 3
     buf = TileBuffers.kept(v)
     l2 = _qk_factors_of(q, k, qk_eps)
@@ -558,7 +582,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     m, C, D = q.shape
     R, Dv = st.shape[0], st.shape[-1]
     n = m // R
-    x = _scores(q, k, g, buf, qk=qk)
+    x = _scores(q, k, g, buf, qk=qk, kept=sol, form=False)
     U = sol.U
     # the loops' per-chunk views made at once (unbind), not indexed op by op
     Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
@@ -823,26 +847,29 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 # op with a shape function (no chunk loop to unroll, so a model compiles in seconds and whole), and
 # eager autograd runs the same two functions. On rows ``(R, N, ...)``; g may be None (no decay); s0
 # is a tensor (zeros when there was no initial state). Saves the inputs, the states before every
-# block and after the last, the chunk-local products T, U, W of every chunk (_Solved) and the L2
-# normalisation's factors of q and k, and recomputes the rest of the chunk-local quantities and
-# the states inside a block in the backward.
+# block and after the last, the chunk-local products T, U, W of every chunk and, unless the gate is
+# per key channel, its scores E, KK, P (_Solved; E an empty tensor without a decay, all three
+# empty with a gate per key channel), and the L2 normalisation's factors of q and k, and
+# recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
                                 "int chunk_size, int chunks_per_block, int solve_block, bool keep_states, "
-                                "float? qk_eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+                                "float? qk_eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+                                "Tensor, Tensor)")
 def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps):
     """-> ``o (R, N, Dv)`` (laid out as v, see :meth:`ChunkLayout.new_chunked_like`), the final state
     ``(R, D, Dv)``, and what the backward reads: the states
     before every block and after the last ``(nb + 1, R, D, Dv)``, the chunks' ``T, U, W``
-    ``(Nc, R, C, C | Dv | D)`` and the L2 normalisation's factors of q and k ``(2, R, N)`` (each
-    ``(0,)`` without ``keep_states``, a call no gradient flows through; the factors also without
-    ``qk_eps``)."""
+    ``(Nc, R, C, C | Dv | D)`` and ``E, KK, P`` ``(Nc, R, C, C)`` (:class:`_Solved`) and the L2
+    normalisation's factors of q and k ``(2, R, N)`` (each ``(0,)`` without ``keep_states``, a
+    call no gradient flows through; E also without a decay, E, KK and P also with a gate per key
+    channel, the factors also without ``qk_eps``)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
         o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps)
     if not keep_states:
-        return o, states[-1].clone(), *(v.new_empty(0) for _ in range(5))
-    return o, states[-1].clone(), states, *kept, v.new_empty(0) if l2 is None else l2
+        return o, states[-1].clone(), *(v.new_empty(0) for _ in range(8))
+    return o, states[-1].clone(), states, *(v.new_empty(0) if t is None else t for t in (*kept, l2))
 
 
 @_delta_rule_chunked.register_fake
@@ -852,33 +879,40 @@ def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_
     C = min(chunk_size, N)
     Nc = -(-N // C)
     if not keep_states:
-        return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(5))
+        return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(8))
     nb = -(-Nc // chunks_per_block)
     l2 = v.new_empty(0) if qk_eps is None else q.new_empty(2, R, N)
+    scores = g is None or g.dim() == 2  # E, KK, P kept (E only with a decay)
+    E = v.new_empty(Nc, R, C, C) if scores and g is not None else v.new_empty(0)
+    KK, P = (v.new_empty(Nc, R, C, C) if scores else v.new_empty(0) for _ in range(2))
     return (torch.empty_like(v), v.new_empty(R, D, Dv), v.new_empty(nb + 1, R, D, Dv), v.new_empty(Nc, R, C, C),
-            v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D), l2)
+            v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D), E, KK, P, l2)
 
 
 @torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, "
-                                "Tensor U, Tensor W, Tensor l2, Tensor do, Tensor ds_final, float scale, "
+                                "Tensor U, Tensor W, Tensor E, Tensor KK, Tensor P, Tensor l2, Tensor do, "
+                                "Tensor ds_final, float scale, "
                                 "int chunk_size, int chunks_per_block, float? qk_eps, bool need_g) "
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, l2, do, ds_final, scale, chunk_size,
+def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, chunk_size,
                                  chunks_per_block, qk_eps, need_g):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
         lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
         # do as it comes (an expanded or transposed gradient too): it is only read by the copies
         # into each block's buffer
-        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, _Solved(T, U, W), do, ds_final, scale,
+        scores = g is None or g.dim() == 2  # E, KK, P kept by the forward (E only with a decay)
+        kept = _Solved(T, U, W, *((E if g is not None else None, KK, P) if scores else ()))
+        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale,
                                                     lay, need_g, None if qk_eps is None else l2)
     # each gradient in its input's layout (ChunkLayout.new_chunked_like), as the fake says
     return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
 
 
 @_delta_rule_chunked_backward.register_fake
-def _(q, k, v, b, g, states, T, U, W, l2, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps, need_g):
+def _(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps,
+      need_g):
     dg = torch.empty_like(g) if need_g else b.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(b), dg, \
         ds_final.new_empty(ds_final.shape)
@@ -904,13 +938,13 @@ def _delta_rule_setup(ctx, inputs, output):
 
 
 def _delta_rule_autograd(ctx, do, ds_final, *_kept):
-    q, k, v, b, g, states, T, U, W, l2 = ctx.saved_tensors
+    q, k, v, b, g, states, T, U, W, E, KK, P, l2 = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     if ds_final is None:
         ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
     need_g = g is not None and ctx.needs_input_grad[4]
-    dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, l2, do, ds_final,
+    dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final,
                                                            *ctx.knobs, need_g)
     return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None, None
 
