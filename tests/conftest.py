@@ -1,8 +1,19 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
-import pytest
-import torch
+# torch.compile's caches (FX graph, AOTAutograd) in a fresh folder for every test session: their
+# keys do not see a custom op's schema or fake change (PyTorch issues 144344, 160472), so a cache
+# left by an older linattn replays graphs that call our ops with old arguments. Set before torch
+# is imported; a session's own entries still speed its later compiles.
+_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="linattn-test-inductor-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+atexit.register(shutil.rmtree, _INDUCTOR_CACHE, True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
