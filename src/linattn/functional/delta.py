@@ -249,8 +249,8 @@ class _Solved(NamedTuple):
 
     There, with a decay per head or none, also three of the chunks' :class:`_Scores`, ``(m, C, C)``
     each: ``E`` (None without a decay), ``KK`` and ``P``, which the backward then takes as they are
-    (a quarter of v's size each at C = 32, D = 128; their products and passes were about a tenth of
-    the backward's time at that width); None elsewhere (a gate per key channel forms its scores
+    (a quarter of v's size each at C = 32, D = 128, where forming them again cost the backward two
+    products and the decays' passes a block: docs/benchmarks/README.md, History); None elsewhere (a gate per key channel forms its scores
     again, with what their backward needs)."""
 
     T: Tensor
@@ -288,9 +288,8 @@ def _unit_lower_inverse(A: Tensor, solve_block: int, out: Tensor | None = None) 
 
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     """``(a * b).sum(-1)`` for ``a, b (..., X)`` of one shape, as a batch of ``(1, X) x (X, 1)``
-    products for X <= 256 (no ``a * b`` temporary, and faster than ``torch.linalg.vecdot`` at
-    (128, 32, 128) on two CPU threads), else by ``vecdot`` (the products' time grew fivefold from
-    X = 256 to 512, and was 40 times vecdot's at 16 rows of 16384)."""
+    products for X <= 256 (no ``a * b`` temporary), else by ``vecdot``, which the products fell far
+    behind for longer rows (docs/benchmarks/README.md, History)."""
     X = a.shape[-1]
     if X > 256 or not (a.is_contiguous() and b.is_contiguous()):  # a strided batch would be a copy
         return torch.linalg.vecdot(a, b)
@@ -516,7 +515,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
     ``(nb + 1, R, D, Dv)``, and the chunk-local products of every chunk (:class:`_Solved` of
     ``(Nc, R, C, *)`` buffers, chunk-major, E, KK and P among them with a decay per head or
     none): together about 3.3 times the size of v at C = 32, D = Dv = 128 (the state before every
-    chunk, which the backward also reads, would be D / C times it); without: ``(1, R, D, Dv)``, the final state, and None. Last, the L2 normalisation's
+    chunk, which the backward also reads, would be D / C times it); without: ``(1, R, D, Dv)``,
+    the final state, and None. Last, the L2 normalisation's
     factors ``(2, R, N)`` (:func:`_qk_factors_of`), None for ``qk_eps`` None."""
     R, N, D = q.shape
     Dv = v.shape[-1]
