@@ -488,20 +488,34 @@ def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
 
 
 def _qk_norms(lay: ChunkLayout, factors: Tensor | None) -> tuple | None:
-    """The L2 normalisation's factors ``(2, R, N)`` (q's, k's: :func:`_qk_factors_of`) laid out in
-    chunks, ``(R, Nc, C)`` each, or None."""
+    """The L2 normalisation's factors ``(2, R, N)`` (q's, k's: :func:`_take_qk_normalised`) laid out
+    in chunks, ``(R, Nc, C)`` each, or None."""
     return None if factors is None else (lay.chunked(factors[0]), lay.chunked(factors[1]))
 
 
-def _qk_factors_of(q: Tensor, k: Tensor, eps: float | None) -> Tensor | None:
-    """The L2 normalisation's factors of ``q, k (R, N, D)``, ``(2, R, N)`` (:func:`_l2_factor`), or
-    None for eps None. The forward a backward follows keeps them for it."""
-    if eps is None:
-        return None
-    factors = q.new_empty(2, *q.shape[:-1])
-    _l2_factor(q, eps, factors[0])
-    _l2_factor(k, eps, factors[1])
-    return factors
+def _take_qk_normalised(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, scale: float, eps: float,
+                        per_channel: bool, buf: TileBuffers, l2c: Tensor):
+    """:func:`_take_qk` in the forward with the L2 normalisation: the tile's q and k taken as they
+    are, the factors ``r = 1 / sqrt(sum x^2 + eps)`` of every row formed from the taken tiles
+    (:func:`_l2_factor`) and written into the tile's chunks of ``l2c (2, R, Nc, C)`` (q's, k's; the
+    backward reads them), then the tiles scaled in place, q by ``scale r_q`` and k by ``r_k``. Why:
+    the factors formed by a pass over the whole of q and k before the first tile read both from
+    memory once more; the tiles are in cache."""
+    R, _, C, D = qc.shape
+    m = tile.stop - tile.start
+    if per_channel:
+        qk = buf("qk", m, R, 2, C, D)
+        qk[:, :, 0] = lay.view(qc, tile)
+        qk[:, :, 1] = lay.view(kc, tile)
+        qk = qk.view(m * R, 2, C, D)
+        qb, kb = qk[:, 0], qk[:, 1]
+    else:
+        qb, kb, qk = _take(lay, qc, tile, buf, "q"), _take(lay, kc, tile, buf, "k"), None
+    for i, (x, s) in enumerate(((qb, scale), (kb, 1.0))):
+        r = _l2_factor(x, eps, buf("l2 factors", m * R, C))
+        lay.view(l2c[i], tile).copy_(r.view(m, R, C))
+        x.mul_((r if s == 1.0 else r.mul_(s))[:, :, None])
+    return qb, kb, qk
 
 
 def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_eps=None):
@@ -516,8 +530,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
     ``(Nc, R, C, *)`` buffers, chunk-major, E, KK and P among them with a decay per head or
     none): together about 3.3 times the size of v at C = 32, D = Dv = 128 (the state before every
     chunk, which the backward also reads, would be D / C times it); without: ``(1, R, D, Dv)``,
-    the final state, and None. Last, the L2 normalisation's
-    factors ``(2, R, N)`` (:func:`_qk_factors_of`), None for ``qk_eps`` None."""
+    the final state, and None. Last, the L2 normalisation's factors ``(2, R, N)`` in v's dtype
+    (:func:`_take_qk_normalised`), None for ``qk_eps`` None."""
     R, N, D = q.shape
     Dv = v.shape[-1]
     qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
@@ -534,15 +548,22 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
                           v.new_empty(lay.Nc, R, C, C)) if scores else ()))
     per_channel = g is not None and g.dim() == 3
     buf = TileBuffers.kept(v)
-    l2 = _qk_factors_of(q, k, qk_eps)
-    factors = _qk_factors(scale, _qk_norms(lay, l2))
+    l2c = None if qk_eps is None else v.new_empty(2, R, lay.Nc, lay.C)  # the L2 factors, laid out in chunks
+    factors = _qk_factors(scale, None)
     for i, blk in enumerate(tiles):
         S = states[i + 1].copy_(states[i]) if keep else states[0]
-        qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
+        if l2c is None:
+            qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
+        else:
+            qb, kb, qk = _take_qk_normalised(lay, qc, kc, blk, scale, qk_eps, per_channel, buf, l2c)
         bv = _take_product(lay, vc, blk, bc, buf("bv", blk.stop - blk.start, R, lay.C, Dv))
         ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, solve_block, buf, qk,
                             _kept(kept, blk))
         lay.put(o, blk, ob)
+    l2 = None
+    if l2c is not None:  # (2, R, N), contiguous as the op's fake says: a copy only with a filled last chunk
+        l2 = l2c.view(2, R, lay.Nc * lay.C)[:, :, :N]
+        l2 = l2.contiguous() if lay.fill else l2
     return lay.unchunked_like(o, v), states, kept, l2
 
 
@@ -881,7 +902,7 @@ def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_
     if not keep_states:
         return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(8))
     nb = -(-Nc // chunks_per_block)
-    l2 = v.new_empty(0) if qk_eps is None else q.new_empty(2, R, N)
+    l2 = v.new_empty(0) if qk_eps is None else v.new_empty(2, R, N)
     scores = g is None or g.dim() == 2  # E, KK, P kept (E only with a decay)
     E = v.new_empty(Nc, R, C, C) if scores and g is not None else v.new_empty(0)
     KK, P = (v.new_empty(Nc, R, C, C) if scores else v.new_empty(0) for _ in range(2))
