@@ -683,11 +683,15 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     db = _rowdot(dRv, vf).add_(dAEK.sum(-1))
     t_w = _rowdot(mdRw, kf).neg_()  # d loss / d (beta gamma)_t, (m, C)
     gam, dlt = (1.0, 1.0) if x.gam is None else (x.gam, x.delta)  # (m, C) or numbers
-    YK = sums = None
+    sums = None
     if need_g or norms is not None:
-        YK = dAEK.mul_(bcol)  # Z o KK is YK + YK^T
-        # row and column sums of the two products, and the rows' dot products with the last terms
-        sums = (YK.sum(-1), YK.sum(-2), YP.sum(-1), YP.sum(-2), _rowdot(qf, dOS), _rowdot(kf, dKd))
+        # Y = dE o E = YK + YP (Z o KK is YK + YK^T, YK = diag(beta) dA o E o KK), summed as one
+        # matrix: YK and YP cancel entry by entry where they meet, and rows summed apart lost the
+        # log decays' gradient digits in float64 (docs/benchmarks/README.md, History). Its row and
+        # column sums and YP's row sums, and the rows' dot products with the last terms.
+        YP_rows = YP.sum(-1)
+        Y = dAEK.mul_(bcol).add_(YP)
+        sums = (Y.sum(-1), Y.sum(-2), YP_rows, _rowdot(qf, dOS), _rowdot(kf, dKd))
     # Each position's factors ride on the C x C operands and the columns of the last terms, not on
     # passes over dq and dk: the gradients of the unscaled (and, normalised, of the unnormalised)
     # queries are written as fq o (dP K + gamma o dO S^T) with fq = scale (times r_q normalised),
@@ -702,8 +706,8 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     dPq = dP if norms is None and scale == 1.0 else torch.mul(dP, fq, out=buf("dP fq", m, C, C))
     dPk = dP if fk is None else torch.mul(dP, fk.view(m, 1, C), out=buf("dP fk", m, C, C))
     if fk is not None:
-        rK, cK, rP, cP, qdOS, kdKd = sums
-        ck = (rK + cK).add_(cP).addcmul_(t_w, bf if x.gam is None else bf * gam).add_(kdKd * dlt).mul_(norms[1])
+        rY, cY, rP, qdOS, kdKd = sums  # xb_t . (Z K + dP^T Q)_t = rowsum(YK) + colsum(YK) + colsum(YP)
+        ck = (rY - rP).add_(cY).addcmul_(t_w, bf if x.gam is None else bf * gam).add_(kdKd * dlt).mul_(norms[1])
         cq = (rP + gam * qdOS).mul_(norms[0]).div_(scale * scale)  # (xb . rgrad) / s^2, see _unnormalized_grad
         Z.mul_(fk).diagonal(dim1=1, dim2=2).sub_(ck)
     dq = torch.bmm(dPq, kf, out=buf("dq", m, C, D))
@@ -735,10 +739,10 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
         if need_g:
             # G_t enters through E (E_ti = exp(G_t - G_i): rowsum minus colsum of dE o E, which is
             # YK + YP), gamma, delta = exp(G_C - G) and gamma_C (in gamma_C S).
-            rK, cK, rP, cP, qdOS, kdKd = sums
+            rY, cY, _, qdOS, kdKd = sums
             dgam = qdOS.addcmul_(bf, t_w)  # d loss / d gamma_t
             ddel = kdKd.mul_(x.delta)  # (d loss / d delta_t) delta_t
-            dG = rK.add_(rP).sub_(cK).sub_(cP).addcmul_(dgam, x.gam).sub_(ddel)
+            dG = rY.sub_(cY).addcmul_(dgam, x.gam).sub_(ddel)
             # gamma_C's: gamma_C <S, dSn> + sum_t ddel_t at the chunk's last position, which is
             # <Sn, dSn>, the next chunk's "energy": telescoped from the block's end (see above)
             dG[:, -1].add_(_energies(energy, torch.mul(dgam, x.gam).sum(-1).sub_(ddel.sum(-1)).view(n, R)).view(m))
