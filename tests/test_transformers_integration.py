@@ -98,7 +98,10 @@ def test_float64_equals_the_reference_recurrence(name):
     _, reference = _pair(name, form="reference", **F64)
     assert any(type(m).__name__.startswith("LinattnReference") for m in reference.modules())
     ids = torch.randint(3, 99, (2, 21), generator=torch.Generator().manual_seed(2))
-    _assert_exact(*_loss_and_grads(reference, ids), *_loss_and_grads(chunked, ids), tol=1e-10)
+    # The issue asks for 1e-10; 2e-11 also catches the engine's log-decay gradient losing digits
+    # to cancellation (Qwen4-exp's was 7.8e-11 when the backward summed dE o E's two parts apart,
+    # docs/benchmarks/README.md, History; every family is at most 4.8e-12 since)
+    _assert_exact(*_loss_and_grads(reference, ids), *_loss_and_grads(chunked, ids), tol=2e-11)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
