@@ -306,16 +306,8 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
         return _channel_scores(q, k, g, sub_chunk_size, qk)
     m, C, D = k.shape
     E = gam = delta = gC = None
-    if kept is not None and kept.KK is not None and not form:  # formed by the forward
-        if g is not None:
-            G = CumulativeLogDecay.of(g, -1)
-            gam = flush_negligible(G.exp())
-            delta = flush_negligible((G[:, -1:] - G).exp_())
-            gC = gam[:, -1]
-        Kd = k if delta is None else torch.mul(k, delta[:, :, None], out=buf("Kd", m, C, D))
-        GQ = q if gam is None else torch.mul(q, gam[:, :, None], out=buf("GQ", m, C, D))
-        return _Scores(kept.E, gam, delta, gC, kept.KK, kept.P, Kd, GQ)
-    into = kept if kept is not None and kept.KK is not None else None
+    into = kept if kept is not None and kept.KK is not None else None  # E, KK, P live there
+    take = into is not None and not form  # ... and the forward formed them
     if g is not None:
         # G (m, C) in the compute dtype, as small decays plus a count of resets (log decays below
         # -40), so that G_t - G_i after a large decay earlier in the chunk keeps the small decays'
@@ -325,14 +317,19 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
         # Factors below negligible_decay(dtype) are flushed to exactly 0: they would leave subnormal
         # numbers in the products below (log_decays.py).
         G = CumulativeLogDecay.of(g, -1)
-        E = G[:, :, None].sub(G[:, None, :], buf("E", m, C, C) if into is None else into.E, buf("E scratch", m, C, C))
-        E = flush_negligible(E.clamp_(max=0).exp_().tril_())  # (m, C, C)
+        if not take:
+            E = G[:, :, None].sub(G[:, None, :], buf("E", m, C, C) if into is None else into.E,
+                                  buf("E scratch", m, C, C))
+            E = flush_negligible(E.clamp_(max=0).exp_().tril_())  # (m, C, C)
         gam = flush_negligible(G.exp())
         delta = flush_negligible((G[:, -1:] - G).exp_())
         gC = gam[:, -1]
-    KK = torch.bmm(k, k.transpose(1, 2), out=buf("KK", m, C, C) if into is None else into.KK)
-    P = torch.bmm(q, k.transpose(1, 2), out=buf("P", m, C, C) if into is None else into.P)
-    P = P.tril_() if E is None else P.mul_(E)
+    if take:
+        E, KK, P = into.E, into.KK, into.P
+    else:
+        KK = torch.bmm(k, k.transpose(1, 2), out=buf("KK", m, C, C) if into is None else into.KK)
+        P = torch.bmm(q, k.transpose(1, 2), out=buf("P", m, C, C) if into is None else into.P)
+        P = P.tril_() if E is None else P.mul_(E)
     Kd = k if delta is None else torch.mul(k, delta[:, :, None], out=buf("Kd", m, C, D))
     GQ = q if gam is None else torch.mul(q, gam[:, :, None], out=buf("GQ", m, C, D))
     return _Scores(E, gam, delta, gC, KK, P, Kd, GQ)
@@ -501,16 +498,9 @@ def _take_qk_normalised(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, s
     backward reads them), then the tiles scaled in place, q by ``scale r_q`` and k by ``r_k``. Why:
     the factors formed by a pass over the whole of q and k before the first tile read both from
     memory once more; the tiles are in cache."""
-    R, _, C, D = qc.shape
+    R, _, C, _ = qc.shape
     m = tile.stop - tile.start
-    if per_channel:
-        qk = buf("qk", m, R, 2, C, D)
-        qk[:, :, 0] = lay.view(qc, tile)
-        qk[:, :, 1] = lay.view(kc, tile)
-        qk = qk.view(m * R, 2, C, D)
-        qb, kb = qk[:, 0], qk[:, 1]
-    else:
-        qb, kb, qk = _take(lay, qc, tile, buf, "q"), _take(lay, kc, tile, buf, "k"), None
+    qb, kb, qk = _take_qk(lay, qc, kc, tile, (1.0, None), per_channel, buf)  # as they are
     for i, (x, s) in enumerate(((qb, scale), (kb, 1.0))):
         r = _l2_factor(x, eps, buf("l2 factors", m * R, C))
         lay.view(l2c[i], tile).copy_(r.view(m, R, C))
