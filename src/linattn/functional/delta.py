@@ -562,7 +562,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     ``do (n*R, 2C, Dv)``, each chunk's output gradient in its first C rows (the second C rows are
     a workspace, see :func:`_take_stacked`), the states before and after the block ``start, end
     (R, D, Dv)``, the block's kept
-    :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (R, D, Dv)`` in which the state
+    :class:`_Solved` ``sol`` (U the pseudo-values), a workspace ``st (R, Dv, D)`` in which the state
     before each chunk is formed again, and ``dst (n + 1, R, D, Dv)`` holding in ``dst[n]`` the gradient of
     the state after the block; ``dst[c]`` receives that of the state before chunk c; q is ``scale``
     times the queries. Writes ``dq`` (of the queries before the scale), ``dk`` and ``dv`` into
@@ -591,7 +591,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
         dg  = the reverse cumulative sum of dG within the chunk (G = cumsum g).
     """
     m, C, D = q.shape
-    R, Dv = st.shape[0], st.shape[-1]
+    R, Dv = st.shape[0], st.shape[1]
     n = m // R
     x = _scores(q, k, g, buf, qk=qk, kept=sol, form=False)
     U = sol.U
@@ -632,16 +632,20 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     dOS, mdRw = buf("dO S^T", m, C, D), buf("-dRw", m, C, D)  # mdRw: the sign rides on its factors
     dOSl, mdRwl = dOS.view(n, R, C, D).unbind(), mdRw.view(n, R, C, D).unbind()
     dol, dRvl = do.view(n, R, 2 * C, Dv)[:, :, :C].unbind(), dRv.view(n, R, C, Dv).unbind()
+    # The state is formed again transposed, S^T (R, Dv, D) contiguous: a product with a transposed
+    # view as its right factor (dO S^T with S^T a view) ran 1.4x as long as with a contiguous one
+    # (docs/benchmarks/README.md, History), and the update S^T <- gamma_C S^T + U^T Kd reads U^T as
+    # a left factor, which costs nothing
     dgC = q.new_empty(n, R, D) if need_g and x.channel is not None else None
-    S = st.copy_(start)
-    ST = S.transpose(1, 2)
+    ST = st.copy_(start.transpose(1, 2))
+    gCT = None if gCl is None else [gc.transpose(1, 2) for gc in gCl]  # (R, 1, 1 | D): scales S^T's columns
     for c in range(n):
         torch.bmm(dol[c], ST, out=dOSl[c])
         torch.bmm(dRvl[c], ST, out=mdRwl[c])
-        if dgC is not None:
-            torch.bmm(S.view(R * D, 1, Dv), dSl[c + 1].view(R * D, Dv, 1), out=dgC[c].view(R * D, 1, 1))
+        if dgC is not None:  # <S, dSn> row by row, S^T's columns
+            torch.linalg.vecdot(ST.transpose(1, 2), dSl[c + 1], out=dgC[c])
         if c < n - 1:
-            (S if gCl is None else S.mul_(gCl[c])).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
+            (ST if gCT is None else ST.mul_(gCT[c])).baddbmm_(Ul[c].transpose(1, 2), Kdl[c])
     # [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
     XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     qf, kf, vf, bf = q, k, v, b
@@ -834,7 +838,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     tiles = lay.tiles()
     most = max(blk.stop - blk.start for blk in tiles)
     buf = TileBuffers.kept(v)
-    st, dst_all = buf("st", R, D, Dv), buf("dst", most + 1, R, D, Dv)
+    st, dst_all = buf("st", R, Dv, D), buf("dst", most + 1, R, D, Dv)
     factors = _qk_factors(scale, _qk_norms(lay, l2))
     ds = ds_final
     for i in reversed(range(len(tiles))):
