@@ -591,7 +591,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
         dg  = the reverse cumulative sum of dG within the chunk (G = cumsum g).
     """
     m, C, D = q.shape
-    R, Dv = st.shape[0], st.shape[1]
+    R, Dv = st.shape[0], st.shape[1]  # st: (R, Dv, D)
     n = m // R
     x = _scores(q, k, g, buf, qk=qk, kept=sol, form=False)
     U = sol.U
@@ -635,17 +635,23 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # The state is formed again transposed, S^T (R, Dv, D) contiguous: a product with a transposed
     # view as its right factor (dO S^T with S^T a view) ran 1.4x as long as with a contiguous one
     # (docs/benchmarks/README.md, History), and the update S^T <- gamma_C S^T + U^T Kd reads U^T as
-    # a left factor, which costs nothing
+    # a left factor, which costs nothing. Not where a gate per key channel needs <S, dSn> row by
+    # row (dgC): there S's rows stay contiguous, S^T is a view of it and S is updated in its own
+    # layout (a vecdot of S^T's columns took 2.5x as long as the rows' batched products, and the
+    # update through the view S^T was slower too: KDA's forward+backward took 1.02-1.04x the time)
     dgC = q.new_empty(n, R, D) if need_g and x.channel is not None else None
-    ST = st.copy_(start.transpose(1, 2))
-    gCT = None if gCl is None else [gc.transpose(1, 2) for gc in gCl]  # (R, 1, 1 | D): scales S^T's columns
+    S = None if dgC is None else st.view(R, D, Dv).copy_(start)
+    ST = st.copy_(start.transpose(1, 2)) if S is None else S.transpose(1, 2)
+    gCT = None if x.gC is None else x.gC.view(n, R, 1, -1).unbind()  # (R, 1, 1 | D): scales S^T's columns
     for c in range(n):
         torch.bmm(dol[c], ST, out=dOSl[c])
         torch.bmm(dRvl[c], ST, out=mdRwl[c])
-        if dgC is not None:  # <S, dSn> row by row, S^T's columns
-            torch.linalg.vecdot(ST.transpose(1, 2), dSl[c + 1], out=dgC[c])
-        if c < n - 1:
+        if dgC is not None:
+            torch.bmm(S.view(R * D, 1, Dv), dSl[c + 1].view(R * D, Dv, 1), out=dgC[c].view(R * D, 1, 1))
+        if c < n - 1 and S is None:  # S^T <- gamma_C S^T + U^T Kd
             (ST if gCT is None else ST.mul_(gCT[c])).baddbmm_(Ul[c].transpose(1, 2), Kdl[c])
+        elif c < n - 1:  # S <- gamma_C S + Kd^T U
+            S.mul_(gCl[c]).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
     # [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
     XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     qf, kf, vf, bf = q, k, v, b
