@@ -242,10 +242,10 @@ def test_errors():
     q, k, v = make_qkv(1, H, 10, 10, D, DV, dtype=torch.float32, requires_grad=False)
     cu = torch.tensor([0, 4, 10])
     run = lambda c, **kw: linattn.local_attention(q, k, v, window=3, causal=True, cu_seqlens=c, **kw)  # noqa: E731
-    with pytest.raises(TypeError, match="local_attention: cu_seqlens must be an int64 tensor.*list"):
+    with pytest.raises(TypeError, match="local_attention: cu_seqlens must be an integer tensor.*list"):
         run([0, 4, 10])
-    with pytest.raises(TypeError, match="cu_seqlens must have dtype torch.int64.*got torch.int32"):
-        run(cu.int())
+    with pytest.raises(TypeError, match="cu_seqlens must have an integer dtype.*got torch.float64"):
+        run(cu.double())
     with pytest.raises(ValueError, match=r"cu_seqlens must be 1-D with n \+ 1 >= 2 entries.*got shape \(1, 3\)"):
         run(cu[None])
     with pytest.raises(ValueError, match=r">= 2 entries.*got shape \(1,?\)"):

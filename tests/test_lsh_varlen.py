@@ -168,9 +168,9 @@ def test_cu_seqlens_errors(fn):
     qk, v = _qk_v(2, 12, 8, 6)
     kw = dict(n_hashes=1, bucket_size=4)
     name = fn.__name__
-    with pytest.raises(TypeError, match=f"{name}: cu_seqlens must have dtype torch.int64.*torch.int32"):
-        fn(qk, v, **kw, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32))
-    with pytest.raises(TypeError, match=f"{name}: cu_seqlens must be an int64 tensor or None, got list"):
+    with pytest.raises(TypeError, match=f"{name}: cu_seqlens must have an integer dtype.*torch.float32"):
+        fn(qk, v, **kw, cu_seqlens=torch.tensor([0.0, 5.0, 12.0]))
+    with pytest.raises(TypeError, match=f"{name}: cu_seqlens must be an integer tensor.*or None, got list"):
         fn(qk, v, **kw, cu_seqlens=[0, 5, 12])
     with pytest.raises(ValueError, match=f"{name}: cu_seqlens must start at 0, got 1"):
         fn(qk, v, **kw, cu_seqlens=torch.tensor([1, 5, 12]))

@@ -161,9 +161,83 @@ def test_packed_documents_equal_one_by_one_and_transformers_does_not(name):
     layer = next(m for m in ours.modules() if isinstance(m, lt.replacement_class(name)))
     h = torch.randn(1, int(cu[-1]), layer.hidden_size, dtype=torch.float64, generator=g)
     cache = transformers.DynamicCache(config=ours.config.get_text_config())
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match="Pass use_cache=False with packed batches"):
         assert torch.equal(layer(h, cu_seq_lens_q=cu), layer(h, cache_params=cache, cu_seq_lens_q=cu))
     assert cache.get_recurrent_state(layer.layer_idx) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])  # a Gated DeltaNet and a KDA family
+def test_a_training_step_on_the_flattening_collators_batch_is_each_documents_alone(name):
+    """transformers' own packing tool, as a user trains with it: DataCollatorWithFlattening's int32
+    cu_seq_lens_* and position_ids, its labels (-100 at each document's first token), the model's
+    own loss, one SGD step. The packed step equals the step on each document alone with its
+    tokens' losses summed in the packed loss's weights: the loss, every gradient, every updated
+    weight. Full-attention layers included (no cache: see the packed-cache test)."""
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    g = torch.Generator().manual_seed(7)
+    docs = [torch.randint(3, 99, (n,), generator=g).tolist() for n in PACKED_LENGTHS]
+    batch = collator([{"input_ids": d} for d in docs])
+    assert batch["cu_seq_lens_q"].dtype == torch.int32  # what the collator gives, not converted here
+    _, packed = _pair(name, **F64)
+    _, alone = _pair(name, **F64)
+
+    def step(model, loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        loss = loss.detach()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        return loss.item(), grads
+
+    got_loss, got = step(packed, packed(**batch, use_cache=False).loss)
+    weights = [len(d) - 1 for d in docs]  # the predicted tokens of each document
+    total = sum(alone(torch.tensor([d]), labels=torch.tensor([d]), use_cache=False).loss * w
+                for d, w in zip(docs, weights) if w) / sum(weights)
+    want_loss, want = step(alone, total)
+    assert abs(got_loss - want_loss) <= 1e-6 * abs(want_loss)
+    assert got.keys() == want.keys()
+    scale = max(float(t.abs().max()) for t in want.values())
+    for n in want:
+        assert _rel(want[n], got[n], scale) <= 1e-6, n
+    for (n, a), b in zip(packed.named_parameters(), alone.parameters()):
+        assert _rel(b, a, max(float(b.abs().max()), 1e-12)) <= 1e-6, n
+
+
+def test_a_packed_forward_with_a_cache_warns_and_its_cache_cannot_be_continued():
+    """With use_cache=True (transformers' default) transformers' full-attention layers ignore the
+    packing; linattn says so, and refuses to decode from the cache such a forward filled."""
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    batch = collator([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10, 11]}])
+    _, ours = _pair("qwen3_5", **F64)
+    with pytest.warns(UserWarning, match="Pass use_cache=False with packed batches"):
+        out = ours(**batch, use_cache=True)
+    with pytest.raises(ValueError, match="went through a packed forward"):
+        ours(torch.tensor([[12]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([1, 3, 8]), r"cu_seq_lens_q must start at 0, got 1"),
+    (torch.tensor([0, 3, 7]), r"cu_seq_lens_q must end at T = 8 .*hidden_states \(1, 1, 8, 64\).*got 7"),
+    (torch.tensor([0, 5, 3, 8]), r"cu_seq_lens_q must be non-decreasing, got cu_seq_lens_q\[1\] = 5 > "),
+    (torch.tensor([0, 3, 8], dtype=torch.int16), None),  # any integer dtype is taken
+    (torch.tensor([0.0, 3.0, 8.0]), r"cu_seq_lens_q must have an integer dtype .*got torch.float32"),
+    (torch.tensor([[0, 3, 8]]), r"cu_seq_lens_q must be 1-D"),
+])
+def test_bad_packed_offsets_are_named_before_any_work(bad, match):
+    """Every linear layer checks cu_seq_lens_q before its projections and convolution (they used to
+    fail inside the convolution's repeat_interleave with torch's own messages)."""
+    _, ours = _pair("qwen3_5", config=lt.small_config("qwen3_5", layer_types=("linear_attention",)))
+    layer = next(m for m in ours.modules() if isinstance(m, lt.replacement_class("qwen3_5")))
+    h = torch.randn(1, 8, layer.hidden_size)
+    if match is None:
+        assert torch.equal(layer(h, cu_seq_lens_q=bad), layer(h, cu_seq_lens_q=bad.long()))
+        return
+    calls = []
+    hook = layer.in_proj_qkv.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises((ValueError, TypeError), match=match):
+        layer(h, cu_seq_lens_q=bad)
+    hook.remove()
+    assert not calls  # refused before the first projection
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -96,7 +96,7 @@ from .decayed_state import DecayedState, check_decayed_state, result_without_pos
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
 from .sharding import ShardForm, ShardPart
-from .varlen import check_cu_seqlens, varlen_layout
+from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 
 __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 
@@ -1107,7 +1107,7 @@ def delta_rule_attention(
             batched products); any value >= 1 gives the same result up to rounding. The default
             solves a chunk of the default length whole, which ran faster than by halves of 16
             (timings: docs/benchmarks/README.md, History).
-        cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
+        cu_seqlens: None, or integer (int32 or int64) ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
             boundary, and ``initial_state`` and the returned state hold one state per document,
@@ -1153,6 +1153,7 @@ def delta_rule_attention(
         in_dtype = q.dtype
         dt, scale, beta, log_decay, q, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
                                                          initial_state, cu_seqlens)
+        cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
         B, H, N, D = q.shape
         Dv = v.shape[-1]
         s0 = None if initial_state is None else initial_state.s.to(dt)

@@ -271,7 +271,7 @@ def favor_attention(
             tensors one tile holds (>= 1). Larger calls run tile by tile, a few sequences or heads
             at a time and, causal, blocks of positions that resume from the previous block's
             state; any value gives the same result up to rounding.
-        cu_seqlens: causal only (ValueError otherwise). None, or int64 ``(n + 1,)`` offsets
+        cu_seqlens: causal only (ValueError otherwise). None, or integer (int32 or int64) ``(n + 1,)`` offsets
             ``[0, c_1, ..., N]`` of n documents packed along N (batch size 1; see
             :mod:`linattn.functional.varlen`): every document is computed as if alone (its own
             running scale, no key of another document), in one chunked run whose cost grows with
@@ -295,7 +295,7 @@ def favor_attention(
     if cu_seqlens is not None:
         if not causal:
             raise ValueError(f"{fn}: cu_seqlens (packed documents) needs causal=True")
-        check_cu_seqlens(fn, cu_seqlens, q)
+        cu_seqlens = check_cu_seqlens(fn, cu_seqlens, q)  # int64
         with no_autocast(q.device.type):
             return _favor(fn, q, k, v, projection, kernel, features, True, key_padding_mask, scale, initial_state,
                           return_state, chunk_size, cu_seqlens)

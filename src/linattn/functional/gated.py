@@ -37,7 +37,7 @@ from .checks import (
 from .decayed import decayed_product
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .sharding import ShardForm, ShardPart, cumulative_decay
-from .varlen import check_cu_seqlens, varlen_layout
+from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 
 __all__ = ["gated_linear_attention", "gated_linear_attention_reference"]
 
@@ -223,7 +223,7 @@ def gated_linear_attention(
         tile_positions: a tuning knob, about how many positions (all B*H rows together) one tile
             of chunks holds; any value >= 1 gives the same result. Temporaries stay a few MiB,
             recycled and in cache, instead of tensors over the whole sequence.
-        cu_seqlens: None, or int64 ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
+        cu_seqlens: None, or integer (int32 or int64) ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
             boundary, and ``initial_state`` and the returned state hold one state per document,
@@ -256,6 +256,7 @@ def gated_linear_attention(
     with no_autocast(q.device.type):
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
                                          scaled=False, cu_seqlens=cu_seqlens)
+        cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
         B, H, N, D = q.shape
         Dv = v.shape[-1]
         if B * H * N == 0:

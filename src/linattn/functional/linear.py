@@ -263,7 +263,7 @@ def linear_attention(
         tile_positions: causal only, a tuning knob: about how many positions the chunked
             algorithm works on at a time (as in :func:`causal_linear_product`); any value >= 1
             gives the same result. None: 4096.
-        cu_seqlens: causal only (ValueError with ``causal=False``). None, or int64 ``(n + 1,)``
+        cu_seqlens: causal only (ValueError with ``causal=False``). None, or integer (int32 or int64) ``(n + 1,)``
             offsets ``[0, c_1, ..., T]`` of n documents packed along N (non-decreasing; empty
             documents allowed), flash-attention's varlen convention. Then B must be 1 (inputs
             ``(1, H, T, *)``), no key is seen across a document boundary, and ``initial_state``

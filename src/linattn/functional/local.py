@@ -53,7 +53,7 @@ from .checks import (
     sanitize_padded,
 )
 from .sharding import HaloForm
-from .varlen import check_cu_seqlens
+from .varlen import check_cu_seqlens, int64_offsets
 
 __all__ = ["LocalAttentionState", "local_attention", "local_attention_reference"]
 
@@ -431,7 +431,7 @@ def local_attention(
         return_state: causal only: also return the state after the last position (with
             ``cu_seqlens``, one ring per document, ``pos`` = the state's ``pos`` (0 without one) +
             the longest document's length; see :class:`LocalAttentionState`).
-        cu_seqlens: int64 ``(Nd + 1,)`` offsets ``[0, ..., N]`` of Nd documents packed back to back
+        cu_seqlens: integer (int32 or int64) ``(Nd + 1,)`` offsets ``[0, ..., N]`` of Nd documents packed back to back
             (flash-attention's varlen convention; empty documents allowed), with B = 1: document d
             is positions ``[cu_seqlens[d], cu_seqlens[d+1])`` and no query sees another document.
             Equals one call per document, at the cost of one call on N positions. Causal or
@@ -444,6 +444,7 @@ def local_attention(
     """
     fn = "local_attention"
     window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state, cu_seqlens)
+    cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
     scale = check_scale(fn, scale, q.shape[-1])
     with no_autocast(q.device.type):
         if cu_seqlens is not None:
@@ -516,6 +517,7 @@ def local_attention_reference(
     the mask adds ``same document``."""
     fn = "local_attention_reference"
     window = _check_args(fn, q, k, v, window, causal, key_padding_mask, initial_state, return_state, cu_seqlens)
+    cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
     scale = check_scale(fn, scale, q.shape[-1])
     dt = compute_dtype(q.dtype)
     N = q.shape[2]

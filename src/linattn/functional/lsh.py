@@ -12,7 +12,7 @@ softmax mass, ``exp(lse_r - logsumexp_r lse_r)``.
 A position never attends to itself unless it has nothing else to attend in every round (then its
 output is its own value): with shared q and k, q_i . k_i would dominate every row.
 
-Packed documents (``cu_seqlens``, flash-attention's varlen convention: int64 offsets
+Packed documents (``cu_seqlens``, flash-attention's varlen convention: integer offsets
 ``[0, c_1, ..., c_n = N]`` of n documents along N, batch size 1): no information crosses a
 boundary. A *group* is the positions of one (document, bucket) pair in one round, and everything
 above said of a bucket holds per group: positions are sorted by (document, bucket, position), each
@@ -64,7 +64,7 @@ from .checks import (
     sanitize_padded,
     shape_str,
 )
-from .varlen import check_cu_seqlens
+from .varlen import check_cu_seqlens, int64_offsets
 
 __all__ = ["lsh_attention", "lsh_attention_reference"]
 
@@ -237,7 +237,7 @@ def lsh_attention(
         generator: draws the rotations R ``(D, n_hashes, ceil(N / c / 2))``, standard normal
             float32 on the generator's device (the global generator when None). The same generator
             state gives the same buckets and output.
-        cu_seqlens: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., c_n = N]`` of n documents packed
+        cu_seqlens: integer (int32 or int64) ``(n + 1,)`` offsets ``[0, c_1, ..., c_n = N]`` of n documents packed
             along N (non-decreasing; empty documents allowed), with B = 1; None: one sequence per
             batch row. Rank and chunks are then per (document, bucket) group and nothing crosses
             a boundary: a document's outputs and gradients do not depend on any other document's
@@ -251,6 +251,7 @@ def lsh_attention(
     """
     fn = "lsh_attention"
     n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask, cu_seqlens)
+    cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
     scale = check_scale(fn, scale, qk.shape[-1])
     with no_autocast(qk.device.type):
         dt = compute_dtype(qk.dtype)
@@ -389,6 +390,7 @@ def lsh_attention_reference(
     float64. O(R N^2) time and memory."""
     fn = "lsh_attention_reference"
     n_buckets = _validate(fn, qk, v, n_hashes, bucket_size, key_padding_mask, cu_seqlens)
+    cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
     scale = check_scale(fn, scale, qk.shape[-1])
     dt = compute_dtype(qk.dtype)
     q, k, v, buckets = _prepare(qk, v, n_hashes, n_buckets, key_padding_mask, generator, dt)

@@ -78,7 +78,7 @@ def softmax_attention(
         key_padding_mask: bool ``(B, Nk)``, True = a real key that may be attended, False = padding.
             Padded keys' content (even NaN) never reaches an output or a real input's gradient.
         scale: logit scale, ``1/sqrt(D)`` when None.
-        cu_seqlens: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed along N
+        cu_seqlens: integer (int32 or int64) ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed along N
             (batch size 1, queries and keys the same positions, see
             :mod:`linattn.functional.varlen`): a query attends only keys of its own document.
             Computed one document at a time (SDPA per document: the cost is the sum of the

@@ -1,8 +1,8 @@
 """Variable-length packed inputs (``cu_seqlens``) for the decayed recurrences.
 
 Many documents packed back to back into one sequence, with flash-attention's varlen convention:
-``cu_seqlens`` is an int64 1-D tensor of document offsets ``[0, c_1, ..., c_n = T]``
-(non-decreasing; an empty document, ``c_i == c_{i+1}``, is allowed and gets its state passed
+``cu_seqlens`` is an integer 1-D tensor (int32 as flash-attention and transformers' collator give it,
+or int64) of document offsets ``[0, c_1, ..., c_n = T]`` (non-decreasing; an empty document, ``c_i == c_{i+1}``, is allowed and gets its state passed
 through). Inputs are ``(1, H, T, ...)``; document i holds positions ``c_i <= t < c_{i+1}``, and no
 information crosses a boundary. Per-document recurrent states have the number of documents n as
 their batch dimension: ``(n, H, D, Dv)``.
@@ -68,48 +68,74 @@ __all__ = [
     "VarlenLayout",
     "check_cu_seqlens",
     "document_lengths",
+    "int64_offsets",
     "segment_cumsum",
     "segment_sum",
     "varlen_layout",
 ]
 
 
-def check_cu_seqlens(fn: str, cu_seqlens, q: Tensor) -> Tensor:
-    """Validate ``cu_seqlens`` for packed inputs ``q (1, H, T, D)`` and return it.
+def check_cu_seqlens(fn: str, cu_seqlens, q: Tensor, *, name: str = "cu_seqlens", q_name: str = "q") -> Tensor:
+    """Validate ``cu_seqlens`` for packed inputs ``q (1, H, T, D)`` and return it as int64.
+    ``name`` and ``q_name``: what the caller calls the two (transformers' ``cu_seq_lens_q``).
+
+    Any integer dtype is taken: flash-attention's convention, and so transformers'
+    ``DataCollatorWithFlattening``, gives int32 offsets; the rest of linattn computes with int64
+    (:func:`int64_offsets`, so an int32 tensor gives bitwise the results of its int64 copy).
 
     Raises:
-        TypeError: not a tensor, or not int64.
+        TypeError: not a tensor, or not of an integer dtype.
         ValueError: q's batch size is not 1; ``cu_seqlens`` is not 1-D with at least 2 entries, is
             on another device, does not start at 0, does not end at T, or decreases somewhere.
     """
     if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"{fn}: cu_seqlens must be an int64 tensor or None, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype != torch.int64:
-        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int64 (document offsets [0, c_1, ..., T]), "
-                        f"got {cu_seqlens.dtype}")
+        raise TypeError(f"{fn}: {name} must be an integer tensor (int32 or int64 document offsets "
+                        f"[0, c_1, ..., T]) or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"{fn}: {name} must have an integer dtype (int32 or int64 document offsets "
+                        f"[0, c_1, ..., T]), got {cu_seqlens.dtype}")
     if q.shape[0] != 1:
-        raise ValueError(f"{fn}: with cu_seqlens the documents are packed along N and the batch size must be 1, "
-                         f"got q {shape_str(q)}")
+        raise ValueError(f"{fn}: with {name} the documents are packed along N and the batch size must be 1, "
+                         f"got {q_name} {shape_str(q)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"{fn}: cu_seqlens must be 1-D with n + 1 >= 2 entries [0, c_1, ..., T], "
+        raise ValueError(f"{fn}: {name} must be 1-D with n + 1 >= 2 entries [0, c_1, ..., T], "
                          f"got shape {shape_str(cu_seqlens)}")
     if cu_seqlens.device != q.device:
-        raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+        raise ValueError(f"{fn}: {name} is on {cu_seqlens.device}, {q_name} on {q.device}")
+    cu = int64_offsets(cu_seqlens)
     T = q.shape[2]
     # The values are checked on the device (check_values): a host read of cu_seqlens in every layer
     # and engine would stall a GPU each time; only a failed check reads the offending value.
-    steps = cu_seqlens[1:] - cu_seqlens[:-1]
-    check_values(cu_seqlens[0] == 0, lambda: f"{fn}: cu_seqlens must start at 0, got {int(cu_seqlens[0])}")
-    check_values(cu_seqlens[-1] == T, lambda: f"{fn}: cu_seqlens must end at T = {T} (the packed length of q "
-                                              f"{shape_str(q)}), got {int(cu_seqlens[-1])}")
+    steps = cu[1:] - cu[:-1]
+    check_values(cu[0] == 0, lambda: f"{fn}: {name} must start at 0, got {int(cu[0])}")
+    check_values(cu[-1] == T, lambda: f"{fn}: {name} must end at T = {T} (the packed length of "
+                                      f"{q_name} {shape_str(q)}), got {int(cu[-1])}")
 
     def decreasing() -> str:
         i = int(torch.nonzero(steps < 0)[0])
-        return (f"{fn}: cu_seqlens must be non-decreasing, got cu_seqlens[{i}] = {int(cu_seqlens[i])} > "
-                f"cu_seqlens[{i + 1}] = {int(cu_seqlens[i + 1])}")
+        return (f"{fn}: {name} must be non-decreasing, got {name}[{i}] = {int(cu[i])} > "
+                f"{name}[{i + 1}] = {int(cu[i + 1])}")
 
     check_values(steps >= 0, decreasing)
-    return cu_seqlens
+    return cu
+
+
+def int64_offsets(cu_seqlens: Tensor) -> Tensor:
+    """Integer offsets ``cu_seqlens (n + 1,)`` as int64: the tensor itself when it is int64, else
+    one int64 copy kept on the tensor object with its version counter (as :func:`document_lengths`
+    keeps the lengths), so that the layers of one model forward, which share the offsets, share
+    one copy too, and with it the lengths read once from it. Under torch.compile the copy is made
+    every call (no attribute writes in a traced graph)."""
+    if cu_seqlens.dtype == torch.int64:
+        return cu_seqlens
+    if torch.compiler.is_compiling():
+        return cu_seqlens.to(torch.int64)
+    kept = getattr(cu_seqlens, "_linattn_int64", None)
+    if kept is not None and kept[0] == cu_seqlens._version:
+        return kept[1]
+    cu = cu_seqlens.to(torch.int64)
+    cu_seqlens._linattn_int64 = (cu_seqlens._version, cu)
+    return cu
 
 
 def document_lengths(cu_seqlens: Tensor) -> list[int]:
@@ -216,7 +242,7 @@ def varlen_layout(cu_seqlens: Tensor, T: int, width: int, *, write_states: bool,
     with ``width`` (D) writing positions before each document when ``write_states``, and D reading
     positions after it when ``read_states``. Index arithmetic only, no loop over documents and no
     host read."""
-    cu = cu_seqlens
+    cu = int64_offsets(cu_seqlens)
     dev = cu.device
     n = cu.shape[0] - 1
     L = cu[1:] - cu[:-1]  # (n,) document lengths

@@ -59,6 +59,7 @@ import contextlib
 import importlib
 import importlib.util
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, NamedTuple
 
@@ -68,6 +69,7 @@ from torch import Tensor, nn
 
 from ..functional import DecayedState, delta_rule_attention, delta_rule_attention_reference
 from ..functional.conv import causal_conv1d, causal_conv1d_step
+from ..functional.varlen import check_cu_seqlens
 from ..nn.positional import document_positions
 
 __all__ = [
@@ -275,7 +277,7 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
         beta: ``(B, N, H)`` in [0, 2].
         initial_state: None or ``(B, H, Dk, Dv)`` (``(n, H, Dk, Dv)`` with ``cu_seqlens``).
         output_final_state: also return the state after the last position.
-        cu_seqlens: None or int64 ``(n + 1,)`` offsets of n documents packed along N (B = 1).
+        cu_seqlens: None or integer (int32 or int64) ``(n + 1,)`` offsets of n documents packed along N (B = 1).
         form: ``"chunked"`` or ``"reference"`` (linattn's recurrence, a loop over positions).
 
     Returns ``(out (B, N, H, Dv), state (B, H, Dk, Dv) or None)``.
@@ -287,6 +289,8 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
     beta = beta.transpose(1, 2).to(ct)  # (B, H, N)
     log_decay = g.transpose(1, 2).to(ct)  # (B, H, N[, Dk])
     initial = None if initial_state is None else DecayedState(initial_state.to(ct))
+    if cu_seqlens is not None:  # int64 from here on
+        cu_seqlens = check_cu_seqlens("delta_rule", cu_seqlens, q, q_name="query (as (B, Hk, N, Dk))")
     if form == "reference":
         if cu_seqlens is not None:
             out, new = _reference_packed(q, k, v, beta, log_decay, cu_seqlens), None
@@ -301,6 +305,44 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
     return out.transpose(1, 2).to(query.dtype), state  # (B, N, H, Dv)
 
 
+# The attribute linattn sets on a transformers cache that a packed forward went through (its own
+# attribute on transformers' object: no transformers internal is read or written)
+_PACKED_CACHE = "_linattn_packed_forward"
+
+PACKED_CACHE_WARNING = (
+    "packed documents (cu_seq_lens_q) with a cache (past_key_values; use_cache=True, transformers' default, makes "
+    "one, in training too): transformers' own full-attention layers then see one sequence and attend across the "
+    "documents (their mask detects packing only without a cache), and the cache cannot continue any document. "
+    "Pass use_cache=False with packed batches.")
+
+
+def _packed_cache(layer: nn.Module, cache, cu_seqlens: Tensor | None):
+    """The cache ``layer`` runs with: ``cache``, or None for a packed forward.
+
+    A cache holds one state per batch row, not one per document; and a model forward makes a cache
+    whenever ``config.use_cache`` is on, training included. So a packed forward runs as if without
+    a cache, leaves this layer's states unset and marks the cache; transformers' attention layers
+    meanwhile ignore the packing (:data:`PACKED_CACHE_WARNING`, a UserWarning that Python's default filter shows once per process) and
+    keep every packed token. A packed forward that would continue a cache holding states, and any
+    forward that would continue a cache a packed forward went through (decoding would start the
+    linear layers from nothing while the attention layers see every packed token), are refused."""
+    name = type(layer).__name__
+    if cu_seqlens is None:
+        if getattr(cache, _PACKED_CACHE, False):
+            raise ValueError(f"{name}: this cache (past_key_values) went through a packed forward (cu_seq_lens_q): "
+                             "its attention layers hold every packed token and its linear layers no state, so no "
+                             "document can continue from it; make the cache with an unpacked forward (one document "
+                             "per batch row)")
+        return cache
+    if cache.get_conv_state(layer.layer_idx, state_idx=0) is not None:
+        raise ValueError(f"{name}: packed documents (cu_seq_lens_q {tuple(cu_seqlens.shape)}) cannot continue a cache "
+                         "(past_key_values) that holds states: it has one state per batch row, not per document")
+    if not getattr(cache, _PACKED_CACHE, False):
+        warnings.warn(f"{name}: {PACKED_CACHE_WARNING}", UserWarning, stacklevel=3)
+    setattr(cache, _PACKED_CACHE, True)
+    return None
+
+
 def _forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Tensor | None = None, **kwargs) -> Tensor:
     """The replacement layers' forward, with the originals' arguments: ``hidden_states (B, N, hidden)``,
     transformers' cache or None, a 2-D padding mask (1 = real token) or None, and the model's keyword
@@ -310,15 +352,11 @@ def _forward(self, hidden_states: Tensor, cache_params=None, attention_mask: Ten
     padding, which ``generate`` uses)."""
     family: Family = self._linattn_family
     cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens is not None and cache_params is not None:
-        # A cache holds one state per batch row, not one per document; and a model forward makes a
-        # cache whenever config.use_cache is on, training included. So a packed forward runs as if
-        # without a cache and leaves this layer's states unset; continuing one is refused.
-        if cache_params.get_conv_state(self.layer_idx, state_idx=0) is not None:
-            raise ValueError(f"{type(self).__name__}: packed documents (cu_seq_lens_q {tuple(cu_seqlens.shape)}) "
-                             "cannot continue a cache (past_key_values) that holds states: it has one state per "
-                             "batch row, not per document")
-        cache_params = None
+    if cu_seqlens is not None:  # checked before any work; int64 from here on (the collator's are int32)
+        cu_seqlens = check_cu_seqlens(type(self).__name__, cu_seqlens, hidden_states[:, None],
+                                      name="cu_seq_lens_q", q_name="hidden_states")  # as (1, 1, N, hidden)
+    if cache_params is not None:
+        cache_params = _packed_cache(self, cache_params, cu_seqlens)
     if attention_mask is not None:
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     B, N = hidden_states.shape[:2]

@@ -233,7 +233,7 @@ class TransformerLM(_Transformer):
         ``key_padding_mask``: bool ``(B, N)``, True = a real token, False = padding (not with
         ``return_state`` when a layer is softmax: the KV cache has no padding slots).
 
-        ``cu_seqlens``: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed into
+        ``cu_seqlens``: integer (int32 or int64) ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed into
         ``ids (1, N)`` (no padding): every layer keeps the documents apart and positions restart at
         0 in each, so each document's logits are those it would get alone (up to rounding). Each
         document, not N, must fit in ``max_len``. Not with ``return_state``.
@@ -261,7 +261,8 @@ class TransformerLM(_Transformer):
             self._check_ids(ids, 0, "forward")
         else:
             self._check_ids(ids[:, :0], 0, "forward")  # the type and rank; lengths are the documents'
-            check_cu_seqlens("TransformerLM.forward", cu_seqlens, ids[:, None, :, None])  # ids as (1, 1, N, 1)
+            # ids as (1, 1, N, 1); int64 from here on, one copy for every layer (int32 offsets too)
+            cu_seqlens = check_cu_seqlens("TransformerLM.forward", cu_seqlens, ids[:, None, :, None])
             positions = document_positions(cu_seqlens, ids.shape[1])  # (N,)
             # a document's positions run 0..length-1: checked on the device, no host read
             check_values(positions < self.config.max_len,

@@ -190,7 +190,7 @@ class MultiHeadAttention(nn.Module):
                 padding.
             return_state: also return the :class:`AttentionState` after the last position, to
                 continue with :meth:`step` (needs ``causal`` and a recurrent mechanism).
-            cu_seqlens: int64 ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed
+            cu_seqlens: integer (int32 or int64) ``(n + 1,)`` offsets ``[0, c_1, ..., N]`` of n documents packed
                 along N (batch size 1; see :mod:`linattn.functional.varlen`). Causal only: no
                 position attends another document, the short convolution does not reach across a
                 boundary, and rotary positions restart at 0 in every document, so each document's
@@ -226,7 +226,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("MultiHeadAttention: return_state with cu_seqlens is not supported (a layer's "
                                  "decoding state is one sequence's); the functional forms return one state per "
                                  "document")
-            check_cu_seqlens("MultiHeadAttention", cu_seqlens, x[:, None])  # x as (1, 1, N, C)
+            cu_seqlens = check_cu_seqlens("MultiHeadAttention", cu_seqlens, x[:, None])  # x as (1, 1, N, C); int64
             if self.rotary or self.conv is not None:
                 positions = document_positions(cu_seqlens, x.shape[1])  # (N,)
         if causal and not self.spec.causal:

@@ -369,7 +369,7 @@ class GatedMechanism(Mechanism):
         """``q, k (B, Hk, N, D)``, ``v (B, H, N, D)``, ``x (B, N, C)`` -> ``(B, H, N, D)``; with ``return_state`` also
         the :class:`DecayedState` after position N - 1 (one per document with ``cu_seqlens``).
         Causal only. ``key_padding_mask`` bool ``(B, N)``, True = a real position; a padded one
-        leaves the state as it is and outputs zeros. ``cu_seqlens``: int64 offsets of documents
+        leaves the state as it is and outputs zeros. ``cu_seqlens``: integer (int32 or int64) offsets of documents
         packed along N (batch size 1), the state reset at each (linattn.functional.varlen)."""
         self._causal_only(causal)
         res = self.recur(q, k, v, x, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, initial_state=None,

@@ -16,7 +16,7 @@ Every mechanism module has one interface (:class:`Mechanism`):
   mechanisms whose class sets ``needs_input`` (the gated and delta-rule ones of
   :mod:`linattn.nn.gated`, whose gates are functions of it) require it, the others do not read it.
   ``key_padding_mask`` is bool ``(B, N)``, True = a real key that may be attended, False =
-  padding. ``cu_seqlens``: documents packed along N (int64 offsets, batch size 1); a mechanism
+  padding. ``cu_seqlens``: documents packed along N (int32 or int64 offsets, batch size 1); a mechanism
   without a packed form (``packed = False``) raises instead of ignoring it;
 - ``initial_state(batch_size, *, device, dtype)``: the state before any position (recurrent ones);
 - ``step(q, k, v, state, *, x)``: one position, ``(B, H, 1, D)`` each -> ``(B, H, 1, D)`` and the
@@ -263,7 +263,7 @@ class Mechanism(nn.Module):
     # True when forward and step read ``x``, the layer input ``(B, N, C)`` the q/k/v projections
     # read: mechanisms whose gates are functions of it (linattn.nn.gated)
     needs_input: ClassVar[bool] = False
-    # True when its causal forward takes ``cu_seqlens`` (int64 ``(n + 1,)`` offsets of n documents
+    # True when its causal forward takes ``cu_seqlens`` (integer ``(n + 1,)`` offsets of n documents
     # packed along N, batch size 1; see linattn.functional.varlen): no position attends another
     # document. Without a packed form, cu_seqlens raises.
     packed: ClassVar[bool] = False

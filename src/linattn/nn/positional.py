@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..functional.varlen import int64_offsets
+
 __all__ = ["apply_rotary", "document_positions", "rotary_angles", "sinusoidal_table"]
 
 
@@ -17,7 +19,9 @@ def document_positions(cu_seqlens: Tensor, T: int) -> Tensor:
     packed along one sequence of ``T`` tokens with offsets ``cu_seqlens = [0, c_1, ..., T]`` (see
     :mod:`linattn.functional.varlen`): positions restart at 0 at every document, so a document gets
     the same position encodings packed as alone. ``T`` is the caller's length (the inputs' shape),
-    so nothing is read from ``cu_seqlens`` on the host."""
+    so nothing is read from ``cu_seqlens`` on the host. Any integer dtype; checked offsets
+    (:func:`linattn.functional.varlen.check_cu_seqlens`): unchecked ones fail or mislead here."""
+    cu_seqlens = int64_offsets(cu_seqlens)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # (n,)
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=T)  # (T,) its document's offset
     return torch.arange(T, device=cu_seqlens.device) - starts
