@@ -112,6 +112,21 @@ def test_an_unwritable_out_is_refused_before_any_work(argv, unwritable, capsys):
     assert seconds < 10  # nothing was measured or trained
 
 
+@pytest.mark.parametrize("argv", [
+    ["bench", "gated"], ["bench", "core"], ["bench", "transformers"], ["bench", "sweep"], ["demo"],
+    ["convert", "long"], ["convert", "report"], ["experiment", "report"], ["train"],
+])
+@pytest.mark.parametrize("empty", ["", " "])
+def test_an_empty_out_is_refused_before_any_work(argv, empty, capsys, tmp_path, monkeypatch):
+    """``Path("")`` is the current folder: an empty --out used to write a benchmark's files there.
+    (An experiment's empty ``out`` is its documented default, runs/NAME.)"""
+    monkeypatch.chdir(tmp_path)
+    code, _, err, seconds = _run([*argv, "--out", empty], capsys)
+    assert code == 2, err
+    assert "--out" in err and ("is empty" in err or "non-empty" in err) and err.count("\n") == 1, err
+    assert seconds < 10 and not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
 def test_a_file_as_out_is_refused(tmp_path, capsys):
     path = tmp_path / "a-file"
     path.write_text("")

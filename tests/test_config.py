@@ -75,6 +75,7 @@ def test_overrides_read_json_values_except_for_str_fields():
     assert parse_value("abc") == "abc" and parse_value("1e-3") == 1e-3 and parse_value("null") is None
     assert parse_value(".001") == 0.001 and parse_value("1.") == 1.0 and parse_value("1_000") == 1000
     assert parse_value("True") is True and parse_value("None") is None and parse_value("nan") == "nan"
+    assert parse_value("inf") == float("inf") and parse_value("-inf") == float("-inf")
 
 
 @pytest.mark.parametrize("bad", ["noequals", "=3", "a..b=1", ".a=1"])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from linattn.cli import main
 from linattn.train import TrainConfig, latest_checkpoint, load_train_checkpoint
-from linattn.train.dist import DistInfo, context_groups, free_port
+from linattn.train.dist import MAX_COLLECTIVE_TIMEOUT_S, DistInfo, collective_timeout, context_groups, free_port
 from ranks import gloo_ranks
 
 TINY_FLAGS = ["--vocab-size", "20", "--max-len", "16", "--d-model", "16", "--n-layers", "2", "--n-heads", "2",
@@ -40,10 +40,24 @@ def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [0, -1, math.inf, math.nan, True, "5"])
-def test_collective_timeout_must_be_a_positive_finite_number(value):
-    with pytest.raises(ValueError, match=r"TrainConfig: collective_timeout_s must be a number in \(0\.0, inf\]"):
+@pytest.mark.parametrize("value", [0, -1, -math.inf, math.nan, True, "5", 1e14, MAX_COLLECTIVE_TIMEOUT_S * 1.01])
+def test_collective_timeout_must_be_positive_and_at_most_ten_years_or_inf(value):
+    with pytest.raises(ValueError, match=r"TrainConfig: collective_timeout_s must be a number of seconds in "
+                                         r"\(0, 315360000\] \(ten years.*or inf \(no limit\), got"):
         TrainConfig(collective_timeout_s=value)
+
+
+def test_an_infinite_collective_timeout_is_the_longest_torch_holds(tmp_path, capsys):
+    """inf (and the longest finite value) become a timedelta that every torch.distributed clock
+    holds: two ranks join and all-reduce with it (near timedelta's own maximum they would fail at
+    once, "timed out")."""
+    assert TrainConfig(collective_timeout_s=math.inf).collective_timeout_s == math.inf
+    assert collective_timeout(math.inf) == collective_timeout(MAX_COLLECTIVE_TIMEOUT_S)
+    assert collective_timeout(math.inf).total_seconds() == MAX_COLLECTIVE_TIMEOUT_S
+    assert main(["train", "--collective-timeout-s", "inf", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["collective_timeout_s"] == math.inf
+    results = gloo_ranks(_all_reduce_without_limit, 2, tmp_path)
+    assert [r["sum"] for r in results] == [3.0, 3.0], results
 
 
 def test_collective_timeout_flag_default_and_resume(tmp_path, capsys):
@@ -55,7 +69,7 @@ def test_collective_timeout_flag_default_and_resume(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("linattn train: error: --collective-timeout-s: TrainConfig: collective_timeout_s must be "
-                          "a number in (0.0, inf], got 0") and err.count("\n") == 1, err
+                          "a number of seconds in (0, 315360000]") and err.count("\n") == 1, err
     # how long to wait for other ranks does not change the run: a resumed run may change it
     out = str(tmp_path / "run")
     assert main(["train", *TINY_FLAGS, "--max-steps", "1", "--out", out]) == 0
@@ -77,6 +91,14 @@ def _late_context_gather(rank: int, P: int) -> dict:
             error = str(e)
     dist.barrier()  # the world group (60 s): rank 1 waits here for rank 0 to give up
     return {"waited_s": time.monotonic() - t0, "error": error}
+
+
+def _all_reduce_without_limit(rank: int, P: int) -> dict:
+    info = DistInfo(rank=rank, world_size=P, local_rank=rank, device=torch.device("cpu"), owns_group=False,
+                    collective_timeout_s=math.inf)
+    t = torch.full((1,), float(rank + 1))
+    dist.all_reduce(t, group=context_groups(info, P))
+    return {"sum": float(t)}
 
 
 def test_context_groups_take_the_collective_timeout(tmp_path):

@@ -318,6 +318,11 @@ def test_unsupported_models_and_options_are_named():
         lt.attach(llama)
     with pytest.raises(ValueError, match="unsupported model type 'mamba'"):
         lt.enable(model_types=("mamba",))
+    with pytest.raises(TypeError, match=r"model_types must be a tuple of model type names, e.g. \('qwen3_5',\).*"
+                                        r"got the str 'qwen3_5'"):
+        lt.enable(model_types="qwen3_5")
+    with pytest.raises(TypeError, match="model_types must hold model type names"):
+        lt.enable(model_types=(3,))
     with pytest.raises(ValueError, match="form must be one of"):
         lt.enable(form="fast")
     with pytest.raises(ValueError, match="kimi_linear .KDA. has no grouped value heads"):

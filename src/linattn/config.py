@@ -142,7 +142,8 @@ _WORDS = {"True": True, "False": False, "None": None}  # as help texts print Pyt
 
 def parse_value(text: str) -> Any:
     """JSON when ``text`` parses as JSON; else a number in Python's spelling (``.001``, ``1.``,
-    ``1_000``); else ``True``/``False``/``None`` as Python prints them; else the text itself."""
+    ``1_000``, ``inf``: a limit that never comes, where a field allows it); else
+    ``True``/``False``/``None`` as Python prints them; else the text itself (``nan``)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -152,7 +153,7 @@ def parse_value(text: str) -> Any:
             value = number(text)
         except ValueError:
             continue
-        if value == value and value not in (float("inf"), float("-inf")):  # "nan", "inf" stay words
+        if value == value:  # "nan" stays a word: no field takes it
             return value
     return _WORDS.get(text.strip(), text)
 

@@ -237,7 +237,10 @@ def output_folder(path: str | Path, *, what: str = "out", keep: bool = True) -> 
     ``keep=False`` only checks: the folders this call created are removed again (a command line
     checks its folder before the command's own checks, such as a missing extra, which must leave
     nothing behind). The check writes a file, because permissions alone do not say (root, a
-    read-only or virtual file system)."""
+    read-only or virtual file system). An empty string is refused (``Path("")`` is the current
+    folder, which nobody means by it)."""
+    if isinstance(path, str) and not path.strip():
+        raise ValueError(f"{what} is empty ({path!r}): give the folder to write into")
     path = Path(path)
     created = [p for p in (path, *path.parents) if not p.exists()]
     try:

@@ -225,7 +225,8 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
     with reported(sub):  # created and checked before any work (a document's folder for report)
         from ..bench.harness import output_folder
 
-        folder = Path(args.out).parent if args.convert_command == "report" else args.out
+        document = args.convert_command == "report" and args.out.strip()  # an empty one is refused as it is
+        folder = Path(args.out).parent if document else args.out
         output_folder(folder, what="--out", keep=False)
 
     if args.convert_command == "fidelity":

@@ -106,7 +106,7 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         from ..experiments.report import write_report
 
         with reported(sub, ValueError):  # the document's folder, before any work
-            output_folder(Path(args.out).parent, what="--out's folder", keep=False)
+            output_folder(Path(args.out).parent if args.out.strip() else args.out, what="--out's folder", keep=False)
         with reported(sub, FileNotFoundError):
             path = write_report(runs=args.runs, out=args.out, convert_runs=args.convert_runs)
         say(f"wrote {path}")

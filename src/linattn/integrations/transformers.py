@@ -400,6 +400,18 @@ def _check_family(name: str) -> Family:
     return FAMILIES[name]
 
 
+def _check_model_types(model_types) -> tuple[str, ...]:
+    if isinstance(model_types, (str, bytes)) or not isinstance(model_types, (tuple, list, set, frozenset)):
+        example = f"({model_types!r},)" if isinstance(model_types, str) else '("qwen3_5",)'
+        raise TypeError(f"linattn.integrations.transformers: model_types must be a tuple of model type names, e.g. "
+                        f"{example}, or None for every family; got the {type(model_types).__name__} {model_types!r}")
+    bad = [name for name in model_types if not isinstance(name, str)]
+    if bad:
+        raise TypeError(f"linattn.integrations.transformers: model_types must hold model type names (str), got "
+                        f"{bad[0]!r} in {model_types!r}")
+    return tuple(model_types)
+
+
 def _check_form(form: str) -> None:
     if form not in FORMS:
         raise ValueError(f"linattn.integrations.transformers: form must be one of {FORMS}, got {form!r}")
@@ -457,10 +469,11 @@ def enable(*, form: Form = "chunked", model_types: tuple[str, ...] | None = None
         form: ``"chunked"`` or ``"reference"`` (see :func:`replacement_class`).
         model_types: the families to patch (None: all of :data:`FAMILIES`).
 
-    Raises ValueError for an unknown family or form, or when another library registered a patch for
-    one of these layer classes (this one never overwrites it)."""
+    Raises TypeError when ``model_types`` is not a collection of names (a bare string included:
+    it would be read one character at a time), ValueError for an unknown family or form, or when
+    another library registered a patch for one of these layer classes (this one never overwrites it)."""
     _check_form(form)
-    names = tuple(FAMILIES) if model_types is None else tuple(model_types)
+    names = tuple(FAMILIES) if model_types is None else _check_model_types(model_types)
     families = [_check_family(name) for name in names]
     _require_transformers("enable")
     from transformers.monkey_patching import get_patch_mapping, register_patch_mapping

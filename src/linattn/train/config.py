@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 from ..config import Config, apply_overrides, read_config_file
 from ..models import TransformerConfig
 from ..nn import LinearConfig
+from .dist import MAX_COLLECTIVE_TIMEOUT_S
 
 __all__ = [
     "DATA_SOURCES",
@@ -45,11 +46,13 @@ def _int(owner: str, name: str, val: Any, lo: int) -> None:
 
 
 def _float(owner: str, name: str, val: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    """A finite number in [lo, hi] (``(lo, hi]`` with ``lo_open``; ``hi = inf``: no upper bound,
+    though inf itself is refused)."""
     ok = not isinstance(val, bool) and isinstance(val, (int, float)) and math.isfinite(val)
     ok = ok and (val > lo if lo_open else val >= lo) and val <= hi
     if not ok:
-        bracket = "(" if lo_open else "["
-        raise ValueError(f"{owner}: {name} must be a number in {bracket}{lo}, {hi}], got {val!r}")
+        interval = ("(" if lo_open else "[") + f"{lo}, " + ("inf)" if hi == math.inf else f"{hi}]")
+        raise ValueError(f"{owner}: {name} must be a number in {interval}, got {val!r}")
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,8 @@ class TrainConfig(Config):
             is stuck then ends the run with one line naming what timed out, and the last
             checkpoint is kept. Under nccl the same timeout arms its watchdog, which aborts the
             process instead. Raise it when writing a checkpoint (the other ranks wait for rank 0)
-            or a rank's data can take longer.
+            or a rank's data can take longer. inf: no limit (in practice ten years, the most
+            torch.distributed holds).
     """
 
     model: TransformerConfig = field(default_factory=default_model)
@@ -227,7 +231,12 @@ class TrainConfig(Config):
             if self.data.document_separator is not None:
                 raise ValueError(f"{o}: context_parallel = {self.context_parallel} with data.document_separator = "
                                  f"{self.data.document_separator}: packed documents are not sharded across ranks")
-        _float(o, "collective_timeout_s", self.collective_timeout_s, 0.0, math.inf, lo_open=True)
+        t = self.collective_timeout_s
+        if not (t == math.inf or (not isinstance(t, bool) and isinstance(t, (int, float))
+                                  and 0 < t <= MAX_COLLECTIVE_TIMEOUT_S)):
+            raise ValueError(f"{o}: collective_timeout_s must be a number of seconds in (0, "
+                             f"{MAX_COLLECTIVE_TIMEOUT_S:.0f}] (ten years, the longest wait torch.distributed's "
+                             f"clocks hold) or inf (no limit), got {t!r}")
         if self.seq_len > self.model.max_len:
             raise ValueError(f"{o}: seq_len = {self.seq_len} exceeds model.max_len = {self.model.max_len}")
         if self.batch_size % self.grad_accum:
@@ -254,7 +263,7 @@ class TrainConfig(Config):
             raise ValueError(f"{o}: bf16 autocast needs dtype='float32' parameters, got dtype={self.dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"{o}: device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if not isinstance(self.out, str) or not self.out:
+        if not isinstance(self.out, str) or not self.out.strip():
             raise ValueError(f"{o}: out must be a non-empty path string, got {self.out!r}")
         sep = self.data.document_separator
         if sep is not None and sep >= self.model.vocab_size:

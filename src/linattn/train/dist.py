@@ -163,8 +163,22 @@ def timed_out(error: BaseException) -> bool:
                                                    and "timed out" in str(error).lower())
 
 
+# The longest collective timeout: ten years. torch.distributed's stores and process groups count a
+# deadline in nanoseconds of a 64-bit clock (about 292 years) and a timedelta holds at most 1e9
+# days; a timeout near either overflows, and the first wait then fails at once as "timed out".
+MAX_COLLECTIVE_TIMEOUT_S = 10 * 365 * 86400.0
+
+
+def collective_timeout(seconds: float) -> datetime.timedelta:
+    """``seconds`` in (0, MAX_COLLECTIVE_TIMEOUT_S] or inf as the timedelta torch.distributed
+    takes: inf (no limit) is the longest one, ten years."""
+    if not 0 < seconds <= MAX_COLLECTIVE_TIMEOUT_S and seconds != float("inf"):
+        raise ValueError(f"collective_timeout_s must be in (0, {MAX_COLLECTIVE_TIMEOUT_S:.0f}] or inf, got {seconds!r}")
+    return datetime.timedelta(seconds=min(seconds, MAX_COLLECTIVE_TIMEOUT_S))
+
+
 def _timeout(info: DistInfo) -> datetime.timedelta | None:
-    return None if info.collective_timeout_s is None else datetime.timedelta(seconds=info.collective_timeout_s)
+    return None if info.collective_timeout_s is None else collective_timeout(info.collective_timeout_s)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -232,7 +246,7 @@ def setup(device: str, *, collective_timeout_s: float) -> DistInfo:
     if use_cuda:
         torch.cuda.set_device(dev)
     owns = False
-    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    timeout = collective_timeout(collective_timeout_s)
     if world > 1 and not dist.is_initialized():
         try:
             dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world,
