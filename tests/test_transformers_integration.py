@@ -208,11 +208,21 @@ def test_a_packed_forward_with_a_cache_warns_and_its_cache_cannot_be_continued()
     packing; linattn says so, and refuses to decode from the cache such a forward filled."""
     collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
     batch = collator([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 10, 11]}])
-    _, ours = _pair("qwen3_5", **F64)
+    theirs, ours = _pair("qwen3_5", **F64)
     with pytest.warns(UserWarning, match="Pass use_cache=False with packed batches"):
         out = ours(**batch, use_cache=True)
     with pytest.raises(ValueError, match="went through a packed forward"):
         ours(torch.tensor([[12]]), past_key_values=out.past_key_values, use_cache=True)
+    # what the warning says: with a cache transformers' full-attention layers attend across the
+    # documents (a model of full-attention layers only, linattn not involved)
+    full = lt.small_config("qwen3_5", layer_types=("full_attention",))
+    torch.manual_seed(0)
+    attention_only = lt.causal_lm(full, **F64)
+    with torch.no_grad():
+        without = attention_only(**batch, use_cache=False).logits
+        alone = torch.cat([attention_only(torch.tensor([d])).logits for d in ([5, 6, 7], [8, 9, 10, 11])], 1)
+        cached = attention_only(**batch, use_cache=True).logits
+    assert _rel(alone, without) <= 1e-12 and _rel(alone, cached) > 1e-3
 
 
 @pytest.mark.parametrize("bad,match", [
