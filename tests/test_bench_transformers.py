@@ -29,6 +29,14 @@ def test_bench_transformers_tiny(tmp_path, capsys):
     assert len(result["memory"]) == sum(len(both) * 2 + len(alone) for both, alone in bench.MEMORY_PLAN.values())
     assert all(b > 0 for b in result["memory"].values())
     assert result["claims"] == {}  # the targets are the checkpoint widths'
+    # every target's setting timed with each path alone, in processes of their own
+    alone = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, p, n in bench.ALONE}
+    assert set(result["alone_ratios"]) == alone and alone <= want
+    assert ("gdn_core", "prefill", 16384) in bench.ALONE and ("kda_small_model", "prefill", 2048) in bench.ALONE
+    for key in alone:
+        for path in bench.PATHS:
+            assert len(result["alone"][0]["times"][key][path]["all_s"]) == 2  # repeats + 1
+    assert "Each path alone" in md
     assert "| gdn_core | prefill | 64 |" in md and "| kda_core | linattn | 1024 |" in md
     assert "other processes' CPU share" in md
 

@@ -13,7 +13,17 @@ Subjects, at checkpoint widths (``sizes="checkpoint"``), B = 1, float32, 2 threa
   Dk = Dv = 128), a ``Qwen3_5GatedDeltaNet``;
 - ``kda_layer``: Kimi Linear's KDA layer (hidden 2304, 32 heads of 128), a ``KimiLinearDeltaAttention``;
 - ``gdn_model`` / ``kda_model``: a small whole model of each family at that width (Qwen3.5 and Kimi
-  Linear, 3 linear-attention layers and 1 full-attention layer, vocabulary 1024).
+  Linear, 3 linear-attention layers and 1 full-attention layer, vocabulary 1024);
+- ``kda_small_model``: a one-layer Kimi Linear model at a small width (hidden 256, 8 heads of 64,
+  vocabulary 1024), where the fixed costs around the recurrence (layouts, convolution, gates) weigh
+  most. Its prefill runs without a cache: transformers 5.23's cache cannot serve a model without an
+  attention layer (``get_seq_length`` raises).
+
+Alone: every target's setting is also timed with each path alone in a fresh process of its own (a
+warm-up call where the interleaved timing has one, then ``repeats + 1`` timed calls), as a user
+runs one of them; transformers' calls leave glibc's heap large, which spares the calls after them
+page faults, so interleaving alone could flatter either side. Each run times every
+(setting, path) pair this way, the paths' order alternating from run to run.
 
 For each: prefill (forward without gradients, with a fresh cache as ``generate`` has), forward+backward
 (every parameter's and the input's gradient), decoding ms/token after ``DECODE_POSITIONS`` tokens
@@ -43,17 +53,19 @@ from ..processes import run_process
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
+    OtherLoad,
     format_run_loads,
     format_seconds,
     machine_info,
     median,
     output_folder,
+    run_child,
     run_repeated,
     spread,
     write_atomically,
 )
 
-SUBJECTS = ("gdn_core", "kda_core", "gdn_layer", "kda_layer", "gdn_model", "kda_model")
+SUBJECTS = ("gdn_core", "kda_core", "gdn_layer", "kda_layer", "gdn_model", "kda_model", "kda_small_model")
 DECODED = ("gdn_layer", "kda_layer", "gdn_model", "kda_model")
 PATHS = ("transformers", "linattn")
 PASSES = ("prefill", "train")
@@ -68,6 +80,7 @@ PLAN = {
     "kda_layer": {"prefill": (1024,), "train": (1024,)},
     "gdn_model": {"prefill": (1024,), "train": (1024,)},
     "kda_model": {"prefill": (1024,)},
+    "kda_small_model": {"prefill": (2048,)},
 }
 # peak memory of one prefill, per subject: the Ns for both paths, and linattn's alone further on
 MEMORY_PLAN = {"gdn_core": ((1024, 4096, 16384), ()), "kda_core": ((1024, 4096), (16384,))}
@@ -75,8 +88,11 @@ MEMORY_PLAN = {"gdn_core": ((1024, 4096, 16384), ()), "kda_core": ((1024, 4096),
 TARGETS = {
     ("gdn_core", "prefill", 1024): 2.0, ("gdn_core", "prefill", 4096): 3.0, ("gdn_core", "prefill", 16384): 3.0,
     ("gdn_core", "train", 1024): 3.0, ("gdn_core", "train", 4096): 10.0, ("gdn_core", "train", 16384): 30.0,
-    ("kda_core", "prefill", 4096): 20.0,
+    ("kda_core", "prefill", 4096): 20.0, ("kda_small_model", "prefill", 2048): 10.0,
 }
+# the targets also timed with each path alone in fresh processes (as a user runs one of them): all
+# but the slowest (transformers' gdn_core train at 4096 and 16384 takes seconds to a minute a call)
+ALONE = tuple(key for key in TARGETS if not (key[1] == "train" and key[2] > 1024))
 KDA_MEMORY_TARGET = 10.0  # transformers' KDA prefill peak / linattn's at N = 4096, at least
 
 
@@ -108,11 +124,13 @@ def build(subject: str, sizes: str):
                                                                            "kda": family == "kimi_linear"}
     if sizes == "tiny":
         dims = dict(hidden_size=64, heads=4, head_dim=16)
+    elif subject == "kda_small_model":
+        dims = dict(hidden_size=256, heads=8, head_dim=64)
     elif family == "qwen3_5":
         dims = dict(hidden_size=1024, heads=16, key_heads=16, head_dim=128)
     else:
         dims = dict(hidden_size=2304, heads=32, head_dim=128)
-    layers = ("linear_attention",) if subject.endswith("layer") else lt.SMALL_LAYER_TYPES
+    layers = ("linear_attention",) if subject.endswith("layer") or subject == "kda_small_model" else lt.SMALL_LAYER_TYPES
     config = lt.small_config(family, layer_types=layers, vocab_size=1024 if sizes == "checkpoint" else 99, **dims)
     torch.manual_seed(0)
     model = lt.causal_lm(config)
@@ -176,8 +194,8 @@ def _call(subject: str, module, config, x, pass_: str, path: str = "linattn") ->
         with torch.no_grad():
             if subject.endswith("layer"):
                 module(x, cache_params=DynamicCache(config=config))
-            else:
-                module(x, use_cache=True)
+            else:  # a model without attention layers cannot have transformers' cache (docstring)
+                module(x, use_cache=subject != "kda_small_model")
         return
     module.zero_grad(set_to_none=True)
     if subject.endswith("layer"):
@@ -201,6 +219,44 @@ def _time_pass(subject, module, config, pass_, n, repeats) -> dict:
             if rep:
                 times[path].append(time.perf_counter() - t0)
     return {p: {"median_s": median(t), "all_s": t} for p, t in times.items()}
+
+
+def _alone_child(key: str, path: str, sizes: str, repeats: int) -> dict:
+    """One target setting ``key`` (``subject/pass/N``, N as timed) on ``path`` only, in
+    this fresh process: a warm-up call where :func:`_warm` gives one, then ``repeats`` timed calls."""
+    torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
+    subject, pass_, n = key.split("/")
+    model, module, config = build(subject, sizes)
+    if model is not None:
+        module.train(False)
+    n = int(n)
+    x = _inputs(subject, module, config, n, grad=pass_ == "train")
+    _switch(module, path)
+    if _warm(subject, n):
+        _call(subject, module, config, x, pass_, path)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _call(subject, module, config, x, pass_, path)
+        times.append(time.perf_counter() - t0)
+    return {"median_s": median(times), "all_s": times}
+
+
+def _alone(sizes: str, repeats: int, runs: int, say) -> list[dict]:
+    """Each :data:`ALONE` setting on each path alone, a fresh process per (setting, path), ``runs``
+    times; one ``{"times": {key: {path: {...}}}, "load": {...}}`` per run."""
+    out = []
+    for i in range(runs):
+        say(f"  run {i + 1}/{runs}: each path alone, a fresh process per setting ...")
+        load = OtherLoad(reference=True)
+        times: dict = {}
+        for subject, pass_, n in ALONE:
+            key = f"{subject}/{pass_}/{_n(n, sizes)}"
+            for path in (PATHS if i % 2 == 0 else PATHS[::-1]):
+                times.setdefault(key, {})[path] = run_child(
+                    "linattn.bench.transformers", ["alone", key, path, sizes, str(repeats)], {})
+        out.append({"times": times, "load": load.finish()})
+    return out
 
 
 def _decode(subject, module, config, position: int, steps: int) -> dict:
@@ -313,6 +369,10 @@ def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeat
     result["decode_ratios"] = {key: spread([c["decode"][key]["transformers"]["median_s"]
                                             / c["decode"][key]["linattn"]["median_s"] for c in children])
                                for key in children[0]["decode"]}
+    result["alone"] = _alone(sizes, repeats + 1, runs, say)
+    result["alone_ratios"] = {key: spread([r["times"][key]["transformers"]["median_s"]
+                                           / r["times"][key]["linattn"]["median_s"] for r in result["alone"]])
+                              for key in result["alone"][0]["times"]}
     if measure_memory:
         say("  peak memory of one prefill (fresh processes) ...")
         result["memory"] = {}
@@ -344,6 +404,11 @@ def claims(result: dict) -> dict[str, dict]:
             s = result["ratios"][key]
             out[key] = {"statement": f"{subject} {pass_} at N = {n}: linattn at least {factor:g}x faster than "
                                      f"transformers' own path", "spread": s, "holds": s["median"] >= factor}
+        if key in result.get("alone_ratios", {}):
+            s = result["alone_ratios"][key]
+            out[f"{key}/alone"] = {"statement": f"{subject} {pass_} at N = {n}, each path alone in a fresh process: "
+                                                f"linattn at least {factor:g}x faster than transformers' own path",
+                                   "spread": s, "holds": s["median"] >= factor}
     for subject in DECODED:
         near, far = (result["decode_ratios"].get(f"{subject}/{p}") for p in DECODE_POSITIONS)
         out[f"{subject}/decode"] = {
@@ -391,6 +456,20 @@ def format_transformers(result: dict) -> str:
                      f"{format_seconds(_medians(result, 'times', key, 'linattn'))} | {s['median']:.2f}x | "
                      f"{s['min']:.2f}x | {s['max']:.2f}x | {'-' if target is None else f'{target:g}x'} | "
                      f"{'-' if target is None else ('yes' if s['median'] >= target else 'NO')} |")
+    if result.get("alone"):
+        lines += ["", "Each path alone, as a user runs one of them: a fresh process per setting and path (a warm-up "
+                  f"call where the interleaved timing has one, then {cfg['repeats'] + 1} timed calls); times are the "
+                  "median over runs of each process's median:", "",
+                  "| subject | pass | N | transformers | linattn | ratio (median) | min | max | target | holds |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for key, s in result["alone_ratios"].items():
+            subject, pass_, n = key.split("/")
+            target = TARGETS.get((subject, pass_, int(n)))
+            t = {p: median([r["times"][key][p]["median_s"] for r in result["alone"]]) for p in PATHS}
+            lines.append(f"| {subject} | {pass_} | {n} | {format_seconds(t['transformers'])} | "
+                         f"{format_seconds(t['linattn'])} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
+                         f"{'-' if target is None else f'{target:g}x'} | "
+                         f"{'-' if target is None else ('yes' if s['median'] >= target else 'NO')} |")
     lines += ["", "Decoding, per token, after the given number of tokens (through transformers' cache):", "",
               "| subject | position | transformers | linattn | ratio (median) | min | max |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -418,6 +497,9 @@ def format_transformers(result: dict) -> str:
         lines.append(f"- {c['statement']}: {measured}: {'holds' if c['holds'] else 'DOES NOT HOLD'}")
     lines += ["", "Runs (load from other processes, reference matmul speed):", ""]
     lines += format_run_loads([r["load"] for r in result["runs"]])
+    if result.get("alone"):
+        lines += ["", "Each path alone, its runs:", ""]
+        lines += format_run_loads([r["load"] for r in result["alone"]])
     lines += ["", f"Elapsed: {result['elapsed_seconds'] / 60:.1f} min.", ""]
     return "\n".join(lines)
 
@@ -491,8 +573,10 @@ def format_demo_part(part: dict) -> list[str]:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "child":
         print(json.dumps(_child(sys.argv[2], int(sys.argv[3]))))
+    elif len(sys.argv) == 6 and sys.argv[1] == "alone":
+        print(json.dumps(_alone_child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))))
     elif len(sys.argv) == 6 and sys.argv[1] == "memory":
         print(json.dumps(_memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])))
     else:
         raise SystemExit("usage: python -m linattn.bench.transformers child SIZES REPEATS | "
-                         "memory SUBJECT PATH N SIZES")
+                         "alone SUBJECT/PASS/N PATH SIZES REPEATS | memory SUBJECT PATH N SIZES")
