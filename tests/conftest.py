@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -61,6 +62,26 @@ def assert_decodes_as_teacher_forced(lm, ids, split: int, msg: str = ""):
         tail, _ = lm.forward_steps(ids[:, split:], state_split)
         assert_close(torch.cat([head, tail], 1), full, msg=f"{msg}: prefill + steps")
     return state, state_split
+
+
+# A job that a non-interactive shell starts in the background (`make test &` in a script) ignores
+# SIGINT, and an ignored signal stays ignored across exec, in every process the tests start. A test
+# that sends SIGINT sets the disposition it means to test itself, so the suite passes however it
+# is started.
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child process a test sends SIGINT to: SIGINT at its default disposition
+    in the child (Python then raises KeyboardInterrupt there), whatever it is in this process."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def default_sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt) in this process for the test, as after an
+    interactive start; the previous disposition back after it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

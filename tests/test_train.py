@@ -34,6 +34,8 @@ from linattn.train import (
     TrainingLoop,
 )
 
+from conftest import sigint_default
+
 TINY_MODEL = dict(vocab_size=20, max_len=16, d_model=16, n_layers=2, n_heads=2, d_ff=32,
                   attention={"name": "linear", "feature_map": "elu"})
 
@@ -82,7 +84,7 @@ FAVOR_REDRAW = {"name": "favor", "num_features": 8, "redraw_every": 3}
 
 
 @pytest.mark.parametrize("attention", [TINY_MODEL["attention"], FAVOR_REDRAW], ids=["linear", "favor_redraw"])
-def test_signal_then_resume_is_bitwise_identical(tmp_path, attention):
+def test_signal_then_resume_is_bitwise_identical(tmp_path, attention, default_sigint_handler):
     model = dict(TINY_MODEL, dropout=0.1, attention=attention)
     straight = _config(tmp_path, "straight", model=model)
     train(straight, quiet=True)
@@ -351,7 +353,8 @@ def _start_cli_run(tmp_path, name, **kw):
     path.write_text(json.dumps(cfg.to_dict()))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "linattn", "train", "--config", str(path), "--quiet"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)  # the tests send it SIGINT
     metrics = tmp_path / name / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and metrics.stat().st_size):

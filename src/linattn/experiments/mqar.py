@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -83,6 +82,7 @@ import torch
 from ..functional.feature_maps import FEATURE_MAPS
 from ..models import TransformerLM
 from ..nn.registry import AttentionConfig, attention_config, spec_for
+from ..processes import spawn_pool
 from ..progress import say as print_line
 from ..train.data import mix_seed, splitmix64
 from .common import (CannotRunError, ExperimentConfig, RunFolder, finish_run, masked_cross_entropy, start_run,
@@ -471,11 +471,10 @@ def run_mqar(config: MqarConfig, *, quick: bool = False, command: str = "", say=
     jobs = [(config, key, str(metrics.path)) for key in runs]
     with contextlib.ExitStack() as stack:
         if config.workers > 1:
-            # spawn, not fork: a forked child would inherit this process's torch thread pools. A
-            # multiprocessing Pool, not a ProcessPoolExecutor: leaving its block by any exception (a
-            # run's failure, Ctrl-C, SIGTERM) terminates the workers, where the executor would wait
-            # for the runs in progress to finish.
-            pool = stack.enter_context(mp.get_context("spawn").Pool(config.workers))
+            # A multiprocessing Pool, not a ProcessPoolExecutor: leaving its block by any exception
+            # (a run's failure, Ctrl-C, SIGTERM) terminates the workers, where the executor would
+            # wait for the runs in progress to finish; and its workers end if this process is killed.
+            pool = stack.enter_context(spawn_pool(config.workers))
             done = pool.imap_unordered(_train_job, jobs)  # a run's failure raises here
         else:
             done = map(_train_job, jobs)
