@@ -268,7 +268,10 @@ def test_die_with_parent_needs_a_parent():
     (["bench", "gated", "--ns", "65536", "--repeats", "1", "--hf-repeats", "1", "--memory-n", "0", "--runs", "1",
       "--out", "out"], 1),
     (["experiment", "mqar", "--quick", "--workers", "2", "--steps", "100000", "--out", "out"], 2),
-], ids=["bench gated", "experiment mqar"])
+    # the launcher (run_process's child) and its two gloo ranks (spawn_local's, which die with it)
+    (["bench", "context-parallel", "--ranks", "2", "--time-n", "262144", "--runs", "1", "--no-search", "--out", "out"],
+     3),
+], ids=["bench gated", "experiment mqar", "bench context-parallel"])
 def test_sigkill_to_a_command_ends_its_children(args, at_least, tmp_path):
     status, seen, err = _stop_command(args, at_least=at_least, sig=signal.SIGKILL, tmp_path=tmp_path)
     assert status == -signal.SIGKILL, err

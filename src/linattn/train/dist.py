@@ -307,6 +307,11 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple) -> None:
+    from ..processes import die_with_parent
+
+    # first: torch's own death signal (SIGINT) is set only after the child imported torch, and a
+    # rank inside a long C++ op handles SIGINT late; a killed launcher must not leave ranks running
+    die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
