@@ -54,3 +54,21 @@ def test_step_is_the_last_output_over_the_window(K):
         causal_conv1d_step(window, torch.randn(6, K + 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="bias must be"):
         causal_conv1d_step(window, w, bias=torch.randn(5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_half_inputs_are_rounded_once(dtype, packed):
+    """Half inputs accumulate the K products in float32: each output is the exact sum (of inputs
+    and weights exactly representable in the half type) rounded once, within half a unit in its
+    last place; rounding after every tap would not be."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 300, 24, generator=g).to(dtype)
+    w = torch.randn(24, 4, generator=g).to(dtype)
+    bias = torch.randn(24, generator=g).to(dtype)
+    positions = document_positions(torch.tensor([0, 7, 8, 150, 300]), 300) if packed else None
+    got = causal_conv1d(x, w, bias=bias, positions=positions)
+    exact = causal_conv1d_reference(x.double(), w.double(), bias=bias.double(), positions=positions)
+    assert got.dtype == dtype
+    ulp = torch.finfo(dtype).eps * exact.abs()  # a unit in the last place, relative (up to 2x)
+    assert ((got.double() - exact).abs() <= ulp / 2 + torch.finfo(dtype).tiny).all()

@@ -13,7 +13,6 @@ Dimension legend: B batch, N positions, C channels, K kernel size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import shape_str
@@ -37,7 +36,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, *, bias: Tensor | None = None,
     """Causal depthwise convolution ``x (B, N, C) -> (B, N, C)``.
 
     Args:
-        x: ``(B, N, C)`` inputs; the result has x's dtype (the weight is cast to it).
+        x: ``(B, N, C)`` inputs; the result has x's dtype (computed in float32 for half inputs).
         weight: ``(C, K)``, tap ``K - 1`` for the current position.
         bias: None or ``(C,)``.
         positions: None, or for documents packed along N (``linattn.functional.varlen``) every
@@ -47,20 +46,24 @@ def causal_conv1d(x: Tensor, weight: Tensor, *, bias: Tensor | None = None,
             device only.
     """
     _check("causal_conv1d", x, weight, bias, positions)
-    K = weight.shape[1]
-    w = weight.to(x.dtype)
-    if positions is not None:
-        # tap j (input t - j) only where t - j is in t's document: j <= its position there. K small
-        # shifted products rather than one convolution whose window a mask would have to cut.
-        y = x * w[:, K - 1]
-        for j in range(1, K):
-            shifted = F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]  # (B, N, C): input t - j at t
-            y = y + shifted * (positions >= j)[:, None].to(x.dtype) * w[:, K - 1 - j]
-    else:
-        # conv1d is a cross-correlation: with K - 1 zeros on the left, output t reads inputs t-K+1..t
-        h = F.pad(x.transpose(1, 2), (K - 1, 0))  # (B, C, N + K - 1)
-        y = F.conv1d(h, w[:, None, :], groups=x.shape[-1]).transpose(1, 2)  # (B, N, C)
-    return y if bias is None else y + bias.to(x.dtype)
+    K, N = weight.shape[1], x.shape[1]
+    # half inputs accumulate their K products in float32 and are rounded once, as a convolution
+    # kernel accumulates: K roundings to bfloat16 would cost digits
+    ct = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    w = weight.to(ct)
+    # K shifted multiply-adds in x's own (B, N, C) layout, each into the rows its tap reaches: tap j
+    # (input t - j) adds to outputs t >= j. A depthwise F.conv1d needs channels first, and its
+    # transposes in and out cost more than the products (K is 4 in every model here); packed
+    # documents only add a mask per tap, where a convolution's window would have to be cut.
+    y = x * w[:, K - 1]  # (B, N, C) in ct
+    for j in range(1, min(K, N)):
+        tap = w[:, K - 1 - j]  # (C,)
+        if positions is not None:  # only where t - j is in t's document: j <= its position there
+            tap = (positions[j:] >= j)[:, None].to(ct) * tap  # (N - j, C)
+        y[:, j:].addcmul_(x[:, : N - j], tap)
+    if bias is not None:
+        y = y + bias.to(ct)
+    return y.to(x.dtype)
 
 
 def causal_conv1d_step(window: Tensor, weight: Tensor, *, bias: Tensor | None = None) -> Tensor:
