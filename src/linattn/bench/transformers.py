@@ -45,6 +45,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -438,6 +439,20 @@ def claims(result: dict) -> dict[str, dict]:
     return out
 
 
+def _ratio_table(ratios: dict, time_of: Callable[[str, str], float]) -> list[str]:
+    """Markdown rows of ``ratios`` (``subject/pass/N`` -> spread), each path's time from ``time_of(key, path)``."""
+    lines = ["| subject | pass | N | transformers | linattn | ratio (median) | min | max | target | holds |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for key, s in ratios.items():
+        subject, pass_, n = key.split("/")
+        target = TARGETS.get((subject, pass_, int(n)))
+        lines.append(f"| {subject} | {pass_} | {n} | {format_seconds(time_of(key, 'transformers'))} | "
+                     f"{format_seconds(time_of(key, 'linattn'))} | {s['median']:.2f}x | "
+                     f"{s['min']:.2f}x | {s['max']:.2f}x | {'-' if target is None else f'{target:g}x'} | "
+                     f"{'-' if target is None else ('yes' if s['median'] >= target else 'NO')} |")
+    return lines
+
+
 def format_transformers(result: dict) -> str:
     cfg = result["config"]
     lines = ["# transformers' linear-attention layers: their PyTorch path against linattn", "",
@@ -447,29 +462,13 @@ def format_transformers(result: dict) -> str:
              f"interleaved; {cfg['runs']} runs in fresh processes, {cfg['repeats']} timed calls per setting and run. "
              "Times are the median over runs of each run's median; a ratio is transformers' time / linattn's, "
              "median over runs with min and max.", "",
-             "| subject | pass | N | transformers | linattn | ratio (median) | min | max | target | holds |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for key, s in result["ratios"].items():
-        subject, pass_, n = key.split("/")
-        target = TARGETS.get((subject, pass_, int(n)))
-        lines.append(f"| {subject} | {pass_} | {n} | {format_seconds(_medians(result, 'times', key, 'transformers'))} | "
-                     f"{format_seconds(_medians(result, 'times', key, 'linattn'))} | {s['median']:.2f}x | "
-                     f"{s['min']:.2f}x | {s['max']:.2f}x | {'-' if target is None else f'{target:g}x'} | "
-                     f"{'-' if target is None else ('yes' if s['median'] >= target else 'NO')} |")
+             *_ratio_table(result["ratios"], lambda key, path: _medians(result, "times", key, path))]
     if result.get("alone"):
         lines += ["", "Each path alone, as a user runs one of them: a fresh process per setting and path (a warm-up "
                   f"call where the interleaved timing has one, then {cfg['repeats'] + 1} timed calls); times are the "
                   "median over runs of each process's median:", "",
-                  "| subject | pass | N | transformers | linattn | ratio (median) | min | max | target | holds |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-        for key, s in result["alone_ratios"].items():
-            subject, pass_, n = key.split("/")
-            target = TARGETS.get((subject, pass_, int(n)))
-            t = {p: median([r["times"][key][p]["median_s"] for r in result["alone"]]) for p in PATHS}
-            lines.append(f"| {subject} | {pass_} | {n} | {format_seconds(t['transformers'])} | "
-                         f"{format_seconds(t['linattn'])} | {s['median']:.2f}x | {s['min']:.2f}x | {s['max']:.2f}x | "
-                         f"{'-' if target is None else f'{target:g}x'} | "
-                         f"{'-' if target is None else ('yes' if s['median'] >= target else 'NO')} |")
+                  *_ratio_table(result["alone_ratios"], lambda key, path: median(
+                      [r["times"][key][path]["median_s"] for r in result["alone"]]))]
     lines += ["", "Decoding, per token, after the given number of tokens (through transformers' cache):", "",
               "| subject | position | transformers | linattn | ratio (median) | min | max |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
