@@ -436,7 +436,7 @@ def test_cli_attention_option_and_set_reach_the_config(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--attention-window", "64"], "linattn train: error: --attention-window: 'linear' attention has no option 'window'"),
-    (["--lr", "-1"], "linattn train: error: --lr: TrainConfig: lr must be a number in (0.0, inf], got -1"),
+    (["--lr", "-1"], "linattn train: error: --lr: TrainConfig: lr must be a number in (0.0, inf), got -1"),
     (["--n-heads", "3"], "linattn train: error: --n-heads: TransformerConfig: n_heads = 3 must divide d_model = 128"),
     (["--data-recall-pairs", "0"], "linattn train: error: --data-recall-pairs: DataConfig: recall_pairs must be"),
 ])

@@ -87,9 +87,10 @@ class ShortConv(nn.Module):
             before = context_parallel.halo(x, K - 1, dim=1).values  # (B, K - 1, C)
             if x.shape[1] == 0:  # an empty shard: no output, but tied to the halo for the backward
                 return x + before[:, :0].to(x.dtype)
-            # the halo takes the place of conv1d's K - 1 zeros on the left (it is zeros on rank 0)
-            h = torch.cat([before.to(x.dtype), x], dim=1).transpose(1, 2)  # (B, C, K - 1 + N)
-            return F.conv1d(h, self.weight.to(x.dtype)[:, None, :], groups=self.d_model).transpose(1, 2)
+            # the halo before the shard (zeros on rank 0), the same convolution, the halo's own
+            # outputs dropped: every kept output reads K real inputs, in the unsharded order
+            h = torch.cat([before.to(x.dtype), x], dim=1)  # (B, K - 1 + N, C)
+            return causal_conv1d(h, self.weight)[:, K - 1:]
         return causal_conv1d(x, self.weight, positions=positions)
 
     def initial_state(self, batch_size: int, *, device=None, dtype=None) -> Tensor:
