@@ -294,10 +294,9 @@ def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tenso
     beta = beta.transpose(1, 2).to(ct)  # (B, H, N)
     log_decay = g.transpose(1, 2).to(ct)  # (B, H, N[, Dk])
     initial = None if initial_state is None else DecayedState(initial_state.to(ct))
-    if cu_seqlens is not None:  # int64 from here on
-        cu_seqlens = check_cu_seqlens("delta_rule", cu_seqlens, q, q_name="query (as (B, Hk, N, Dk))")
     if form == "reference":
-        if cu_seqlens is not None:
+        if cu_seqlens is not None:  # the chunked form's engine checks them itself; this loop reads them
+            cu_seqlens = check_cu_seqlens("delta_rule", cu_seqlens, q, q_name="query (as (B, Hk, N, Dk))")
             out, new = _reference_packed(q, k, v, beta, log_decay, cu_seqlens), None
         else:
             out, new = delta_rule_attention_reference(q, k, v, beta, log_decay=log_decay, initial_state=initial,
