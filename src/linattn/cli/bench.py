@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from ..config import did_you_mean
 from ..bench import favor as favor_options
+from ..bench import gpu as gpu_options
 from ..bench import sweep as sweep_options
 from .common import (
     CommandParser,
@@ -33,6 +34,8 @@ PASSES = tuple(sweep_options.PASSES)
 MODES = tuple(sweep_options.MODES)
 DTYPES = tuple(sweep_options.DTYPES)
 FAVOR_PARTS = tuple(favor_options.WHAT)
+GPU_FORMS = tuple(gpu_options.FORMS)
+GPU_DTYPES = tuple(gpu_options.DTYPES)
 RUNS_HELP = ("Separate runs, each in fresh processes, whose ratios give each claim's median and spread "
              "(default: 3).")
 
@@ -244,7 +247,42 @@ def build_parser(prog: str) -> CommandParser:
     cp.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
                     help="Search the longest sequence within the budget (default: on).")
     _add_runs(cp)
-    for sub in (sweep, core, favor, family, full, gen, gated, hf, cp):  # its validation errors name it, not `linattn bench`
+
+    gpu = bench_sub.add_parser(
+        "gpu", help="Every chunked form and the transformers backend on a GPU, beside FLA's kernels, transformers' "
+        "PyTorch path and SDPA.",
+        description=_wrapped("Every chunked form (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, causal "
+        "linear attention, FAVOR+) and the transformers backend (a Qwen3.5-width model of 2 Gated DeltaNet layers) at "
+        "checkpoint widths, B = 1: prefill, forward+backward and peak memory, the median of the runs with their "
+        "spread, beside flash-linear-attention's Triton kernels (when fla imports), transformers' own PyTorch path "
+        "and SDPA, interleaved. Records the device and the versions; writes gpu.json and gpu.md. A contender that "
+        "does not import or raises is a row of the table, not the end of the run."))
+    add_out_argument(gpu, "docs/benchmarks/gpu", "Folder for gpu.json and gpu.md")
+    gpu.add_argument("--device", default="cuda",
+                     help="cuda or cuda:<index>; cpu only checks the script, with no memory figures (default: cuda).")
+    gpu.add_argument("--n", type=int_list, default=None, metavar="N,N",
+                     help="Sequence lengths (default: 4096,16384; 64,128 with --quick).")
+    gpu.add_argument("--forms", type=choice_list(GPU_FORMS), default=GPU_FORMS, metavar="FORM,FORM",
+                     help=f"Comma-separated forms, from {', '.join(GPU_FORMS)} (default: all).")
+    gpu.add_argument("--dtype", choices=GPU_DTYPES, default="bfloat16",
+                     help="q, k, v's dtype (and beta's, and the model's); log decays stay float32 (default: bfloat16).")
+    gpu.add_argument("--repeats", type=positive_int, default=gpu_options.REPEATS,
+                     help=f"Timed calls per contender and run, interleaved; a run's time is their median "
+                     f"(default: {gpu_options.REPEATS}).")
+    gpu.add_argument("--runs", type=positive_int, default=None,
+                     help="Runs in this one process (FLA's autotuning is not repeated); a time is the median of "
+                     "the runs' medians, with min and max (default: 3).")
+    gpu.add_argument("--fla", action=argparse.BooleanOptionalAction, default=True,
+                     help="Time flash-linear-attention's kernels when fla imports; --no-fla leaves FLA out "
+                     "everywhere, transformers' model path included (its Triton kernels autotune for minutes on "
+                     "the first call of each shape) (default: on).")
+    gpu.add_argument("--quick", action="store_true",
+                     help="Tiny sizes (2 heads of 16, N = 64,128, a tiny model): a check of the script, e.g. "
+                     "with --device cpu.")
+    gpu.add_argument("--profile", action="store_true",
+                     help="Also profile one linattn Gated DeltaNet forward and forward+backward at the first N: "
+                     "kernels and GPU-busy time on a GPU, leaf aten ops on either device.")
+    for sub in (sweep, core, favor, family, full, gen, gated, hf, cp, gpu):  # its validation errors name it, not `linattn bench`
         sub.set_defaults(suite_parser=sub)
     return parser
 
@@ -333,6 +371,14 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         with reported(chosen, MissingExtraError):
             run_transformers(out=args.out, repeats=args.repeats, sizes=args.sizes,
                              measure_memory=args.measure_memory, **_given(args, "runs"))
+    elif args.suite == "gpu":
+        from ..bench.gpu import check_device, run_gpu
+
+        with reported(chosen, ValueError):  # before any work: no CUDA here is one line, not a traceback
+            check_device(args.device)
+        run_gpu(out=args.out, device=args.device, n=args.n, forms=args.forms, dtype=args.dtype, repeats=args.repeats,
+                fla=args.fla, quick=args.quick, profile=args.profile, command=command_line(argv),
+                **_given(args, "runs"))
     elif args.suite == "context-parallel":
         from ..bench.context_parallel import run_context_parallel
 
