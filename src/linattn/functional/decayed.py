@@ -46,6 +46,7 @@ from .chunks import ChunkLayout
 from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
 from .normaliser import guarded_normaliser, normaliser_floor
+from .recurrence import chunk_recurrence, resolve_strategy
 
 __all__ = ["CHUNK_SIZES", "ChannelDecays", "channel_decays", "channel_scores", "channel_scores_backward", "decayed_product",
            "sub_chunk_length"]
@@ -715,8 +716,17 @@ def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
     return A.view(m, R, C, C), saved
 
 
+def _gated_layout(R: int, N: int, chunk_size: int, tile_positions: int, strategy: str) -> ChunkLayout:
+    """The gated product's chunks: tiles of about ``tile_positions`` positions on a CPU (temporaries
+    in cache), one tile of every chunk for the accelerator (every product over the whole sequence,
+    the recurrence a scan: launches that do not grow with N)."""
+    if strategy == "accelerator":
+        return ChunkLayout.of(R, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
+    return ChunkLayout.of(R, N, chunk_size, tile_positions=tile_positions)
+
+
 def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None, chunk_size: int, scale: float,
-                   sub_chunk_size: int, tile_positions: int) -> tuple[Tensor, Tensor, Tensor]:
+                   sub_chunk_size: int, tile_positions: int, strategy: str) -> tuple[Tensor, Tensor, Tensor]:
     """The chunked form: ``q, k (B, H, N, D)``, ``v (B, H, N, Dv)``, ``g (B, H, N, G)``,
     ``s0 (B, H, D, Dv)`` or None, all in one (compute) dtype -> ``o (B, H, N, Dv)``, the final
     state ``(B, H, D, Dv)`` and the states before every chunk and after the last,
@@ -724,7 +734,7 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
     by tile (a scaled copy of the whole q would be one more full-size tensor)."""
     B, H, N, D = q.shape
     Dv = v.shape[-1]
-    lay = ChunkLayout.of(B * H, N, chunk_size, tile_positions=tile_positions)
+    lay = _gated_layout(B * H, N, chunk_size, tile_positions, strategy)
     R, C, Nc = lay.R, lay.C, lay.Nc
     q3, k3, v3, g3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g))  # (R, Nc, C, *)
     states = q.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
@@ -740,8 +750,7 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
         b, eb, ek = _tile_decays(g_)
         u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
-        for j in range(sl.stop - sl.start):
-            torch.addcmul(u[j], a[j], states[sl.start + j], out=states[sl.start + j + 1])
+        chunk_recurrence(a, u, states[sl.start], strategy=strategy, out=states[sl.start: sl.stop + 1])
         A, _ = _tile_intra(q_, k_, g_, b, c)
         lay.put(o, sl, (q_ * eb) @ states[sl] + A @ v_)
     return lay.unchunked(o).reshape(B, H, N, Dv).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
@@ -749,13 +758,13 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
 
 def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, do: Tensor, ds_final: Tensor,
                     has_s0: bool, chunk_size: int, scale: float, sub_chunk_size: int,
-                    tile_positions: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    tile_positions: int, strategy: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`_gated_forward` given ``do (B, H, N, Dv)`` and ``ds_final (B, H, D, Dv)``:
     ``dq, dk, dv, dg`` shaped as their inputs and ``ds0 (B, H, D, Dv)`` (``(0,)`` without
     ``has_s0``). The chunk-local products are recomputed from the inputs and the saved states."""
     B, H, N, D = q.shape
     Dv, G = v.shape[-1], g.shape[-1]
-    lay = ChunkLayout.of(B * H, N, chunk_size, tile_positions=tile_positions)
+    lay = _gated_layout(B * H, N, chunk_size, tile_positions, strategy)
     R, C, Nc = lay.R, lay.C, lay.Nc
     q3, k3, v3, g3, do3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g, do))  # (R, Nc, C, *)
     T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
@@ -769,8 +778,7 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
         qd = q_ * eb
         gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
-        for j in reversed(range(sl.stop - sl.start)):
-            torch.addcmul(gs[j], a[j], T[sl.start + j + 1], out=T[sl.start + j])
+        chunk_recurrence(a, gs, T[sl.stop], strategy=strategy, reverse=True, out=T[sl.start: sl.stop + 1])
         s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
         A, saved = _tile_intra(q_, k_, g_, b, c)
         dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
@@ -807,12 +815,12 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
 _gated_chunked = engine_op(
     "linattn::gated_chunked",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? s0, int chunk_size, float scale, "
-    "int sub_chunk_size, int tile_positions) -> (Tensor, Tensor, Tensor)",
+    "int sub_chunk_size, int tile_positions, str strategy) -> (Tensor, Tensor, Tensor)",
     _gated_forward)
 
 
 @_gated_chunked.register_fake
-def _(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions):
+def _(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions, strategy):
     B, H, N, D = q.shape
     Dv = v.shape[-1]
     Nc = -(-N // min(chunk_size, N))
@@ -822,22 +830,22 @@ def _(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions):
 _gated_chunked_backward = engine_op(
     "linattn::gated_chunked_backward",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor states, Tensor do, Tensor ds_final, "
-    "bool has_s0, int chunk_size, float scale, int sub_chunk_size, int tile_positions) "
+    "bool has_s0, int chunk_size, float scale, int sub_chunk_size, int tile_positions, str strategy) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _gated_backward)
 
 
 @_gated_chunked_backward.register_fake
-def _(q, k, v, g, states, do, ds_final, has_s0, chunk_size, scale, sub_chunk_size, tile_positions):
+def _(q, k, v, g, states, do, ds_final, has_s0, chunk_size, scale, sub_chunk_size, tile_positions, strategy):
     B, H, _, D = q.shape
     ds0 = q.new_empty(B, H, D, v.shape[-1]) if has_s0 else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), ds0
 
 
 def _gated_setup(ctx, inputs, output):
-    q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions = inputs
+    q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions, strategy = inputs
     ctx.save_for_backward(q, k, v, g, output[2])
-    ctx.knobs = (s0 is not None, chunk_size, scale, sub_chunk_size, tile_positions)
+    ctx.knobs = (s0 is not None, chunk_size, scale, sub_chunk_size, tile_positions, strategy)
     ctx.mark_non_differentiable(output[2])
     # unused outputs' gradients stay None: materialised, the saved states' would be a zero-filled tensor
     # as large as the states themselves on every backward
@@ -851,7 +859,7 @@ def _gated_autograd(ctx, do, ds_final, _dstates):
     if ds_final is None:
         ds_final = q.new_zeros(*q.shape[:2], *states.shape[2:])  # (B, H, D, Dv)
     dq, dk, dv, dg, ds0 = _gated_chunked_backward(q, k, v, g, states, do, ds_final, *ctx.knobs)
-    return dq, dk, dv, dg, ds0 if has_s0 else None, None, None, None, None
+    return dq, dk, dv, dg, ds0 if has_s0 else None, None, None, None, None, None
 
 
 _gated_chunked.register_autograd(_gated_autograd, setup_context=_gated_setup)
@@ -1113,6 +1121,7 @@ def decayed_product(
     chunk_size: int | None = None,
     sub_chunk_size: int = 4,
     tile_positions: int = 4096,
+    strategy: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """The decayed engine's one entry (internal: callers have checked the inputs and chosen the
     compute dtype; B*H, N >= 1). Differentiable once in q, k, v, log_decay and s0.
@@ -1137,7 +1146,10 @@ def decayed_product(
         chunk_size: the chunk length C; None for :data:`CHUNK_SIZES` of the gate's kind.
         sub_chunk_size: per-channel gate: the sub-chunk length (the largest divisor of C up to it).
         tile_positions: about how many positions one tile holds (no gate, per-head and per-channel
-            gates; the running-scale product scans whole rows).
+            gates; the running-scale product scans whole rows), on the CPU strategy.
+        strategy: ``"auto"``, ``"cpu"`` or ``"accelerator"`` (``recurrence.py``): tiles in cache
+            and a sequential recurrence across chunks, or one tile of the whole sequence and a
+            log-depth scan (launches that do not grow with N); ``"auto"`` picks by q's device.
 
     Every knob leaves the result unchanged. Returns ``out (B, H, N, Dv)`` and the final state
     ``(B, H, D, Dv)`` (``Dv + 1`` with ``normalise``).
@@ -1146,10 +1158,11 @@ def decayed_product(
         raise ValueError("decayed_product: normalise and phi are the no-gate specialisation's; got a gate")
     if log_decay is not None and running_log_scale is not None:
         raise ValueError("decayed_product: give at most one of log_decay and running_log_scale")
+    strategy = resolve_strategy(strategy, q.device)
     if log_decay is not None:
         kind = "head" if log_decay.shape[-1] == 1 else "channel"
         C = CHUNK_SIZES[kind] if chunk_size is None else chunk_size
-        out, s_final, _ = _gated_chunked(q, k, v, log_decay, s0, C, scale, sub_chunk_size, tile_positions)
+        out, s_final, _ = _gated_chunked(q, k, v, log_decay, s0, C, scale, sub_chunk_size, tile_positions, strategy)
         return out, s_final
     if scale != 1.0:
         q = q * scale
@@ -1158,6 +1171,8 @@ def decayed_product(
         out, s_final, _, _, _ = _scaled_chunked(q, k, v, running_log_scale.detach(), s0, C)
         return out, s_final
     C = CHUNK_SIZES["none"] if chunk_size is None else chunk_size
+    if strategy == "accelerator":  # one tile of every row and chunk: the chunk states are one cumsum
+        tile_positions = max(tile_positions, q.shape[0] * q.shape[1] * -(-q.shape[2] // C) * C)
     out, s_final, *_ = _ungated_chunked(q, k, v, s0, C, tile_positions, normalise, phi, keep)
     return out, s_final
 

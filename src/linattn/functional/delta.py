@@ -95,6 +95,7 @@ from .chunks import ChunkLayout, TileBuffers
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
+from .recurrence import check_strategy, chunk_recurrence, resolve_strategy
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 
@@ -453,7 +454,7 @@ def _kept(kept: _Solved | None, tile: slice) -> _Solved | None:
     return None if kept is None else _Solved(*(None if t is None else t[tile].flatten(0, 1) for t in kept))
 
 
-def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
+def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None, strategy="cpu"):
     """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``, the values
     times beta ``bv (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``S (R, D, Dv)``, the state before the block,
     updated in place to the state after it; ``buf``: the call's :class:`TileBuffers`; ``kept``: None,
@@ -463,13 +464,15 @@ def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
     The loop over chunks carries the state, ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``, and
     forms each chunk's outputs ``O = diag(gamma) Q S + P U`` while its state is in cache: one state
     updated in place (an in-place scale, not a copy to a new chunk's slot), none kept but the one
-    after the block.
+    after the block. With the ``"accelerator"`` strategy, :func:`_states_by_scan` instead.
     """
     m, C, D = q.shape
     R, Dv = S.shape[0], S.shape[-1]
     n = m // R
     x = _scores(q, k, g, buf, qk=qk, kept=kept)
     sol = _solve(x, k, bv, b, solve_block, buf, kept)
+    if strategy == "accelerator":
+        return _outputs_by_scan(x, sol, S, n)
     # each chunk's views made at once (unbind), not indexed op by op; U: Uv, made U chunk by chunk in place
     U, W = sol.U.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).unbind()
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3).unbind()  # (R, D, C) each
@@ -482,6 +485,32 @@ def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None):
         torch.bmm(P[c], U[c], out=ol[c]).baddbmm_(GQ[c], S)
         (S if gC is None else S.mul_(gC[c])).baddbmm_(KdT[c], U[c])
     return o.view(m, C, Dv)
+
+
+def _transitions(x: _Scores, W: Tensor, n: int) -> Tensor:
+    """Each chunk's transition of the state, ``Diag(gamma_C) - Kd^T W`` ``(n, R, D, D)`` (the state
+    after the chunk is ``that S + Kd^T Uv``; ``gamma_C`` 1 without a decay, a number per head or one
+    per key channel), from the chunks' :class:`_Scores` and ``W (n*R, C, D)``."""
+    m, C, D = W.shape
+    A = torch.bmm(x.Kd.transpose(1, 2), W).neg_()  # (m, D, D)
+    A.diagonal(dim1=1, dim2=2).add_(1.0 if x.gC is None else x.gC.view(m, -1))
+    return A.view(n, m // n, D, D)
+
+
+def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int) -> Tensor:
+    """:func:`_block_forward`'s loop over chunks for the accelerator: the state before every chunk
+    at once from a log-depth scan of the chunks' affine maps ``S <- (Diag(gamma_C) - Kd^T W) S +
+    Kd^T Uv`` (``recurrence.py``), then ``U = Uv - W S`` and ``O = P U + diag(gamma) Q S`` for all
+    chunks in one product each. ``S (R, D, Dv)`` becomes the state after the block; ``sol.U`` the
+    pseudo-values. Returns ``o (n*R, C, Dv)``."""
+    m, C, Dv = sol.U.shape
+    R, D = S.shape[0], S.shape[1]
+    B = torch.bmm(x.Kd.transpose(1, 2), sol.U).view(n, R, D, Dv)  # Kd^T Uv
+    states = chunk_recurrence(_transitions(x, sol.W, n), B, S, strategy="accelerator")  # (n + 1, R, D, Dv)
+    before = states[:n].reshape(m, D, Dv)
+    U = sol.U.baddbmm_(sol.W, before, alpha=-1)  # the pseudo-values, in place (the backward reads them)
+    S.copy_(states[n])
+    return torch.bmm(x.P, U).baddbmm_(x.GQ, before)
 
 
 def _qk_norms(lay: ChunkLayout, factors: Tensor | None) -> tuple | None:
@@ -508,7 +537,7 @@ def _take_qk_normalised(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, s
     return qb, kb, qk
 
 
-def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_eps=None):
+def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_eps=None, strategy="cpu"):
     """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` -> ``o (R, N, Dv)``,
     the states and what a backward reads, on the :class:`~linattn.functional.chunks.ChunkLayout`
     ``lay`` (its tiles are the blocks); ``solve_block``: see :func:`_unit_lower_inverse`; ``qk_eps``:
@@ -548,7 +577,7 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
             qb, kb, qk = _take_qk_normalised(lay, qc, kc, blk, scale, qk_eps, per_channel, buf, l2c)
         bv = _take_product(lay, vc, blk, bc, buf("bv", blk.stop - blk.start, R, lay.C, Dv))
         ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, solve_block, buf, qk,
-                            _kept(kept, blk))
+                            _kept(kept, blk), strategy)
         lay.put(o, blk, ob)
     l2 = None
     if l2c is not None:  # (2, R, N), contiguous as the op's fake says: a copy only with a filled last chunk
@@ -557,7 +586,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
     return lay.unchunked_like(o, v), states, kept, l2
 
 
-def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None):
+def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None,
+                    strategy="cpu"):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, 2C, Dv)``, each chunk's output gradient in its first C rows (the second C rows are
     a workspace, see :func:`_take_stacked`), the states before and after the block ``start, end
@@ -611,7 +641,9 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     energy = None
     if need_g and x.channel is None and gCl is not None:
         energy = torch.linalg.vecdot(end.view(R, D * Dv), dst[n].view(R, D * Dv))  # (R,)
-    for c in reversed(range(n)):  # the state's gradient, backwards: no state needed
+    if strategy == "accelerator":
+        _state_grads_by_scan(x, sol, dU, dst, n)
+    for c in (reversed(range(n)) if strategy == "cpu" else ()):  # the state's gradient, backwards: no state needed
         dUl[c].baddbmm_(Kdl[c], dSl[c + 1])
         if gCl is None:
             dSl[c].add_(dSl[c + 1])
@@ -640,10 +672,12 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # layout (a vecdot of S^T's columns took 2.5x as long as the rows' batched products, and the
     # update through the view S^T was slower too: KDA's forward+backward took 1.02-1.04x the time)
     dgC = q.new_empty(n, R, D) if need_g and x.channel is not None else None
+    if strategy == "accelerator":
+        _state_products_by_scan(x, U, start, dof, dRv, dst, n, dOS, mdRw, dgC)
     S = None if dgC is None else st.view(R, D, Dv).copy_(start)
     ST = st.copy_(start.transpose(1, 2)) if S is None else S.transpose(1, 2)
     gCT = None if x.gC is None else x.gC.view(n, R, 1, -1).unbind()  # (R, 1, 1 | D): scales S^T's columns
-    for c in range(n):
+    for c in (range(n) if strategy == "cpu" else ()):
         torch.bmm(dol[c], ST, out=dOSl[c])
         torch.bmm(dRvl[c], ST, out=mdRwl[c])
         if dgC is not None:
@@ -752,6 +786,37 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     return db, dg
 
 
+def _state_grads_by_scan(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: int) -> None:
+    """:func:`_block_backward`'s backward loop for the accelerator: with ``dU = P^T dO`` and
+    ``dst[:n] = (diag(gamma) Q)^T dO`` on entry, the state gradients ``dS_c = A_c^T dS_{c+1} +
+    dst_c - W^T dU_c`` (``A_c`` the chunk's transition, :func:`_transitions`) for every chunk from
+    one reverse scan, written into ``dst[:n]``, then ``dU += Kd dS_{c+1}`` in one product."""
+    m, C, D = sol.W.shape
+    R, Dv = dst.shape[1], dst.shape[-1]
+    inputs = torch.baddbmm(dst[:n].view(m, D, Dv), sol.W.transpose(1, 2), dU, alpha=-1).view(n, R, D, Dv)
+    chunk_recurrence(_transitions(x, sol.W, n), inputs, dst[n], strategy="accelerator", reverse=True, out=dst)
+    dU.baddbmm_(x.Kd, dst[1:].reshape(m, D, Dv))
+
+
+def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dRv: Tensor, dst: Tensor, n: int,
+                            dOS: Tensor, mdRw: Tensor, dgC: Tensor | None) -> None:
+    """:func:`_block_backward`'s forward loop for the accelerator: the state before every chunk again,
+    from ``start (R, D, Dv)`` and the kept pseudo-values ``U (n*R, C, Dv)`` (``S <- gamma_C S +
+    Kd^T U``: a diagonal recurrence, one scan), then ``dO S^T`` and ``dRv S^T`` (``dO, dRv (n*R, C,
+    Dv)``) into ``dOS``, ``mdRw``
+    ``(n*R, C, D)`` and, with a gate per key channel, ``<S, dSn>`` row by row into ``dgC (n, R, D)``,
+    one product each for all chunks."""
+    m, C, D = x.Kd.shape
+    R, Dv = start.shape[0], start.shape[-1]
+    A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
+    added = torch.bmm(x.Kd.transpose(1, 2), U).view(n, R, D, Dv)
+    ST = chunk_recurrence(A, added, start, strategy="accelerator")[:n].reshape(m, D, Dv).transpose(1, 2)
+    torch.bmm(dO, ST, out=dOS)
+    torch.bmm(dRv, ST, out=mdRw)
+    if dgC is not None:
+        torch.linalg.vecdot(ST.transpose(1, 2), dst[1:].reshape(m, D, Dv), out=dgC.view(m, D))
+
+
 def _energies(end: Tensor, change: Tensor) -> Tensor:
     """``<S_c+1, dS_c+1>`` ``(n, R)`` for the chunks c of a block, the state after each and its
     gradient, from ``end (R,)``, that after the block's last chunk, and each chunk's ``change
@@ -828,7 +893,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, l2=None):
+def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, l2=None, strategy="cpu"):
     """Gradients of :func:`_chunked_forward` from what it kept (``states``, the state before every
     block, ``kept``, its :class:`_Solved` buffers, and ``l2``, the L2 normalisation's factors of q
     and k ``(2, R, N)`` or None without one): ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
@@ -858,7 +923,8 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
         db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
                                          states[i], states[i + 1], _kept(kept, blk), st, do_blk, dst,
                                          need_g, scale, into, buf, qk,
-                                         None if l2 is None else tuple(_take(lay, f, blk) for f in factors))
+                                         None if l2 is None else tuple(_take(lay, f, blk) for f in factors),
+                                         strategy)
         lay.put(db, blk, db_blk)
         if dg_blk is not None:
             lay.put(dg, blk, dg_blk)
@@ -879,9 +945,10 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
                                 "int chunk_size, int chunks_per_block, int solve_block, bool keep_states, "
-                                "float? qk_eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+                                "float? qk_eps, str strategy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
                                 "Tensor, Tensor)")
-def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps):
+def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps,
+                        strategy):
     """-> ``o (R, N, Dv)`` (laid out as v, see :meth:`ChunkLayout.new_chunked_like`), the final state
     ``(R, D, Dv)``, and what the backward reads: the states
     before every block and after the last ``(nb + 1, R, D, Dv)``, the chunks' ``T, U, W``
@@ -890,22 +957,23 @@ def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, 
     call no gradient flows through; E also without a decay, E, KK and P also with a gate per key
     channel, the factors also without ``qk_eps``)."""
     with no_autocast(q.device.type):
-        lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
-        o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps)
+        lay = _layout(q, chunk_size, chunks_per_block, strategy)
+        o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps,
+                                               strategy)
     if not keep_states:
         return o, states[-1].clone(), *(v.new_empty(0) for _ in range(8))
     return o, states[-1].clone(), states, *(v.new_empty(0) if t is None else t for t in (*kept, l2))
 
 
 @_delta_rule_chunked.register_fake
-def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps):
+def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps, strategy):
     R, N, D = q.shape
     Dv = v.shape[-1]
-    C = min(chunk_size, N)
-    Nc = -(-N // C)
+    lay = _layout(q, chunk_size, chunks_per_block, strategy)
+    C, Nc = lay.C, lay.Nc
     if not keep_states:
         return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(8))
-    nb = -(-Nc // chunks_per_block)
+    nb = len(lay.tiles())
     l2 = v.new_empty(0) if qk_eps is None else v.new_empty(2, R, N)
     scores = g is None or g.dim() == 2  # E, KK, P kept (E only with a decay)
     E = v.new_empty(Nc, R, C, C) if scores and g is not None else v.new_empty(0)
@@ -918,29 +986,39 @@ def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, "
                                 "Tensor U, Tensor W, Tensor E, Tensor KK, Tensor P, Tensor l2, Tensor do, "
                                 "Tensor ds_final, float scale, "
-                                "int chunk_size, int chunks_per_block, float? qk_eps, bool need_g) "
+                                "int chunk_size, int chunks_per_block, float? qk_eps, bool need_g, str strategy) "
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, chunk_size,
-                                 chunks_per_block, qk_eps, need_g):
+                                 chunks_per_block, qk_eps, need_g, strategy):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
-        lay = ChunkLayout.of(q.shape[0], q.shape[1], chunk_size, chunks_per_tile=chunks_per_block)
+        lay = _layout(q, chunk_size, chunks_per_block, strategy)
         # do as it comes (an expanded or transposed gradient too): it is only read by the copies
         # into each block's buffer
         scores = g is None or g.dim() == 2  # E, KK, P kept by the forward (E only with a decay)
         kept = _Solved(T, U, W, *((E if g is not None else None, KK, P) if scores else ()))
         dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale,
-                                                    lay, need_g, None if qk_eps is None else l2)
+                                                    lay, need_g, None if qk_eps is None else l2, strategy)
     # each gradient in its input's layout (ChunkLayout.new_chunked_like), as the fake says
     return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
 
 
 @_delta_rule_chunked_backward.register_fake
 def _(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps,
-      need_g):
+      need_g, strategy):
     dg = torch.empty_like(g) if need_g else b.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(b), dg, \
         ds_final.new_empty(ds_final.shape)
+
+
+def _layout(q: Tensor, chunk_size: int, chunks_per_block: int, strategy: str) -> ChunkLayout:
+    """The chunked op's layout of ``q (R, N, D)``: blocks of ``chunks_per_block`` chunks on the CPU
+    strategy (temporaries in cache), one block of every chunk for the accelerator (its recurrence
+    is then one scan over the whole sequence)."""
+    R, N = q.shape[0], q.shape[1]
+    if strategy == "accelerator":
+        chunks_per_block = -(-N // min(chunk_size, N))
+    return ChunkLayout.of(R, N, chunk_size, chunks_per_tile=chunks_per_block)
 
 
 def _needs_states(*tensors) -> bool:
@@ -950,12 +1028,13 @@ def _needs_states(*tensors) -> bool:
 
 
 def _delta_rule_setup(ctx, inputs, output):
-    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps = inputs
+    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps, strategy = inputs
     if not keep_states:  # _needs_states decided no gradient flows through this call
         raise RuntimeError("linattn::delta_rule_chunked: called with keep_states=False on inputs that need "
                            "gradients; its caller must pass _needs_states(...)")
     ctx.save_for_backward(q, k, v, b, g, *output[2:])
     ctx.knobs = (scale, chunk_size, chunks_per_block, qk_eps)
+    ctx.strategy = strategy
     ctx.mark_non_differentiable(*output[2:])
     # unused outputs' gradients stay None: materialised, the kept tensors' would be zero-filled
     # tensors as large as themselves on every backward
@@ -970,8 +1049,8 @@ def _delta_rule_autograd(ctx, do, ds_final, *_kept):
         ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
     need_g = g is not None and ctx.needs_input_grad[4]
     dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final,
-                                                           *ctx.knobs, need_g)
-    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None, None
+                                                           *ctx.knobs, need_g, ctx.strategy)
+    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None, None, None
 
 
 _delta_rule_chunked.register_autograd(_delta_rule_autograd, setup_context=_delta_rule_setup)
@@ -1004,7 +1083,7 @@ def _step(q, k, v, beta, log_decay, scale, s0, qk_eps=None):
     return (q @ s) * scale, s
 
 
-def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size, knobs, qk_eps):
+def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size, knobs, qk_eps, strategy):
     """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
     ``beta, log_decay (1, H, T)`` (log_decay or None), ``s0 (n, H, D, Dv)`` or None, prepared ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
@@ -1032,7 +1111,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     Tx = lay.total
     g = g.view(H, Tx, D) if per_channel else g.view(H, Tx)
     o, *_ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
-                                chunk_size, *knobs, _needs_states(q, k, v, b, g), qk_eps)  # rows (H, Tx, *): B = 1
+                                chunk_size, *knobs, _needs_states(q, k, v, b, g), qk_eps, strategy)  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
     return lay.packed(o), (lay.states(o) if return_state else None)
 
@@ -1053,6 +1132,7 @@ def delta_rule_attention(
     solve_block: int = 32,
     cu_seqlens: Tensor | None = None,
     qk_l2norm_eps: float | None = None,
+    strategy: str = "auto",
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Causal delta-rule attention (DeltaNet, Gated DeltaNet), chunked, O(N) memory:
     ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale S_t^T q_t``.
@@ -1123,6 +1203,14 @@ def delta_rule_attention(
             written: no normalised copy of q and k, and no pass of its own over their gradients.
             (Not ``F.normalize``, whose eps bounds the norm from below: the two differ for norms
             near sqrt(eps).)
+        strategy: how the chunked form runs on the device; any choice gives the same result up to
+            rounding. ``"cpu"``: blocks of ``chunks_per_block`` chunks in cache and a sequential
+            loop over chunks (the least arithmetic); ``"accelerator"``: every chunk at once in a
+            few large products and the recurrence across chunks as a log-depth scan of the chunks'
+            ``(D, D)`` transitions, so the number of kernel launches grows with log N, not N, for
+            about ``D / C`` times the loop's arithmetic (``linattn.functional.recurrence``);
+            ``"auto"`` (default): ``"cpu"`` on a CPU, ``"accelerator"`` on CUDA, MPS, XPU, ...
+            ``chunks_per_block`` is the CPU strategy's knob only.
 
     Causality and document isolation hold for finite inputs within the contract (unit keys, beta
     in [0, 2]): a NaN or inf at a real position t, or a state that overflows because keys far
@@ -1149,6 +1237,7 @@ def delta_rule_attention(
     if chunks_per_block is not None:
         check_positive_int(fn, "chunks_per_block", chunks_per_block)
     check_positive_int(fn, "solve_block", solve_block)
+    check_strategy(fn, strategy)
     with no_autocast(q.device.type):
         in_dtype = q.dtype
         dt, scale, beta, log_decay, q, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
@@ -1167,7 +1256,8 @@ def delta_rule_attention(
             out, s = result_without_positions((qx, kx, vx, *gates), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
             out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size,
-                             (_chunks_per_block(chunks_per_block, H, D, Dv), solve_block), qk_l2norm_eps)
+                             (_chunks_per_block(chunks_per_block, H, D, Dv), solve_block), qk_l2norm_eps,
+                             resolve_strategy(strategy, q.device))
         elif N == 1 and s0 is not None:  # the recurrent step
             out, s = _step(qx, kx, vx, beta, log_decay, scale, s0, qk_l2norm_eps)
         else:
@@ -1178,7 +1268,8 @@ def delta_rule_attention(
             o, s, *_ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
                                            None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
                                            _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block,
-                                           _needs_states(qx, kx, vx, beta, log_decay, s0r), qk_l2norm_eps)
+                                           _needs_states(qx, kx, vx, beta, log_decay, s0r), qk_l2norm_eps,
+                                           resolve_strategy(strategy, q.device))
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
         out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out

@@ -35,6 +35,7 @@ from .checks import (
     shape_str,
 )
 from .decayed import decayed_product
+from .recurrence import check_strategy
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .sharding import ShardForm, ShardPart, cumulative_decay
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
@@ -149,7 +150,7 @@ def _recurrent_step(q, k, v, g, s0):
     s = torch.addcmul(k.transpose(-1, -2) * v, torch.exp(g).transpose(-1, -2), s0)  # (B, H, D, Dv)
     return q @ s, s
 
-def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs):
+def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs, strategy):
     """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
     ``g (1, H, T, G)``, ``s0 (n, H, D, Dv)`` or None, prepared (compute dtype, padding zeroed) ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
@@ -166,7 +167,7 @@ def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs):
         g = lay.expand(g, lay.zeros(g), lay.zeros(g))
         scale = 1.0
     out, _ = decayed_product(q, k, v, log_decay=lay.with_resets(g), scale=scale, chunk_size=chunk_size,
-                             sub_chunk_size=knobs[0], tile_positions=knobs[1])
+                             sub_chunk_size=knobs[0], tile_positions=knobs[1], strategy=strategy)
     return lay.packed(out), (lay.states(out) if return_state else None)
 
 
@@ -184,6 +185,7 @@ def gated_linear_attention(
     sub_chunk_size: int = 4,
     tile_positions: int = 4096,
     cu_seqlens: Tensor | None = None,
+    strategy: str = "auto",
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Gated linear attention ``S_t = exp(log_decay_t) * S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``.
 
@@ -232,6 +234,12 @@ def gated_linear_attention(
             see ``linattn.functional.varlen``). ``key_padding_mask`` ``(1, T)`` works alike.
             Also the engine for other mechanisms' packed inputs: pass their features as q, k,
             their values as v, their log decays (zeros for none) and ``scale=1.0``.
+        strategy: how the chunked form runs on the device; any choice gives the same result up to
+            rounding. ``"cpu"``: tiles of ``tile_positions`` in cache and a sequential loop over
+            chunks (the least arithmetic); ``"accelerator"``: every chunk at once in a few large
+            products and the recurrence across chunks as a log-depth scan, so the number of
+            kernel launches grows with log N, not N (``linattn.functional.recurrence``);
+            ``"auto"`` (default): ``"cpu"`` on a CPU, ``"accelerator"`` on CUDA, MPS, XPU, ...
 
     Causality and document isolation hold for finite q, k, v: a NaN or inf at a real position t
     can reach the outputs of earlier positions in t's chunk (blocked products: 0 * inf is NaN),
@@ -252,6 +260,7 @@ def gated_linear_attention(
         check_positive_int(fn, "chunk_size", chunk_size)
     check_positive_int(fn, "sub_chunk_size", sub_chunk_size)
     check_positive_int(fn, "tile_positions", tile_positions)
+    check_strategy(fn, strategy)
     in_dtype = q.dtype
     with no_autocast(q.device.type):
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
@@ -267,12 +276,13 @@ def gated_linear_attention(
             out, s = result_without_positions((q, k, v, g), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
             out, s = _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size,
-                             (sub_chunk_size, tile_positions))
+                             (sub_chunk_size, tile_positions), strategy)
         elif N == 1 and s0 is not None:
             out, s = _recurrent_step(q * scale, k, v, g, s0)
         else:
             out, s = decayed_product(q, k, v, s0, log_decay=g, scale=scale, chunk_size=chunk_size,
-                                     sub_chunk_size=sub_chunk_size, tile_positions=tile_positions)
+                                     sub_chunk_size=sub_chunk_size, tile_positions=tile_positions,
+                                     strategy=strategy)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
 
