@@ -948,11 +948,13 @@ def _scan_(buf: Tensor, lvl: Tensor, lvl_init: Tensor, *, reverse: bool, has_ini
 
 
 def _scanned_products(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lvl_init: Tensor, *,
-                      reverse: bool) -> Tensor:
+                      reverse: bool, strategy: str = "cpu") -> Tensor:
     """:func:`_scan_` of the per-chunk products ``bmm(a, b)`` for ``a (BH*Nc, F, C)``,
     ``b (BH*Nc, C, E)``, seeded with ``seed`` (anything of BH*F*E entries; None for zeros): a new
     ``(BH, Nc + 1, F*E)`` laid out as :func:`_scan_` describes. The products go straight into their
     slots when those are one block of memory (BH = 1, the tiled FAVOR path)."""
+    if strategy == "accelerator":
+        return _scanned_by_recurrence(a, b, seed, lvl, lvl_init, reverse=reverse)
     BH = lvl.shape[0]
     nc, Fd, E = a.shape[0] // BH, a.shape[1], b.shape[2]
     buf = a.new_empty(BH, nc + 1, Fd * E)
@@ -968,8 +970,25 @@ def _scanned_products(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lv
     return _scan_(buf, lvl, lvl_init, reverse=reverse, has_init=seed is not None)
 
 
+def _scanned_by_recurrence(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lvl_init: Tensor, *,
+                           reverse: bool) -> Tensor:
+    """:func:`_scanned_products` for the accelerator: the same sums as the recurrence across chunks
+    (``recurrence.py``) with a number per row as each chunk's transition, ``e^{lvl[c-1] - lvl[c]}``
+    (``e^{lvl[c+1] - lvl[c]}`` reversed; ``lvl_init`` at the seed's end), every factor <= 1."""
+    BH, nc = lvl.shape
+    Fd, E = a.shape[1], b.shape[2]
+    terms = torch.bmm(a, b).view(BH, nc, Fd, E).transpose(0, 1)  # (Nc, BH, F, E)
+    beyond = lvl_init[:, None]
+    other = torch.cat([lvl[:, 1:], beyond], dim=1) if reverse else torch.cat([beyond, lvl[:, :-1]], dim=1)
+    A = torch.exp(other - lvl).t()[..., None, None]  # (Nc, BH, 1, 1)
+    seed = a.new_zeros(BH, Fd, E) if seed is None else seed.reshape(BH, Fd, E)
+    states = chunk_recurrence(A, terms, seed, strategy="accelerator", reverse=reverse)  # (Nc + 1, BH, F, E)
+    return states.transpose(0, 1).reshape(BH, nc + 1, Fd * E)
+
+
 def _chunk_states(
-    kc: Tensor, wc: Tensor, leave: Tensor, start: Tensor, end: Tensor, s0: Tensor | None, BH: int
+    kc: Tensor, wc: Tensor, leave: Tensor, start: Tensor, end: Tensor, s0: Tensor | None, BH: int,
+    strategy: str = "cpu",
 ) -> tuple[Tensor, Tensor]:
     """The state entering each chunk ``(B*H*Nc, F, E)`` and the final state ``(B*H, F, E)``.
 
@@ -978,7 +997,7 @@ def _chunk_states(
     Fd, E = kc.shape[-1], wc.shape[-1]
     nc = kc.shape[0] // BH
     # s0, then each chunk's leaving state (scale the narrower w)
-    buf = _scanned_products(kc.transpose(1, 2), wc * leave, s0, end, start[:, 0], reverse=False)
+    buf = _scanned_products(kc.transpose(1, 2), wc * leave, s0, end, start[:, 0], reverse=False, strategy=strategy)
     s_final = buf[:, nc].reshape(BH, Fd, E).clone()
     return buf[:, :nc].reshape(-1, Fd, E), s_final  # a view when BH = 1
 
@@ -990,7 +1009,7 @@ def _scale_layout(a: Tensor, chunk_size: int) -> ChunkLayout:
 
 
 def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None,
-             chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             chunk_size: int, strategy: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> ``o (B, H, N, E)``, the final state ``(B, H, F, E)`` and what the backward keeps besides
     the inputs: the chunked scales ``mc (B*H, Nc, C)``, the per-chunk states ``s_in (B*H*Nc, F, E)``
     and the masked chunk scores ``(B*H*Nc, C, C)`` (N F E / C and N C floats: with F in the
@@ -1006,7 +1025,7 @@ def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | Non
     if n_pad:
         mc[:, -1, C - n_pad:] = mc[:, -1, C - n_pad - 1: C - n_pad]
     intra, enter, leave, start, end = _scale_weights(mc)
-    s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H)
+    s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H, strategy)
     scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
     o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
     out = lay.unchunked(o.view(B * H, nc, C, E)).view(B, H, N, E)
@@ -1014,7 +1033,7 @@ def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | Non
 
 
 def _scale_backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, scores: Tensor, do: Tensor,
-              ds_final: Tensor, has_s0: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              ds_final: Tensor, has_s0: bool, chunk_size: int, strategy: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`_forward`: ``da, dkf, dw`` shaped as their inputs and ``ds0 (B, H, F, E)``
     (``(0,)`` without ``has_s0``)."""
     B, H, N, Fd = a.shape
@@ -1028,7 +1047,8 @@ def _scale_backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, 
     # T[c] = sum_{c' >= c} e^{start[c] - start[c']} g[c'] + e^{start[c] - end[-1]} ds_final,
     # the same rescaled scan run backwards (levels -start, read in reverse order); chunk c's
     # contribution gets T[c+1] (T[Nc] = ds_final) and s0 gets T[0].
-    t = _scanned_products(ac.transpose(1, 2), doe, ds_final, -start, -end[:, -1], reverse=True)  # T[c], T[Nc]
+    t = _scanned_products(ac.transpose(1, 2), doe, ds_final, -start, -end[:, -1], reverse=True,
+                          strategy=strategy)  # T[c], T[Nc]
     ds0 = t[:, 0].reshape(B, H, Fd, E).clone() if has_s0 else a.new_empty(0)
     g = t[:, 1:].reshape(-1, Fd, E)  # d loss / d (chunk c's contribution) = T[c + 1]
     del t
@@ -1048,13 +1068,13 @@ def _scale_backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, 
 # delta-rule engines): torch.compile sees one op per call instead of unrolling the chunk scan.
 _scaled_chunked = engine_op(
     "linattn::scaled_chunked",
-    "(Tensor a, Tensor kf, Tensor w, Tensor m, Tensor? s0, int chunk_size) "
+    "(Tensor a, Tensor kf, Tensor w, Tensor m, Tensor? s0, int chunk_size, str strategy) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _scale_forward)
 
 
 @_scaled_chunked.register_fake
-def _(a, kf, w, m, s0, chunk_size):
+def _(a, kf, w, m, s0, chunk_size, strategy):
     B, H, N, Fd = a.shape
     E = w.shape[-1]
     C = min(chunk_size, N)
@@ -1066,22 +1086,22 @@ def _(a, kf, w, m, s0, chunk_size):
 _scaled_chunked_backward = engine_op(
     "linattn::scaled_chunked_backward",
     "(Tensor a, Tensor kf, Tensor w, Tensor mc, Tensor s_in, Tensor scores, Tensor do, "
-    "Tensor ds_final, bool has_s0, int chunk_size) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor ds_final, bool has_s0, int chunk_size, str strategy) -> (Tensor, Tensor, Tensor, Tensor)",
     _scale_backward)
 
 
 @_scaled_chunked_backward.register_fake
-def _(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, chunk_size):
+def _(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, chunk_size, strategy):
     B, H, _, Fd = a.shape
     ds0 = a.new_empty(B, H, Fd, w.shape[-1]) if has_s0 else a.new_empty(0)
     return a.new_empty(a.shape), kf.new_empty(kf.shape), w.new_empty(w.shape), ds0
 
 
 def _scale_setup(ctx, inputs, output):
-    a, kf, w, m, s0, chunk_size = inputs
+    a, kf, w, m, s0, chunk_size, strategy = inputs
     _, _, mc, s_in, scores = output
     ctx.save_for_backward(a, kf, w, mc, s_in, scores)
-    ctx.knobs = (s0 is not None, chunk_size)
+    ctx.knobs = (s0 is not None, chunk_size, strategy)
     ctx.mark_non_differentiable(mc, s_in, scores)
     # unused outputs' gradients stay None (materialised, the saved tensors' would be zero-filled)
     ctx.set_materialize_grads(False)
@@ -1089,14 +1109,14 @@ def _scale_setup(ctx, inputs, output):
 
 def _scale_autograd(ctx, do, ds_final, _dmc, _ds_in, _dscores):
     a, kf, w, mc, s_in, scores = ctx.saved_tensors
-    has_s0, _ = ctx.knobs
+    has_s0 = ctx.knobs[0]
     B, H, _, Fd = a.shape
     if do is None:
         do = w.new_zeros(w.shape)
     if ds_final is None:
         ds_final = w.new_zeros(B, H, Fd, w.shape[-1])
     da, dk, dw, ds0 = _scaled_chunked_backward(a, kf, w, mc, s_in, scores, do, ds_final, *ctx.knobs)
-    return da, dk, dw, None, ds0 if has_s0 else None, None
+    return da, dk, dw, None, ds0 if has_s0 else None, None, None
 
 
 _scaled_chunked.register_autograd(_scale_autograd, setup_context=_scale_setup)
@@ -1168,7 +1188,7 @@ def decayed_product(
         q = q * scale
     if running_log_scale is not None:
         C = CHUNK_SIZES["scale"] if chunk_size is None else chunk_size
-        out, s_final, _, _, _ = _scaled_chunked(q, k, v, running_log_scale.detach(), s0, C)
+        out, s_final, _, _, _ = _scaled_chunked(q, k, v, running_log_scale.detach(), s0, C, strategy)
         return out, s_final
     C = CHUNK_SIZES["none"] if chunk_size is None else chunk_size
     if strategy == "accelerator":  # one tile of every row and chunk: the chunk states are one cumsum

@@ -68,6 +68,7 @@ from .checks import (
 )
 from .decayed_state import DecayedState
 from .decayed import decayed_product
+from .recurrence import check_strategy, resolve_strategy
 from .gated import gated_linear_attention
 from .linear import LinearAttentionState, causal_linear_product, check_linear_state
 from .normaliser import divide_by_normaliser_, normalise, normaliser_floor
@@ -241,6 +242,7 @@ def favor_attention(
     chunk_size: int = 64,
     tile_entries: int = 1 << 20,
     cu_seqlens: Tensor | None = None,
+    strategy: str = "auto",
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """FAVOR+ attention: kernel attention with the random features of ``projection``.
 
@@ -277,6 +279,12 @@ def favor_attention(
             running scale, no key of another document), in one chunked run whose cost grows with
             N. ``initial_state`` / ``return_state`` then hold one state per document (batch n).
             The call is not cut into tiles.
+        strategy: causal only, how the chunked product runs on the device (any choice gives the
+            same result up to rounding): ``"cpu"``, tiles of ``tile_entries`` and a sequential
+            recurrence across chunks; ``"accelerator"``, the whole input at once and the chunk
+            states as a log-depth scan, so the number of kernel launches does not grow with N
+            (``linattn.functional.recurrence``); ``"auto"`` (default), ``"cpu"`` on a CPU and
+            ``"accelerator"`` on CUDA, MPS, XPU, ...
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
@@ -292,16 +300,21 @@ def favor_attention(
     scale = check_scale(fn, scale, q.shape[-1])
     check_positive_int(fn, "chunk_size", chunk_size)
     check_positive_int(fn, "tile_entries", tile_entries)
+    check_strategy(fn, strategy)
+    strategy = resolve_strategy(strategy, q.device)
+    if strategy == "accelerator":  # one piece: every product over the whole input
+        tile_entries = max(tile_entries, q.shape[0] * q.shape[1] * max(q.shape[2], k.shape[2], 1)
+                           * projection.shape[0] * 2)
     if cu_seqlens is not None:
         if not causal:
             raise ValueError(f"{fn}: cu_seqlens (packed documents) needs causal=True")
         cu_seqlens = check_cu_seqlens(fn, cu_seqlens, q)  # int64
         with no_autocast(q.device.type):
             return _favor(fn, q, k, v, projection, kernel, features, True, key_padding_mask, scale, initial_state,
-                          return_state, chunk_size, cu_seqlens)
+                          return_state, chunk_size, cu_seqlens, strategy)
     with no_autocast(q.device.type):
         return _tiled(fn, q, k, v, projection, kernel, features, causal, key_padding_mask, scale,
-                      initial_state, return_state, chunk_size, tile_entries)
+                      initial_state, return_state, chunk_size, tile_entries, strategy)
 
 
 # Why tiles (the tile_entries knob): FAVOR's feature tensors are (B, H, N, F) with F in the
@@ -315,7 +328,7 @@ def favor_attention(
 
 
 def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
-           chunk_size, tile_entries):
+           chunk_size, tile_entries, strategy="auto"):
     """Run :func:`_favor` tile by tile (about ``tile_entries`` entries each) and join the results.
 
     Tiles are groups of whole batch rows when a batch row fits, else groups of heads of one batch
@@ -334,7 +347,7 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
     per_batch = per_head * H
     if per_batch * B <= tile_entries or max(nq, nk) == 0:
         return _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
-                      chunk_size)
+                      chunk_size, strategy=strategy)
     fields = None
     if initial_state is not None:
         log_scale = initial_state.log_scale
@@ -373,7 +386,8 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
                         [None] * -(-nq // block) if mt is None else mt.split(block, dim=1))
         pieces = []
         for qp, kp, vp, mp in parts:
-            o, st = _favor(fn, qp, kp, vp, projection, kernel, features, True, mp, scale, st, True, chunk_size)
+            o, st = _favor(fn, qp, kp, vp, projection, kernel, features, True, mp, scale, st, True, chunk_size,
+                           strategy=strategy)
             pieces.append(o)
         outs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
         finals.append(st)
@@ -391,7 +405,7 @@ def _tiled(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
 
 
 def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initial_state, return_state,
-           chunk_size, cu_seqlens=None):
+           chunk_size, cu_seqlens=None, strategy="auto"):
     dt, out_dtype = compute_dtype(q.dtype), q.dtype
     B, H, nq, _ = q.shape
     dv = v.shape[-1]
@@ -429,14 +443,14 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
         if s0 is not None and log_scale0 is not None:
             s0 = s0 * torch.exp(log_scale0)[..., None, None]
         if lay is None:
-            o, s_final = causal_linear_product(qf, kf, w, s0, chunk_size=chunk_size)
+            o, s_final = causal_linear_product(qf, kf, w, s0, chunk_size=chunk_size, strategy=strategy)
             z_seen = kf.detach().cumsum(2)  # (B, H, N, m): the normaliser state at each position
             if s0 is not None:
                 z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)
         else:  # packed: the gated engine, no decay, reset at every document (varlen.py)
             o, st = gated_linear_attention(qf, kf, w, qf.new_zeros(qf.shape[:3]), scale=1.0, cu_seqlens=cu_seqlens,
                                            initial_state=None if s0 is None else DecayedState(s0),
-                                           return_state=True, chunk_size=chunk_size)
+                                           return_state=True, chunk_size=chunk_size, strategy=strategy)
             s_final = st.s
             z_seen = segment_cumsum(kf.detach(), lay, initial=None if s0 is None else s0[..., dv].detach())
         out = _finish(o, dv, features, out_dtype, normaliser_floor(qf, z_seen))
@@ -480,7 +494,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
 
     if lay is not None:
         return _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay, cu_seqlens, dv, features,
-                                      out_dtype, _positive_floor(m, dt), chunk_size, return_state)
+                                      out_dtype, _positive_floor(m, dt), chunk_size, return_state, strategy)
 
     # Causal: the running maximum, from the carried state's scale onwards.
     run = torch.cummax(c, dim=-1).values if c.shape[-1] else c  # (B, H, N)
@@ -499,7 +513,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             s_final = s_final + s0
         o = qf @ s_final  # (B, H, 1, E)
     else:
-        o, s_final = decayed_product(qf, kf, w, s0, running_log_scale=run, chunk_size=chunk_size)
+        o, s_final = decayed_product(qf, kf, w, s0, running_log_scale=run, chunk_size=chunk_size, strategy=strategy)
     out = _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
     if not return_state:
         return out
@@ -529,7 +543,7 @@ def _document_major_key(doc: Tensor, c: Tensor) -> Tensor:
 
 
 def _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay: VarlenLayout, cu_seqlens, dv, features,
-                           out_dtype, floor, chunk_size, return_state):
+                           out_dtype, floor, chunk_size, return_state, strategy="auto"):
     """The causal softmax-kernel path of packed documents: ``qf (1, H, T, F)``, key log-magnitudes
     ``c (1, H, T)`` (-inf at padding), ``w (1, H, T, E)``, ``key_features(run) -> kf``, per-document
     ``s0 (n, H, F, E)`` and ``log_scale0 (n, H)`` (or None) -> the output and, with
@@ -559,6 +573,7 @@ def _packed_softmax_kernel(qf, c, w, key_features, s0, log_scale0, lay: VarlenLa
     log_decay = torch.cat([run[..., :1].new_zeros(run[..., :1].shape), run[..., :-1] - run[..., 1:]], dim=-1)
     log_decay = log_decay.masked_fill(lay.resets[:, 0], 0.0)  # the reset replaces it there (T = Tx here)
     o, st = gated_linear_attention(qf, kf, w, log_decay, scale=1.0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                   strategy=strategy,
                                    initial_state=None if s0 is None else DecayedState(s0), return_state=True)
     out = _finish(o, dv, features, out_dtype, floor)
     if not return_state:

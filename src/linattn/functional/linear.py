@@ -42,6 +42,7 @@ from .decayed import decayed_product
 from .decayed_state import DecayedState
 from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
 from .gated import gated_linear_attention
+from .recurrence import check_strategy
 from .sharding import ShardForm, ShardPart
 from .normaliser import (
     divide_by_normaliser,
@@ -92,6 +93,7 @@ def causal_linear_product(
     *,
     chunk_size: int = 64,
     tile_positions: int = 4096,
+    strategy: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Causal prefix product ``o_i = a_i . (s0 + sum_{j <= i} kf_j w_j^T)`` in O(N) memory.
 
@@ -107,6 +109,9 @@ def causal_linear_product(
             among the fastest for the usual widths, see the comment at the top of this file).
         tile_positions: about how many positions the algorithm works on at a time (>= 1; any
             value gives the same result, smaller tiles keep temporaries small).
+        strategy: ``"auto"`` (default: by the device), ``"cpu"`` (tiles of ``tile_positions``) or
+            ``"accelerator"`` (one tile of the whole input: launches that do not grow with N); any
+            choice gives the same result up to rounding (``linattn.functional.recurrence``).
 
     Returns:
         ``o (B, H, N, E)`` and the final state ``(B, H, F, E)``. Both are differentiable with
@@ -115,6 +120,7 @@ def causal_linear_product(
     fn = "causal_linear_product"
     check_positive_int(fn, "chunk_size", chunk_size)
     check_positive_int(fn, "tile_positions", tile_positions)
+    check_strategy(fn, strategy)
     if a.dim() != 4 or a.shape != kf.shape:
         raise ValueError(f"{fn}: a and kf must both be (B, H, N, F), got a {tuple(a.shape)} and kf {tuple(kf.shape)}")
     if w.dim() != 4 or w.shape[:3] != a.shape[:3]:
@@ -131,7 +137,7 @@ def causal_linear_product(
         s = kf.transpose(-1, -2) @ w  # (B, H, F, E) zeros, attached to the graph
         s_final = s if s0 is None else s0 + s
         return a @ s_final, s_final
-    return decayed_product(a, kf, w, s0, chunk_size=chunk_size, tile_positions=tile_positions)
+    return decayed_product(a, kf, w, s0, chunk_size=chunk_size, tile_positions=tile_positions, strategy=strategy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +247,7 @@ def linear_attention(
     chunk_size: int = 64,
     tile_positions: int | None = None,
     cu_seqlens: Tensor | None = None,
+    strategy: str = "auto",
 ) -> Union[Tensor, tuple[Tensor, LinearAttentionState]]:
     """Kernel attention ``out_i = phi(q_i) S / phi(q_i) z`` (Katharopoulos et al., arXiv 2006.16236).
 
@@ -276,6 +283,11 @@ def linear_attention(
             The isolation holds for finite inputs; a NaN or inf can cross into the documents that
             share its chunk (and, through the normaliser's running sums, later ones): see
             ``linattn.functional.varlen``.
+        strategy: causal only, how the chunked algorithm runs on the device (any choice gives the
+            same result up to rounding): ``"cpu"``, tiles of ``tile_positions`` in cache;
+            ``"accelerator"``, the whole input at once, so the number of kernel launches does not
+            grow with N (``linattn.functional.recurrence``); ``"auto"`` (default), ``"cpu"`` on a
+            CPU and ``"accelerator"`` on CUDA, MPS, XPU, ...
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a
@@ -289,20 +301,21 @@ def linear_attention(
     check_positive_int(fn, "chunk_size", chunk_size)
     if tile_positions is not None:
         check_positive_int(fn, "tile_positions", tile_positions)
+    check_strategy(fn, strategy)
     if cu_seqlens is not None:
         if not causal:
             raise ValueError(f"{fn}: cu_seqlens (packed documents) needs causal=True: the bidirectional form has "
                              "no packed variant")
         with no_autocast(q.device.type):
             return _linear_varlen(fn, q, k, v, feature_map, key_padding_mask, initial_state, return_state,
-                                  chunk_size, 4096 if tile_positions is None else tile_positions, cu_seqlens)
+                                  chunk_size, 4096 if tile_positions is None else tile_positions, cu_seqlens, strategy)
     with no_autocast(q.device.type):
         return _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state,
-                                 chunk_size, 4096 if tile_positions is None else tile_positions)
+                                 chunk_size, 4096 if tile_positions is None else tile_positions, strategy)
 
 
 def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initial_state, return_state,
-                      chunk_size, tile_positions):
+                      chunk_size, tile_positions, strategy="auto"):
     dt = compute_dtype(q.dtype)
     dv = v.shape[-1]
     if initial_state is not None and q.shape[2] == 1 and key_padding_mask is None:
@@ -336,7 +349,7 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
                 and any(t is not None and t.requires_grad for t in (qf, kf, v, s0)))
         name = "" if phi is None else feature_map
         out, s_final = decayed_product(qf, kf, v, s0, normalise=True, phi=name, keep=keep, chunk_size=chunk_size,
-                                       tile_positions=tile_positions)
+                                       tile_positions=tile_positions, strategy=strategy)
         out = out.to(q.dtype)
     else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
@@ -353,7 +366,7 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
 
 
 def _linear_varlen(fn, q, k, v, feature_map, key_padding_mask, initial_state, return_state, chunk_size,
-                   tile_positions, cu_seqlens):
+                   tile_positions, cu_seqlens, strategy="auto"):
     """Causal kernel attention of packed documents (``cu_seqlens``): ``q, k (1, H, T, D)``,
     ``v (1, H, T, Dv)`` -> ``(1, H, T, Dv)`` and, with ``return_state``, per-document states.
 
@@ -377,7 +390,8 @@ def _linear_varlen(fn, q, k, v, feature_map, key_padding_mask, initial_state, re
         S0, z0 = initial_state.S.to(dt), initial_state.z.to(dt)
     res = gated_linear_attention(qf, kf, v, qf.new_zeros(qf.shape[:3]), scale=1.0, cu_seqlens=cu,
                                  initial_state=None if S0 is None else DecayedState(S0),
-                                 return_state=return_state, chunk_size=chunk_size, tile_positions=tile_positions)
+                                 return_state=return_state, chunk_size=chunk_size, tile_positions=tile_positions,
+                                 strategy=strategy)
     num, S = res if return_state else (res, None)
     lay = varlen_layout(cu, q.shape[2], Fd, write_states=False, read_states=False)
     z_seen = segment_cumsum(kf, lay, initial=z0)  # (1, H, T, F): the normaliser state each query sees
