@@ -1,0 +1,259 @@
+"""The engines' device strategies (``linattn.functional.recurrence``): the accelerator strategy,
+forced on a CPU, equals the plain references (float64: to rounding; float32: 1e-5 relative) in
+every chunked form, packed documents and grouped heads included, and the recurrence stage's two
+strategies equal its written-out reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn.functional as LF
+from linattn.functional.decayed_state import DecayedState
+from linattn.functional.delta import delta_rule_attention_reference
+from linattn.functional.gated import gated_linear_attention_reference
+from linattn.functional.linear import LinearAttentionState, linear_attention_reference
+from linattn.functional.favor import favor_attention_reference
+from linattn.functional.recurrence import (
+    check_strategy,
+    chunk_recurrence,
+    chunk_recurrence_reference,
+    resolve_strategy,
+)
+
+f64 = torch.float64
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max(max |b|, 1), b the reference: relative for the usual references, absolute
+    for one whose entries are all below 1 (the inputs are of order 1; a gradient that is 0 in exact
+    arithmetic, as q's through a normalised output of one position, is a few ulps of the loss)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1.0)
+
+
+# --- the recurrence stage ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["identity", "scalar", "diagonal", "full"])
+@pytest.mark.parametrize("Nc", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+def test_chunk_recurrence_equals_its_reference(kind, Nc, reverse, strategy):
+    g = torch.Generator().manual_seed(Nc)
+    R, D, Dv = 3, 4, 5
+    U = torch.randn(Nc, R, D, Dv, generator=g, dtype=f64)
+    seed = torch.randn(R, D, Dv, generator=g, dtype=f64)
+    A = {"identity": None, "scalar": torch.rand(Nc, R, 1, 1, generator=g, dtype=f64),
+         "diagonal": torch.rand(Nc, R, D, 1, generator=g, dtype=f64),
+         "full": torch.randn(Nc, R, D, D, generator=g, dtype=f64) / 3}[kind]
+    want = chunk_recurrence_reference(A, U, seed, reverse=reverse)
+    got = chunk_recurrence(A, U, seed, strategy=strategy, reverse=reverse)
+    assert got.shape == (Nc + 1, R, D, Dv)
+    assert rel(got, want) < 1e-12
+    # written into a buffer that holds the seed itself (as the engines call it)
+    out = torch.empty(Nc + 1, R, D, Dv, dtype=f64)
+    at = Nc if reverse else 0
+    out[at] = seed
+    chunk_recurrence(A, U, out[at], strategy=strategy, reverse=reverse, out=out)
+    assert rel(out, want) < 1e-12
+
+
+def test_the_strategy_argument():
+    assert resolve_strategy("auto", torch.device("cpu")) == "cpu"
+    assert resolve_strategy("auto", torch.device("meta")) == "accelerator"  # any other device
+    assert resolve_strategy("cpu", torch.device("meta")) == "cpu"
+    assert resolve_strategy("accelerator", torch.device("cpu")) == "accelerator"
+    with pytest.raises(ValueError, match="f: strategy must be one of 'auto', 'cpu', 'accelerator', got 'gpu'"):
+        check_strategy("f", "gpu")
+    q = torch.randn(1, 1, 8, 4)
+    for call in (lambda: LF.gated_linear_attention(q, q, q, -torch.rand(1, 1, 8), strategy="fast"),
+                 lambda: LF.delta_rule_attention(q, q, q, torch.rand(1, 1, 8), strategy=None),
+                 lambda: LF.linear_attention(q, q, q, causal=True, strategy="GPU"),
+                 lambda: LF.causal_linear_product(q, q, q, strategy=""),
+                 lambda: LF.favor_attention(q, q, q, torch.randn(8, 4), causal=True, strategy="scan")):
+        with pytest.raises(ValueError, match="strategy must be one of"):
+            call()
+
+
+# --- every chunked form, forced accelerator, against its reference ----------------------------
+
+
+def _inputs(form: str, B: int, H: int, N: int, D: int, dtype, seed: int = 0, Hk: int | None = None):
+    """Inputs of one form (requires_grad), and the names of the tensors to differentiate."""
+    g = torch.Generator().manual_seed(seed)
+    Hq = H if Hk is None else Hk
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=f64)
+
+    t = {"q": rnd(B, Hq, N, D), "v": rnd(B, H, N, D + 2)}
+    if form.startswith("delta"):
+        t["k"] = F.normalize(rnd(B, Hq, N, D), dim=-1)
+        t["beta"] = torch.rand(B, H, N, generator=g, dtype=f64)
+        if form == "delta_head":
+            t["log_decay"] = F.logsigmoid(rnd(B, H, N) + 2)
+        elif form == "delta_channel":
+            t["log_decay"] = F.logsigmoid(rnd(B, H, N, D) + 2)
+        t["s0"] = rnd(B, H, D, D + 2)
+    elif form.startswith("gla"):
+        t["k"] = rnd(B, Hq, N, D)
+        t["log_decay"] = F.logsigmoid(rnd(B, H, N, *((D,) if form == "gla_channel" else ())) + 2)
+        t["s0"] = rnd(B, H, D, D + 2)
+    else:
+        t["k"] = rnd(B, Hq, N, D)
+    return {k: x.to(dtype).requires_grad_() for k, x in t.items()}
+
+
+def _projection(D: int, dtype):
+    return LF.favor_projection(24, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+
+def _call(form: str, t: dict, strategy: str | None, **kw):
+    """The fast form (``strategy``) or, for None, the reference: ``(out, final state or None)``."""
+    q, k, v = t["q"], t["k"], t["v"]
+    if form.startswith("delta"):
+        st = DecayedState(t["s0"])
+        if strategy is None:
+            o, s = delta_rule_attention_reference(q, k, v, t["beta"], log_decay=t.get("log_decay"), initial_state=st,
+                                                  return_state=True)
+        else:
+            o, s = LF.delta_rule_attention(q, k, v, t["beta"], log_decay=t.get("log_decay"), initial_state=st,
+                                           return_state=True, strategy=strategy, chunk_size=8, **kw)
+        return o, s.s
+    if form.startswith("gla"):
+        st = DecayedState(t["s0"])
+        if strategy is None:
+            o, s = gated_linear_attention_reference(q, k, v, t["log_decay"], initial_state=st, return_state=True)
+        else:
+            o, s = LF.gated_linear_attention(q, k, v, t["log_decay"], initial_state=st, return_state=True,
+                                             strategy=strategy, chunk_size=8, **kw)
+        return o, s.s
+    if form.startswith("linear"):
+        fm = "relu" if form == "linear_relu" else "elu"
+        if strategy is None:
+            o, s = linear_attention_reference(q, k, v, feature_map=fm, causal=True, return_state=True)
+        else:
+            o, s = LF.linear_attention(q, k, v, feature_map=fm, causal=True, return_state=True, strategy=strategy,
+                                       chunk_size=8, tile_positions=64, **kw)
+        return o, s.S
+    if form == "product":
+        if strategy is None:  # o_i = q_i . sum_{j <= i} k_j v_j^T, written out
+            s = torch.einsum("bhnd,bhne->bhnde", k, v).cumsum(2)
+            return torch.einsum("bhnd,bhnde->bhne", q, s), s[:, :, -1]
+        return LF.causal_linear_product(q, k, v, strategy=strategy, chunk_size=8, tile_positions=64)
+    kernel = "relu" if form == "favor_relu" else "softmax"
+    P = _projection(q.shape[-1], q.dtype)
+    if strategy is None:
+        return favor_attention_reference(q, k, v, P, kernel=kernel, causal=True), None
+    return LF.favor_attention(q, k, v, P, kernel=kernel, causal=True, strategy=strategy, chunk_size=8,
+                              tile_entries=512, **kw), None
+
+
+FORMS = ["delta_none", "delta_head", "delta_channel", "gla_head", "gla_channel", "linear_elu", "linear_relu",
+         "product", "favor_softmax", "favor_relu"]
+
+
+def _loss_and_grads(form, t, strategy, **kw):
+    o, s = _call(form, t, strategy, **kw)
+    loss = (o * torch.linspace(-1, 1, o.shape[-1], dtype=o.dtype)).sum() + (0 if s is None else s.square().sum())
+    names = sorted(t)
+    return o, s, dict(zip(names, torch.autograd.grad(loss, [t[n] for n in names])))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("N", [1, 37, 64])
+def test_forced_accelerator_equals_the_reference_in_float64(form, N):
+    t = _inputs(form, 2, 2, N, 6, f64)
+    o, s, grads = _loss_and_grads(form, t, "accelerator")
+    ro, rs, rgrads = _loss_and_grads(form, t, None)
+    assert rel(o, ro) < 1e-10, form
+    if rs is not None:
+        assert rel(s, rs) < 1e-10, form
+    for name in grads:
+        assert rel(grads[name], rgrads[name]) < 1e-9, (form, name)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_forced_accelerator_in_float32_is_within_1e_5_of_the_float64_reference(form):
+    t64 = _inputs(form, 1, 2, 200, 12, f64, seed=3)
+    t32 = {k: x.detach().float().requires_grad_() for k, x in t64.items()}
+    o, s, grads = _loss_and_grads(form, t32, "accelerator")
+    ro, rs, rgrads = _loss_and_grads(form, t64, None)
+    assert o.dtype == torch.float32
+    assert rel(o, ro) < 1e-5, form
+    if rs is not None:
+        assert rel(s, rs) < 1e-5, form
+    for name in grads:
+        assert rel(grads[name], rgrads[name]) < 1e-5, (form, name)
+
+
+@pytest.mark.parametrize("form", ["delta_none", "delta_head", "delta_channel", "gla_head", "gla_channel"])
+def test_forced_accelerator_with_grouped_heads_equals_the_reference(form):
+    t = _inputs(form, 1, 4, 41, 6, f64, Hk=2)  # value heads 4, query/key heads 2
+    o, s, grads = _loss_and_grads(form, t, "accelerator")
+    # the reference on the query/key heads repeated: each value head h reads head h // 2
+    rep = {k: (x.detach().repeat_interleave(2, dim=1) if k in ("q", "k") else x.detach()).requires_grad_()
+           for k, x in t.items()}
+    ro, rs, rg = _loss_and_grads(form, rep, None)
+    assert rel(o, ro) < 1e-10 and rel(s, rs) < 1e-10
+    for name in grads:
+        want = rg[name].unflatten(1, (2, 2)).sum(2) if name in ("q", "k") else rg[name]
+        assert rel(grads[name], want) < 1e-9, (form, name)
+
+
+PACKED = ["delta_none", "delta_head", "delta_channel", "gla_head", "gla_channel", "linear_elu", "favor_softmax"]
+
+
+@pytest.mark.parametrize("form", PACKED)
+def test_forced_accelerator_on_packed_documents_equals_each_document_alone(form):
+    lengths = [5, 0, 20, 1, 17]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(cu[-1])
+    t = _inputs(form, 1, 2, T, 6, f64, seed=5)
+    t.pop("s0", None)
+    names = sorted(t)
+
+    def packed(strategy):
+        q, k, v = t["q"], t["k"], t["v"]
+        if form.startswith("delta"):
+            return LF.delta_rule_attention(q, k, v, t["beta"], log_decay=t.get("log_decay"), cu_seqlens=cu,
+                                           strategy=strategy, chunk_size=8)
+        if form.startswith("gla"):
+            return LF.gated_linear_attention(q, k, v, t["log_decay"], cu_seqlens=cu, strategy=strategy, chunk_size=8)
+        if form.startswith("linear"):
+            return LF.linear_attention(q, k, v, causal=True, cu_seqlens=cu, strategy=strategy, chunk_size=8)
+        return LF.favor_attention(q, k, v, _projection(6, f64), causal=True, cu_seqlens=cu, strategy=strategy,
+                                  chunk_size=8)
+
+    out = packed("accelerator")
+    grads = torch.autograd.grad((out * out).sum(), [t[n] for n in names])
+    pieces, ref_grads = [], [torch.zeros_like(t[n]) for n in names]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a == b:
+            continue
+        doc = {n: t[n].detach()[:, :, a:b].clone().requires_grad_() for n in names}
+        doc["s0"] = torch.zeros(1, 2, 6, 8, dtype=f64)
+        o, _ = _call(form, doc, None)
+        pieces.append(o)
+        dg = torch.autograd.grad((o * o).sum(), [doc[n] for n in names])
+        for r, d in zip(ref_grads, dg):
+            r[:, :, a:b] = d
+    ref = torch.cat(pieces, dim=2)
+    assert rel(out, ref) < 1e-10, form
+    for n, a, b in zip(names, grads, ref_grads):
+        assert rel(a, b) < 1e-9, (form, n)
+
+
+@pytest.mark.parametrize("form", ["delta_head", "gla_channel"])
+def test_forced_accelerator_compiles_whole(form):
+    """torch.compile(fullgraph=True) of the accelerator strategy: its ops keep their fakes."""
+    t = _inputs(form, 1, 2, 40, 6, torch.float32)
+    eager = _call(form, t, "accelerator")[0]
+
+    def fn(**x):
+        return _call(form, x, "accelerator")[0]
+
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    assert rel(compiled(**t), eager) < 1e-6
