@@ -15,12 +15,8 @@ from linattn.functional.delta import delta_rule_attention_reference
 from linattn.functional.gated import gated_linear_attention_reference
 from linattn.functional.linear import LinearAttentionState, linear_attention_reference
 from linattn.functional.favor import favor_attention_reference
-from linattn.functional.recurrence import (
-    check_strategy,
-    chunk_recurrence,
-    chunk_recurrence_reference,
-    resolve_strategy,
-)
+from linattn.functional.recurrence import chunk_recurrence, chunk_recurrence_reference
+from linattn.functional.strategy import EngineOptions, check_strategy, mixed_bmm, operand_dtype, resolve_strategy
 
 f64 = torch.float64
 

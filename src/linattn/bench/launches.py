@@ -7,17 +7,39 @@ a view, a reshape of metadata or an allocation) and no computing aten op runs be
 composite op such as ``linalg.vecdot`` counts as the ops it is made of). On the H200 this count
 was within a few percent of the CUDA kernels launched (../shared/gpu/README.md).
 
-Dimension legend: none (counts only).
+:func:`run_launches` (``linattn bench launches``, issue 44) counts them for every chunked form of
+``linattn bench gpu`` (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, causal linear
+attention, FAVOR+; B = 1, float32, the checkpoint widths) at each N, prefill (a forward without
+gradients) and train (forward+backward), with the engines' ``strategy`` forced to ``"cpu"`` and to
+``"accelerator"``: the accelerator strategy batches every chunk and scans the recurrence across
+chunks, so its count should stay flat in N (issue 44: at most 200 launches for a forward and 600
+for a forward+backward at N = 16384, and at most 1.5x the count at N = 4096, for Gated DeltaNet,
+KDA, per-channel GLA and causal linear attention). Writes launches.json (every op of every row and
+the commit counted) and launches.md.
+
+Dimension legend: B batch (1), H heads, N positions, D head width (Dk = Dv).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import time
 from collections import Counter
-from typing import Callable, NamedTuple
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
 
 import torch
+from torch import Tensor
 
-__all__ = ["NON_COMPUTING", "LaunchCount", "count_launches"]
+from .. import progress
+from ..functional import delta_rule_attention, favor_attention, favor_projection, gated_linear_attention, linear_attention
+from ..processes import run_process
+from .gpu import FAVOR_FEATURES, HEAD_DIM, KERNEL_FORMS, QUICK_HEAD_DIM, QUICK_HEADS, Form, make_inputs
+from .harness import machine_info, output_folder, write_atomically
+
+__all__ = ["DEFAULT_NS", "FORMS", "GROWTH", "LIMITS", "NON_COMPUTING", "PASSES", "QUICK_NS", "STRATEGIES", "TARGETS",
+           "LaunchCount", "count_launches", "form_call", "format_launches", "run_launches", "verdicts"]
 
 # aten ops that only make a view, change metadata or allocate: no kernel runs for them.
 NON_COMPUTING = frozenset(f"aten::{name}" for name in (
@@ -63,3 +85,245 @@ def count_launches(fn: Callable[[], object]) -> LaunchCount:
         if _computes(ev.name) and not computing_below(ev):
             by_op[ev.name] += 1
     return LaunchCount(sum(by_op.values()), by_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# `linattn bench launches`: the chunked forms under each strategy (issue 44)
+# ---------------------------------------------------------------------------------------------
+
+# Dimension legend of what follows: B batch (1), H heads, N positions, D head width (Dk = Dv).
+
+PASSES = ("prefill", "train")
+STRATEGIES = ("cpu", "accelerator")
+FORMS = tuple(KERNEL_FORMS)  # gated_delta, delta, kda, gla_channel, gla_head, linear, favor: bench gpu's forms
+DEFAULT_NS = (4096, 16384)
+QUICK_NS = (256, 1024)
+# Issue 44's targets, with the accelerator strategy forced: at the largest N at most this many launches
+# per pass, and at most GROWTH times the count at the smallest N; for these forms
+LIMITS = {"prefill": 200, "train": 600}
+GROWTH = 1.5
+TARGETS = ("gated_delta", "kda", "gla_channel", "linear")
+TOP_OPS = 8  # the most frequent ops kept per row in launches.json
+
+
+def _form_fn(form: Form, head_dim: int, strategy: str) -> Callable[..., Tensor]:
+    """linattn's function of ``form`` with ``strategy`` forced: ``fn(q, k, v[, beta][, log_decay])``."""
+    if form.name == "favor":
+        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0))  # (m, D)
+        return lambda q, k, v: favor_attention(q, k, v, projection, causal=True, strategy=strategy)
+    if form.name == "linear":
+        return lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map="elu", strategy=strategy)
+    if form.delta:
+        if form.decay is None:
+            return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta, strategy=strategy)
+        return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, strategy=strategy)
+    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, strategy=strategy)
+
+
+def form_call(form: str, n: int, pass_: str, strategy: str, *, quick: bool = False) -> Callable[[], None]:
+    """One call of ``form`` at ``n`` (B = 1, float32, the form's checkpoint width; 2 heads of 16 with
+    ``quick``) with ``strategy`` forced, on the CPU: ``prefill`` a forward without gradients,
+    ``train`` a forward and a backward into every input's gradient (reset to None first: no
+    accumulation) from a cotangent of ones made here, outside the call."""
+    spec = KERNEL_FORMS[form]
+    heads, head_dim = (QUICK_HEADS, QUICK_HEAD_DIM) if quick else (spec.heads, HEAD_DIM)
+    tensors = make_inputs(spec, n, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"))
+    fn = _form_fn(spec, head_dim, strategy)
+    if pass_ == "prefill":
+        def prefill() -> None:
+            with torch.no_grad():
+                fn(*tensors)
+        return prefill
+    for t in tensors:
+        t.requires_grad_(True)
+    cotangent = torch.ones_like(tensors[2])  # (B, H, N, Dv), the output's shape
+
+    def train() -> None:
+        for t in tensors:
+            t.grad = None
+        fn(*tensors).backward(cotangent)
+    return train
+
+
+def _commit() -> dict:
+    """The commit this code ran at (``git rev-parse HEAD`` of the checkout that holds this file) and
+    the files under src/ that differ from it: None for both outside a git checkout."""
+    root = Path(__file__).resolve().parents[3]  # src/linattn/bench/launches.py -> the checkout
+    head = run_process(["git", "-C", str(root), "rev-parse", "HEAD"], timeout=60)
+    if head.returncode != 0:
+        return {"head": None, "uncommitted": None}
+    status = run_process(["git", "-C", str(root), "status", "--porcelain", "--", "src"], timeout=60)
+    return {"head": head.stdout.strip(),
+            "uncommitted": [line[3:] for line in status.stdout.splitlines()] if status.returncode == 0 else None}
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300].rstrip(": ")
+
+
+def verdicts(result: dict) -> list[dict]:
+    """Per form and pass: the accelerator's count at the smallest and the largest N, its growth, and
+    whether issue 44's limits hold there (``target``: the issue sets them for this form)."""
+    ns = result["config"]["n"]
+    lo, hi = min(ns), max(ns)
+    counts = {(r["form"], r["n"], r["pass"]): r.get("launches") for r in result["rows"]
+              if r["strategy"] == "accelerator"}
+    out = []
+    for form in result["config"]["forms"]:
+        for pass_ in PASSES:
+            first, last = counts.get((form, lo, pass_)), counts.get((form, hi, pass_))
+            if last is None:
+                continue
+            growth = last / first if first and hi != lo else None
+            within = last <= LIMITS[pass_]
+            flat = growth is None or growth <= GROWTH
+            out.append({"form": form, "pass": pass_, "smallest_n": lo, "largest_n": hi, "launches_smallest": first,
+                        "launches_largest": last, "growth": growth, "within_limit": within, "flat": flat,
+                        "holds": within and flat, "target": form in TARGETS})
+    return out
+
+
+def run_launches(out: str | Path = "docs/benchmarks/launches", *, n: Sequence[int] | None = None,
+                 forms: Sequence[str] = FORMS, quick: bool = False, command: str | None = None,
+                 quiet: bool = False) -> dict:
+    """Count the launches (:func:`count_launches`) of one call of every form of ``forms`` at every N of
+    ``n`` (None: 4096 and 16384; 256 and 1024 with ``quick``, which also takes 2 heads of 16), each
+    pass (``prefill``, ``train``) and strategy (``cpu``, ``accelerator``), after one warm-up call;
+    write launches.json and launches.md into ``out`` (after every form: a stopped run leaves what it
+    counted), print the Markdown and return the result. ``command``: the command line recorded
+    (None: one rebuilt from the arguments). ValueError before any work for a bad argument. A call
+    that raises is a row with its error, not the end of the run."""
+    unknown = [f for f in forms if f not in FORMS]
+    if unknown or not forms:
+        raise ValueError(f"run_launches: forms must be some of {', '.join(FORMS)}, got {list(forms)}")
+    ns = tuple(n) if n is not None else (QUICK_NS if quick else DEFAULT_NS)
+    if not ns or any(not isinstance(x, int) or x < 1 for x in ns):
+        raise ValueError(f"run_launches: n must be sequence lengths >= 1, got {n}")
+    output_folder(out)
+    say = functools.partial(progress.say, quiet=quiet)
+    if command is None:
+        command = ("linattn bench launches" + (f" --n {','.join(map(str, n))}" if n is not None else "")
+                   + (f" --forms {','.join(forms)}" if tuple(forms) != FORMS else "")
+                   + (" --quick" if quick else "") + f" --out {out}")
+    t_start = time.perf_counter()
+    result: dict = {
+        "command": command,
+        "complete": False,
+        "commit": _commit(),
+        "machine": machine_info(),
+        "config": {"forms": list(forms), "n": list(ns), "passes": list(PASSES), "strategies": list(STRATEGIES),
+                   "quick": quick, "dtype": "float32", "batch_size": 1, "warmup": 1,
+                   "widths": {f: {"heads": QUICK_HEADS if quick else KERNEL_FORMS[f].heads,
+                                  "head_dim": QUICK_HEAD_DIM if quick else HEAD_DIM} for f in forms},
+                   "limits": {"launches": LIMITS, "growth": GROWTH, "targets": list(TARGETS)}},
+        "rows": [],
+    }
+    say(f"linattn bench launches at {(result['commit']['head'] or 'no commit')[:12]}: {', '.join(forms)} at N = "
+        f"{', '.join(map(str, ns))}, {', '.join(PASSES)}, strategies {', '.join(STRATEGIES)}")
+
+    def save() -> None:
+        result["verdicts"] = verdicts(result)
+        result["elapsed_seconds"] = time.perf_counter() - t_start
+        write_atomically(out, {"launches.json": json.dumps(result, indent=2), "launches.md": format_launches(result)})
+
+    for form in forms:
+        for x in ns:
+            for pass_ in PASSES:
+                for strategy in STRATEGIES:
+                    row = {"form": form, "n": x, "pass": pass_, "strategy": strategy}
+                    t0 = time.perf_counter()
+                    try:
+                        call = form_call(form, x, pass_, strategy, quick=quick)
+                        call()  # the warm-up: first-call work (custom ops' registration, caches) is not counted
+                        count = count_launches(call)
+                        del call
+                    except Exception as e:  # noqa: BLE001 - one failed setting is a row, not the end of the run
+                        row["error"] = _first_line(e)
+                        say(f"  {form}, N = {x}, {pass_}, {strategy}: error: {row['error']}")
+                    else:
+                        ops = dict(count.by_op.most_common())
+                        row.update(launches=count.total, top=list(ops.items())[:TOP_OPS], by_op=ops)
+                        say(f"  {form}, N = {x}, {pass_}, {strategy}: {count.total} launches "
+                            f"({time.perf_counter() - t0:.1f} s)")
+                    result["rows"].append(row)
+        save()
+    result["complete"] = True
+    save()
+    say(format_launches(result))
+    return result
+
+
+def _top(row: dict | None, k: int = 3) -> str:
+    if row is None or "launches" not in row:
+        return "-"
+    return ", ".join(f"{op.removeprefix('aten::')} {c}" for op, c in row["top"][:k])
+
+
+def format_launches(result: dict) -> str:
+    cfg, m, commit = result["config"], result["machine"], result["commit"]
+    ns = cfg["n"]
+    lo, hi = min(ns), max(ns)
+    head = commit["head"][:12] if commit["head"] else "unknown (not a git checkout)"
+    dirty = commit.get("uncommitted")
+    widths = "; ".join(f"{f} {w['heads']} x {w['head_dim']}" for f, w in cfg["widths"].items())
+    names = {"gated_delta": "Gated DeltaNet", "kda": "KDA", "gla_channel": "per-channel GLA",
+             "linear": "causal linear attention"}
+    lines = ["# Kernel launches of the chunked forms: the CPU strategy against the accelerator strategy", "",
+             f"Written by `{result['command']}`; do not edit by hand. Commit {head}"
+             + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+             + f". Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}.", "",
+             "A count is the computing leaf aten ops of one call, after one warm-up call, recorded by "
+             "torch.profiler on the CPU (`linattn.bench.launches.count_launches`): ops that compute (no view, "
+             "metadata change or allocation) and call no other computing op. On a GPU each launches a kernel; "
+             "on an H200 the count was within a few percent of the CUDA kernels torch.profiler saw there "
+             "(1497 against 1409 for one Gated DeltaNet forward at N = 4096, 16 heads of 128). "
+             f"B = 1, float32, heads x head width: {widths}. prefill: a forward without gradients; train: a "
+             "forward and a backward into every input's gradient. cpu / accelerator: the engines' `strategy=` "
+             "forced.", "",
+             f"Issue 44's limits, with the accelerator strategy, for {', '.join(names[f] for f in TARGETS)}: at the "
+             f"largest N at most {LIMITS['prefill']} launches for a prefill and {LIMITS['train']} for a forward+"
+             f"backward, and at most {GROWTH:g}x the count at the smallest N (here N = {hi} against {lo}). The other "
+             "forms are held to the same limits without a target."]
+    if not result.get("complete"):
+        lines += ["", "**Incomplete**: the run stopped before its end; these are the settings it finished."]
+    lines += ["", "## Limits", ""]
+    for v in result.get("verdicts", []):
+        growth = "-" if v["growth"] is None else f"{v['growth']:.2f}x"
+        state = "holds" if v["holds"] else ("**does not hold**" if v["target"] else "does not hold")
+        lines.append(f"- {state}{'' if v['target'] else ' (no target)'}: `{v['form']}` {v['pass']}, accelerator: "
+                     f"{v['launches_largest']} launches at N = {v['largest_n']} (at most {LIMITS[v['pass']]}), "
+                     f"{growth} the {v['launches_smallest']} at N = {v['smallest_n']} (at most {GROWTH:g}x)")
+    lines += ["", "## Counts", "",
+              f"growth: the accelerator's count / its count at N = {lo}. Most frequent: the accelerator's three most "
+              "frequent ops (launches.json has every op of every row).", "",
+              "| form | N | pass | cpu | accelerator | accelerator growth | limits | most frequent (accelerator) |",
+              "| --- | ---: | --- | ---: | ---: | ---: | --- | --- |"]
+    rows = {(r["form"], r["n"], r["pass"], r["strategy"]): r for r in result["rows"]}
+    by_key = {(v["form"], v["pass"]): v for v in result.get("verdicts", [])}
+
+    def cell(row: dict | None) -> str:
+        if row is None:
+            return "-"
+        return str(row["launches"]) if "launches" in row else f"error: {row['error']}".replace("|", "/")
+
+    for form in cfg["forms"]:
+        for x in ns:
+            for pass_ in PASSES:
+                cpu, acc = rows.get((form, x, pass_, "cpu")), rows.get((form, x, pass_, "accelerator"))
+                if cpu is None and acc is None:
+                    continue
+                v = by_key.get((form, pass_)) if x == hi else None
+                growth = "-" if v is None or v["growth"] is None else f"{v['growth']:.2f}x"
+                if v is None:
+                    verdict = "-"
+                else:
+                    why = [f"{v['launches_largest']} > {LIMITS[pass_]}"] * (not v["within_limit"]) + \
+                          [f"{v['growth']:.2f}x > {GROWTH:g}x"] * (not v["flat"])
+                    verdict = "holds" if v["holds"] else ("**does not hold**" if v["target"] else "does not hold") + \
+                        f": {'; '.join(why)}"
+                    verdict += "" if v["target"] else " (no target)"
+                lines.append(f"| `{form}` | {x} | {pass_} | {cell(cpu)} | {cell(acc)} | {growth} | {verdict} | "
+                             f"{_top(acc)} |")
+    lines += ["", f"Elapsed: {result.get('elapsed_seconds', 0):.0f} s.", ""]
+    return "\n".join(lines)

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 from ..config import did_you_mean
 from ..bench import favor as favor_options
 from ..bench import gpu as gpu_options
+from ..bench import launches as launches_options
 from ..bench import sweep as sweep_options
 from .common import (
     CommandParser,
@@ -36,6 +37,7 @@ DTYPES = tuple(sweep_options.DTYPES)
 FAVOR_PARTS = tuple(favor_options.WHAT)
 GPU_FORMS = tuple(gpu_options.FORMS)
 GPU_DTYPES = tuple(gpu_options.DTYPES)
+LAUNCH_FORMS = tuple(launches_options.FORMS)
 RUNS_HELP = ("Separate runs, each in fresh processes, whose ratios give each claim's median and spread "
              "(default: 3).")
 
@@ -282,7 +284,23 @@ def build_parser(prog: str) -> CommandParser:
     gpu.add_argument("--profile", action="store_true",
                      help="Also profile one linattn Gated DeltaNet forward and forward+backward at the first N: "
                      "kernels and GPU-busy time on a GPU, leaf aten ops on either device.")
-    for sub in (sweep, core, favor, family, full, gen, gated, hf, cp, gpu):  # its validation errors name it, not `linattn bench`
+    launches = bench_sub.add_parser(
+        "launches", help="Kernel launches of every chunked form, the CPU strategy against the accelerator strategy.",
+        description=_wrapped("Every chunked form (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, causal "
+        "linear attention, FAVOR+) at checkpoint widths, B = 1, float32: the kernel launches of one prefill and one "
+        "forward+backward with the engines' strategy forced to cpu and to accelerator, counted on this CPU as the "
+        "computing leaf aten ops torch.profiler records (they track a GPU's kernels), and whether issue 44's limits "
+        "hold (accelerator: at most 200 launches forward, 600 forward+backward at the largest N, at most 1.5x the "
+        "count at the smallest N). Writes launches.json and launches.md; minutes at full size."))
+    add_out_argument(launches, "docs/benchmarks/launches", "Folder for launches.json and launches.md")
+    launches.add_argument("--n", type=int_list, default=None, metavar="N,N",
+                          help="Sequence lengths; the limits are read at the largest against the smallest "
+                          "(default: 4096,16384; 256,1024 with --quick).")
+    launches.add_argument("--forms", type=choice_list(LAUNCH_FORMS), default=LAUNCH_FORMS, metavar="FORM,FORM",
+                          help=f"Comma-separated forms, from {', '.join(LAUNCH_FORMS)} (default: all).")
+    launches.add_argument("--quick", action="store_true",
+                          help="Tiny widths (2 heads of 16) and N = 256,1024: a check of the command in seconds.")
+    for sub in (sweep, core, favor, family, full, gen, gated, hf, cp, gpu, launches):  # its validation errors name it, not `linattn bench`
         sub.set_defaults(suite_parser=sub)
     return parser
 
@@ -379,6 +397,10 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         run_gpu(out=args.out, device=args.device, n=args.n, forms=args.forms, dtype=args.dtype, repeats=args.repeats,
                 fla=args.fla, quick=args.quick, profile=args.profile, command=command_line(argv),
                 **_given(args, "runs"))
+    elif args.suite == "launches":
+        from ..bench.launches import run_launches
+
+        run_launches(out=args.out, n=args.n, forms=args.forms, quick=args.quick, command=command_line(argv))
     elif args.suite == "context-parallel":
         from ..bench.context_parallel import run_context_parallel
 

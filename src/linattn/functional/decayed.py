@@ -46,7 +46,8 @@ from .chunks import ChunkLayout
 from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
 from .normaliser import guarded_normaliser, normaliser_floor
-from .recurrence import chunk_recurrence, resolve_strategy
+from .recurrence import chunk_recurrence
+from .strategy import resolve_strategy
 
 __all__ = ["CHUNK_SIZES", "ChannelDecays", "channel_decays", "channel_scores", "channel_scores_backward", "decayed_product",
            "sub_chunk_length"]

@@ -95,7 +95,8 @@ from .chunks import ChunkLayout, TileBuffers
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
-from .recurrence import check_strategy, chunk_recurrence, resolve_strategy
+from .recurrence import chunk_recurrence
+from .strategy import check_strategy, resolve_strategy
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 

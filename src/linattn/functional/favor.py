@@ -68,7 +68,7 @@ from .checks import (
 )
 from .decayed_state import DecayedState
 from .decayed import decayed_product
-from .recurrence import check_strategy, resolve_strategy
+from .strategy import check_strategy, resolve_strategy
 from .gated import gated_linear_attention
 from .linear import LinearAttentionState, causal_linear_product, check_linear_state
 from .normaliser import divide_by_normaliser_, normalise, normaliser_floor

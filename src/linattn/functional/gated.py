@@ -35,7 +35,7 @@ from .checks import (
     shape_str,
 )
 from .decayed import decayed_product
-from .recurrence import check_strategy
+from .strategy import check_strategy
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .sharding import ShardForm, ShardPart, cumulative_decay
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout

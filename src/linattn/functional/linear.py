@@ -42,7 +42,7 @@ from .decayed import decayed_product
 from .decayed_state import DecayedState
 from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
 from .gated import gated_linear_attention
-from .recurrence import check_strategy
+from .strategy import check_strategy
 from .sharding import ShardForm, ShardPart
 from .normaliser import (
     divide_by_normaliser,

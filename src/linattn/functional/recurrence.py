@@ -1,5 +1,5 @@
-"""The recurrence across chunks, the one stage every chunked engine shares, and the device
-strategies of the engines.
+"""The recurrence across chunks: the one stage every chunked engine shares, written once with
+its two strategies.
 
 A chunked engine (``decayed.py``, ``delta.py``) forms everything inside a chunk in batched
 products; what links the chunks is one affine recurrence on the state,
@@ -13,10 +13,10 @@ transposed transitions. :func:`chunk_recurrence` is that stage, with two strateg
 
 - **cpu** (sequential): one multiply-add a chunk, the state read and written in place while it is
   in cache. The least arithmetic: right where launches are free (a CPU).
-- **accelerator** (a log-depth scan): the chunks paired, each pair composed into one affine map
-  (``A' = A_odd A_even``, ``U' = A_odd U_even + U_odd``), the half-length recurrence solved the same
-  way, and the even chunks' states filled in from their odd neighbours'. About ``2 log2(Nc)``
-  rounds of a few batched products each: launches grow with log N instead of N, every product
+- **accelerator** (a log-depth scan): neighbouring chunks paired, each pair composed into one
+  affine map (``A' = A_odd A_even``, ``U' = A_odd U_even + U_odd``), the half-length recurrence
+  solved the same way, and the state between the two members of each pair filled in from the
+  state before the pair. ``log2(Nc)`` rounds of four batched operations: launches grow with log N instead of N, every product
   is as large as the whole sequence's, and no host read. The price is arithmetic: full transitions
   cost one ``(D, D) x (D, D)`` product per chunk (about ``D / C`` times the sequential work of the
   delta rule's loop), diagonal ones an elementwise product.
@@ -25,9 +25,7 @@ Both compose products of transitions (factors in [0, 1], or matrices of norm <= 
 rule's contract) and never a difference of cumulative log decays: no digit is lost to a large
 decay earlier in the sequence.
 
-:data:`STRATEGIES` names the choices every chunked functional form takes as ``strategy``:
-``"auto"`` picks ``"cpu"`` on a CPU and ``"accelerator"`` on any other device (CUDA, MPS, XPU);
-either can be forced on any device (the tests run both on a CPU).
+Which strategy a call runs is chosen in one place, ``strategy.py``.
 
 Dimension legend: Nc chunks, R rows (B*H), D state rows (query/key width), Dv state columns.
 """
@@ -37,24 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["STRATEGIES", "check_strategy", "chunk_recurrence", "chunk_recurrence_reference", "resolve_strategy"]
-
-STRATEGIES = ("auto", "cpu", "accelerator")
-
-
-def check_strategy(fn: str, strategy) -> str:
-    """``strategy``: one of :data:`STRATEGIES`; ValueError naming the argument otherwise."""
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"{fn}: strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
-    return strategy
-
-
-def resolve_strategy(strategy: str, device: torch.device) -> str:
-    """The strategy a call on ``device`` runs: ``"auto"`` is ``"cpu"`` on a CPU and
-    ``"accelerator"`` elsewhere; ``"cpu"`` and ``"accelerator"`` are themselves."""
-    if strategy == "auto":
-        return "cpu" if device.type == "cpu" else "accelerator"
-    return strategy
+__all__ = ["chunk_recurrence", "chunk_recurrence_reference"]
 
 
 def _kind(A: Tensor | None, D: int) -> str:

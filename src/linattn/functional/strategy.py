@@ -1,0 +1,110 @@
+"""The chunked engines' device strategies and their options, as one typed value.
+
+Every chunked engine (``decayed.py``, ``delta.py``) runs one of two strategies, chosen in one
+place (:func:`resolve_strategy`) from the tensors' device:
+
+- **cpu**: tiles of a few chunks whose temporaries stay in cache and are reused tile after tile,
+  and a sequential recurrence across chunks (the least arithmetic). CPU-specific tuning (tile
+  sizes against page faults, subnormal flushes) belongs to this strategy.
+- **accelerator**: every chunk of every row at once in a few large products, the recurrence
+  across chunks as a log-depth scan (``recurrence.py``): kernel launches grow with log N, not N.
+  With half inputs the large products of the forward take their operands in that half dtype and
+  accumulate in float32 (tensor cores on a GPU: :func:`mixed_bmm`); states, decays and triangular
+  solves stay float32.
+
+``"auto"`` picks ``"cpu"`` on a CPU and ``"accelerator"`` on any other device (CUDA, MPS, XPU);
+the functional forms take ``strategy=`` to force either on any device (the tests run both on a
+CPU).
+
+:class:`EngineOptions` carries an engine call's knobs as one frozen value. A ``torch.library``
+schema has no dataclass type, so the custom ops take it as one string (:meth:`EngineOptions.encode`,
+decoded once per distinct value) rather than as a dozen positional arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import Tensor
+
+__all__ = ["STRATEGIES", "EngineOptions", "check_strategy", "mixed_bmm", "operand_dtype", "resolve_strategy"]
+
+STRATEGIES = ("auto", "cpu", "accelerator")
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_strategy(fn: str, strategy) -> str:
+    """``strategy``: one of :data:`STRATEGIES`; ValueError naming the argument otherwise."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"{fn}: strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    return strategy
+
+
+def resolve_strategy(strategy: str, device: torch.device) -> str:
+    """The strategy a call on ``device`` runs: ``"auto"`` is ``"cpu"`` on a CPU and
+    ``"accelerator"`` elsewhere; ``"cpu"`` and ``"accelerator"`` are themselves."""
+    if strategy == "auto":
+        return "cpu" if device.type == "cpu" else "accelerator"
+    return strategy
+
+
+def operand_dtype(strategy: str, input_dtype: torch.dtype) -> str:
+    """The large products' operand dtype for a call: the input's half dtype on the accelerator
+    strategy (``"bfloat16"``, ``"float16"``), else ``""`` (the compute dtype itself). The CPU
+    strategy keeps float32 operands: a CPU's half products are no faster and lose digits."""
+    if strategy != "accelerator":
+        return ""
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(input_dtype, "")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The knobs of one chunked engine call (none changes the result beyond rounding).
+
+    ``chunk_size``: the chunk length C; ``strategy``: ``"cpu"`` or ``"accelerator"`` (resolved);
+    ``operands``: ``""`` or a half dtype's name, the operand dtype of the accelerator's large
+    forward products (:func:`operand_dtype`); ``per_tile``: the CPU strategy's tile, in chunks
+    (delta rule: ``chunks_per_block``) or positions (decayed engine: ``tile_positions``);
+    ``sub_chunk_size``: a per-channel gate's sub-chunks; ``solve_block``: the largest triangular
+    block solved directly."""
+
+    chunk_size: int
+    strategy: str = "cpu"
+    operands: str = ""
+    per_tile: int = 4096
+    sub_chunk_size: int = 4
+    solve_block: int = 32
+
+    def encode(self) -> str:
+        """One string for a custom op's schema: ``"chunk_size=64;strategy=cpu;..."``."""
+        return ";".join(f"{k}={v}" for k, v in asdict(self).items())
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def decode(text: str) -> "EngineOptions":
+        """The value :meth:`encode` wrote."""
+        kinds = {f.name: f.type for f in fields(EngineOptions)}
+        values = dict(item.split("=", 1) for item in text.split(";"))
+        return EngineOptions(**{k: int(v) if kinds[k] == "int" else v for k, v in values.items()})
+
+    @property
+    def operand(self) -> torch.dtype | None:
+        """The large products' operand dtype, or None for the compute dtype."""
+        return HALF_DTYPES.get(self.operands)
+
+
+def mixed_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | None = None) -> Tensor:
+    """``bmm(a, b)`` of float32 ``a (M, X, Y)``, ``b (M, Y, Z)`` with the operands rounded to
+    ``operand`` (a half dtype; None: as they are) and a float32 result accumulated in float32, into
+    ``out`` when given. On CUDA one product on tensor cores (``out_dtype``); on other devices the
+    rounded operands multiplied in float32: the same numbers up to the order of the sums, so a CPU
+    checks the accuracy a GPU gets."""
+    if operand is None:
+        return torch.bmm(a, b, out=out)
+    a, b = a.to(operand), b.to(operand)
+    if a.device.type == "cuda":
+        r = torch.bmm(a, b, out_dtype=torch.float32)
+        return r if out is None else out.copy_(r)
+    return torch.bmm(a.float(), b.float(), out=out)
