@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import linattn
 from linattn.functional.decayed_state import DecayedState
 from linattn.functional.delta import delta_rule_attention, delta_rule_attention_reference
+from linattn.functional.strategy import EngineOptions
 
 f64 = torch.float64
 
@@ -409,8 +410,9 @@ def test_a_call_no_gradient_flows_through_keeps_no_states(decay):
     g_rows = None if ld is None else ld.reshape(B * H, N, *ld.shape[3:])
     op = torch.ops.linattn.delta_rule_chunked.default
     s0 = q.new_zeros(B * H, D, D)
-    kept = op(*rows, g_rows, s0, 1.0, 32, 3, 16, True, None, "cpu")
-    light = op(*rows, g_rows, s0, 1.0, 32, 3, 16, False, None, "cpu")
+    options = EngineOptions(32, per_tile=3, solve_block=16).encode()
+    kept = op(*rows, g_rows, s0, 1.0, True, None, options)
+    light = op(*rows, g_rows, s0, 1.0, False, None, options)
     Nc, R = -(-N // 32), B * H
     assert kept[2].shape == (-(-Nc // 3) + 1, R, D, D)  # the state before every block of 3 chunks, and after
     assert [t.shape for t in kept[3:6]] == [(Nc, R, 32, 32), (Nc, R, 32, D), (Nc, R, 32, D)]  # T, U, W
@@ -610,13 +612,14 @@ def test_strong_decays_leave_no_subnormal_numbers_in_the_kept_inverse():
     b = torch.sigmoid(torch.randn(R, N, generator=g))
     ld = -torch.empty(R, 1).uniform_(0.01, 16, generator=g) * F.softplus(torch.randn(R, N, generator=g) + 1)
     op = torch.ops.linattn.delta_rule_chunked.default
-    out = op(q, k, v, b, ld, q.new_zeros(R, D, D), D ** -0.5, 32, 4, 32, True, None, "cpu")
+    options = EngineOptions(32, per_tile=4, solve_block=32).encode()
+    out = op(q, k, v, b, ld, q.new_zeros(R, D, D), D ** -0.5, True, None, options)
     T = out[3]
     tiny = torch.finfo(torch.float32).tiny
     assert not ((T != 0) & (T.abs() < tiny)).any()
     assert ((T != 0) & (T.abs() < 1e-6)).any()  # small entries kept, only negligible ones flushed
-    want = op(*(t.double() for t in (q, k, v, b, ld)), q.new_zeros(R, D, D, dtype=f64), D ** -0.5, 32, 4, 32,
-              True, None, "cpu")
+    want = op(*(t.double() for t in (q, k, v, b, ld)), q.new_zeros(R, D, D, dtype=f64), D ** -0.5,
+              True, None, options)
     assert float((out[0].double() - want[0]).abs().max() / want[0].abs().max()) < 1e-5
     flushed = flush_negligible(torch.tensor([NEGLIGIBLE_DECAY_FLOAT32 / 2, NEGLIGIBLE_DECAY_FLOAT32 * 2]))
     assert flushed[0] == 0 and flushed[1] > 0

@@ -96,7 +96,7 @@ from .decayed_state import DecayedState, check_decayed_state, result_without_pos
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
 from .recurrence import chunk_recurrence
-from .strategy import check_strategy, resolve_strategy
+from .strategy import EngineOptions, check_strategy, mixed_bmm, operand_dtype, resolve_strategy
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 
@@ -107,8 +107,12 @@ __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 # ---------------------------------------------------------------------------------------------
 
 
-# Default chunk length by the decay's width (why: the chunk_size argument of delta_rule_attention).
-CHUNK_SIZES = {"head": 32, "channel": 16}
+# Default chunk length by strategy and the decay's width (why: the chunk_size argument of
+# delta_rule_attention). The accelerator's chunks are longer: the log-depth scan costs a (D, D) x
+# (D, D) product per chunk, so fewer chunks cut its share of the work, and longer chunks make
+# larger in-chunk products, which then carry more than half of the forward's arithmetic in the
+# inputs' half dtype (strategy.py).
+CHUNK_SIZES = {"cpu": {"head": 32, "channel": 16}, "accelerator": {"head": 64, "channel": 32}}
 
 # Default block size (chunks_per_block=None): a block holds about this many (row, chunk) pairs times
 # the width D + Dv, so 32 chunks at R = 8 rows and D = Dv = 64, where 32 was measured best, and 8 at
@@ -299,11 +303,14 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_size: int = 4,
-            qk: Tensor | None = None, kept: _Solved | None = None, form: bool = True) -> _Scores:
+            qk: Tensor | None = None, kept: _Solved | None = None, form: bool = True,
+            operand: torch.dtype | None = None) -> _Scores:
     """``q, k (m, C, D)`` (q already scaled), ``g (m, C)`` (per head), ``(m, C, D)`` (per key
     channel) or None -> :class:`_Scores`, its tensors in the tile buffers ``buf``
     (``sub_chunk_size``: the per-channel scores' sub-chunks), or E, KK and P in those of ``kept``
-    (:class:`_Solved`) where it has them: formed there (``form``), or taken as they are."""
+    (:class:`_Solved`) where it has them: formed there (``form``), or taken as they are. ``operand``:
+    the products' operand dtype (:func:`~linattn.functional.strategy.mixed_bmm`), None for as they
+    are."""
     if g is not None and g.dim() == 3:
         return _channel_scores(q, k, g, sub_chunk_size, qk)
     m, C, D = k.shape
@@ -329,8 +336,8 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
     if take:
         E, KK, P = into.E, into.KK, into.P
     else:
-        KK = torch.bmm(k, k.transpose(1, 2), out=buf("KK", m, C, C) if into is None else into.KK)
-        P = torch.bmm(q, k.transpose(1, 2), out=buf("P", m, C, C) if into is None else into.P)
+        KK = mixed_bmm(k, k.transpose(1, 2), operand, out=buf("KK", m, C, C) if into is None else into.KK)
+        P = mixed_bmm(q, k.transpose(1, 2), operand, out=buf("P", m, C, C) if into is None else into.P)
         P = P.tril_() if E is None else P.mul_(E)
     Kd = k if delta is None else torch.mul(k, delta[:, :, None], out=buf("Kd", m, C, D))
     GQ = q if gam is None else torch.mul(q, gam[:, :, None], out=buf("GQ", m, C, D))
@@ -362,11 +369,12 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None) -> _Scores:
 
 
 def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: TileBuffers,
-           out: _Solved | None = None) -> _Solved:
+           out: _Solved | None = None, operand: torch.dtype | None = None) -> _Solved:
     """The triangular inverse of m chunks and its two products (:class:`_Solved`), into ``out``
     when given, else into the tile buffers ``buf``: ``k (m, C, D)``, ``bv (m, C, Dv)`` the values
     times beta (``diag(beta) V``, as the block took them), ``b (m, C)``, the chunks'
-    :class:`_Scores` (``solve_block``: see :func:`_unit_lower_inverse`)."""
+    :class:`_Scores` (``solve_block``: see :func:`_unit_lower_inverse`). The inverse in the compute
+    dtype; its two products with operands in ``operand`` (None: as they are)."""
     m, C, D = k.shape
     Dv = bv.shape[-1]
     bcol = b[:, :, None]
@@ -385,12 +393,12 @@ def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: 
     # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
     # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
     # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
-    U = torch.bmm(T, bv, out=out.U)
+    U = mixed_bmm(T, bv, operand, out=out.U)
     if x.channel is not None:  # W = T diag(beta) (gamma o K), gamma per key channel
-        W = torch.bmm(T, torch.mul(k, x.gam * bcol, out=buf("k w", m, C, D)), out=out.W)
+        W = mixed_bmm(T, torch.mul(k, x.gam * bcol, out=buf("k w", m, C, D)), operand, out=out.W)
     else:  # W = (T diag(beta gamma)) K: the columns of T scaled, not the rows of K (C x C, not C x D)
         w = b if x.gam is None else b * x.gam
-        W = torch.bmm(torch.mul(T, w[:, None, :], out=buf("T w", m, C, C)), k, out=out.W)
+        W = mixed_bmm(torch.mul(T, w[:, None, :], out=buf("T w", m, C, C)), k, operand, out=out.W)
     return out._replace(T=T, U=U, W=W)
 
 
@@ -455,7 +463,7 @@ def _kept(kept: _Solved | None, tile: slice) -> _Solved | None:
     return None if kept is None else _Solved(*(None if t is None else t[tile].flatten(0, 1) for t in kept))
 
 
-def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None, strategy="cpu"):
+def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=None):
     """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``, the values
     times beta ``bv (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``S (R, D, Dv)``, the state before the block,
     updated in place to the state after it; ``buf``: the call's :class:`TileBuffers`; ``kept``: None,
@@ -470,10 +478,10 @@ def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None, stra
     m, C, D = q.shape
     R, Dv = S.shape[0], S.shape[-1]
     n = m // R
-    x = _scores(q, k, g, buf, qk=qk, kept=kept)
-    sol = _solve(x, k, bv, b, solve_block, buf, kept)
-    if strategy == "accelerator":
-        return _outputs_by_scan(x, sol, S, n)
+    x = _scores(q, k, g, buf, qk=qk, kept=kept, operand=opts.operand)
+    sol = _solve(x, k, bv, b, opts.solve_block, buf, kept, operand=opts.operand)
+    if opts.strategy == "accelerator":
+        return _outputs_by_scan(x, sol, S, n, opts.operand)
     # each chunk's views made at once (unbind), not indexed op by op; U: Uv, made U chunk by chunk in place
     U, W = sol.U.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).unbind()
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3).unbind()  # (R, D, C) each
@@ -488,30 +496,32 @@ def _block_forward(q, k, bv, b, g, S, solve_block, buf, qk=None, kept=None, stra
     return o.view(m, C, Dv)
 
 
-def _transitions(x: _Scores, W: Tensor, n: int) -> Tensor:
+def _transitions(x: _Scores, W: Tensor, n: int, operand: torch.dtype | None = None) -> Tensor:
     """Each chunk's transition of the state, ``Diag(gamma_C) - Kd^T W`` ``(n, R, D, D)`` (the state
     after the chunk is ``that S + Kd^T Uv``; ``gamma_C`` 1 without a decay, a number per head or one
     per key channel), from the chunks' :class:`_Scores` and ``W (n*R, C, D)``."""
     m, C, D = W.shape
-    A = torch.bmm(x.Kd.transpose(1, 2), W).neg_()  # (m, D, D)
+    A = mixed_bmm(x.Kd.transpose(1, 2), W, operand).neg_()  # (m, D, D)
     A.diagonal(dim1=1, dim2=2).add_(1.0 if x.gC is None else x.gC.view(m, -1))
     return A.view(n, m // n, D, D)
 
 
-def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int) -> Tensor:
+def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch.dtype | None = None) -> Tensor:
     """:func:`_block_forward`'s loop over chunks for the accelerator: the state before every chunk
     at once from a log-depth scan of the chunks' affine maps ``S <- (Diag(gamma_C) - Kd^T W) S +
     Kd^T Uv`` (``recurrence.py``), then ``U = Uv - W S`` and ``O = P U + diag(gamma) Q S`` for all
     chunks in one product each. ``S (R, D, Dv)`` becomes the state after the block; ``sol.U`` the
-    pseudo-values. Returns ``o (n*R, C, Dv)``."""
+    pseudo-values. Returns ``o (n*R, C, Dv)``. ``operand``: the products' operand dtype
+    (:func:`~linattn.functional.strategy.mixed_bmm`; None: as they are); the scan, which carries
+    the state across the whole sequence, runs in the compute dtype."""
     m, C, Dv = sol.U.shape
     R, D = S.shape[0], S.shape[1]
-    B = torch.bmm(x.Kd.transpose(1, 2), sol.U).view(n, R, D, Dv)  # Kd^T Uv
-    states = chunk_recurrence(_transitions(x, sol.W, n), B, S, strategy="accelerator")  # (n + 1, R, D, Dv)
+    B = mixed_bmm(x.Kd.transpose(1, 2), sol.U, operand).view(n, R, D, Dv)  # Kd^T Uv
+    states = chunk_recurrence(_transitions(x, sol.W, n, operand), B, S, strategy="accelerator")  # (n + 1, R, D, Dv)
     before = states[:n].reshape(m, D, Dv)
-    U = sol.U.baddbmm_(sol.W, before, alpha=-1)  # the pseudo-values, in place (the backward reads them)
+    U = sol.U.sub_(mixed_bmm(sol.W, before, operand))  # the pseudo-values, in place (the backward reads them)
     S.copy_(states[n])
-    return torch.bmm(x.P, U).baddbmm_(x.GQ, before)
+    return mixed_bmm(x.P, U, operand).add_(mixed_bmm(x.GQ, before, operand))
 
 
 def _qk_norms(lay: ChunkLayout, factors: Tensor | None) -> tuple | None:
@@ -538,10 +548,11 @@ def _take_qk_normalised(lay: ChunkLayout, qc: Tensor, kc: Tensor, tile: slice, s
     return qb, kb, qk
 
 
-def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_eps=None, strategy="cpu"):
+def _chunked_forward(q, k, v, b, g, s0, scale, lay, opts: EngineOptions, keep=True, qk_eps=None):
     """``q, k (R, N, D)``, ``v (R, N, Dv)``, ``b, g (R, N)``, ``s0 (R, D, Dv)`` -> ``o (R, N, Dv)``,
     the states and what a backward reads, on the :class:`~linattn.functional.chunks.ChunkLayout`
-    ``lay`` (its tiles are the blocks); ``solve_block``: see :func:`_unit_lower_inverse`; ``qk_eps``:
+    ``lay`` (its tiles are the blocks); ``opts``: the call's :class:`EngineOptions` (its strategy, its
+    operand dtype, ``solve_block``: see :func:`_unit_lower_inverse`); ``qk_eps``:
     None, or the eps of the L2 normalisation of q and k (``qk_l2norm_eps``), applied as the tiles
     are taken.
 
@@ -577,8 +588,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep=True, qk_e
         else:
             qb, kb, qk = _take_qk_normalised(lay, qc, kc, blk, scale, qk_eps, per_channel, buf, l2c)
         bv = _take_product(lay, vc, blk, bc, buf("bv", blk.stop - blk.start, R, lay.C, Dv))
-        ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, solve_block, buf, qk,
-                            _kept(kept, blk), strategy)
+        ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, opts, buf, qk,
+                            _kept(kept, blk))
         lay.put(o, blk, ob)
     l2 = None
     if l2c is not None:  # (2, R, N), contiguous as the op's fake says: a copy only with a filled last chunk
@@ -945,11 +956,9 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 # recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
 @torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
-                                "int chunk_size, int chunks_per_block, int solve_block, bool keep_states, "
-                                "float? qk_eps, str strategy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+                                "bool keep_states, float? qk_eps, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
                                 "Tensor, Tensor)")
-def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps,
-                        strategy):
+def _delta_rule_chunked(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     """-> ``o (R, N, Dv)`` (laid out as v, see :meth:`ChunkLayout.new_chunked_like`), the final state
     ``(R, D, Dv)``, and what the backward reads: the states
     before every block and after the last ``(nb + 1, R, D, Dv)``, the chunks' ``T, U, W``
@@ -958,19 +967,19 @@ def _delta_rule_chunked(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, 
     call no gradient flows through; E also without a decay, E, KK and P also with a gate per key
     channel, the factors also without ``qk_eps``)."""
     with no_autocast(q.device.type):
-        lay = _layout(q, chunk_size, chunks_per_block, strategy)
-        o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, solve_block, keep_states, qk_eps,
-                                               strategy)
+        opts = EngineOptions.decode(options)
+        lay = _layout(q, opts)
+        o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, opts, keep_states, qk_eps)
     if not keep_states:
         return o, states[-1].clone(), *(v.new_empty(0) for _ in range(8))
     return o, states[-1].clone(), states, *(v.new_empty(0) if t is None else t for t in (*kept, l2))
 
 
 @_delta_rule_chunked.register_fake
-def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps, strategy):
+def _(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     R, N, D = q.shape
     Dv = v.shape[-1]
-    lay = _layout(q, chunk_size, chunks_per_block, strategy)
+    lay = _layout(q, EngineOptions.decode(options))
     C, Nc = lay.C, lay.Nc
     if not keep_states:
         return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(8))
@@ -986,40 +995,38 @@ def _(q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_
 @torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
                          schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, "
                                 "Tensor U, Tensor W, Tensor E, Tensor KK, Tensor P, Tensor l2, Tensor do, "
-                                "Tensor ds_final, float scale, "
-                                "int chunk_size, int chunks_per_block, float? qk_eps, bool need_g, str strategy) "
+                                "Tensor ds_final, float scale, float? qk_eps, bool need_g, str options) "
                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, chunk_size,
-                                 chunks_per_block, qk_eps, need_g, strategy):
+def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, qk_eps, need_g,
+                                 options):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
     with no_autocast(q.device.type):
-        lay = _layout(q, chunk_size, chunks_per_block, strategy)
+        opts = EngineOptions.decode(options)
+        lay = _layout(q, opts)
         # do as it comes (an expanded or transposed gradient too): it is only read by the copies
         # into each block's buffer
         scores = g is None or g.dim() == 2  # E, KK, P kept by the forward (E only with a decay)
         kept = _Solved(T, U, W, *((E if g is not None else None, KK, P) if scores else ()))
         dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale,
-                                                    lay, need_g, None if qk_eps is None else l2, strategy)
+                                                    lay, need_g, None if qk_eps is None else l2, opts.strategy)
     # each gradient in its input's layout (ChunkLayout.new_chunked_like), as the fake says
     return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
 
 
 @_delta_rule_chunked_backward.register_fake
-def _(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, chunk_size, chunks_per_block, qk_eps,
-      need_g, strategy):
+def _(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, qk_eps, need_g, options):
     dg = torch.empty_like(g) if need_g else b.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(b), dg, \
         ds_final.new_empty(ds_final.shape)
 
 
-def _layout(q: Tensor, chunk_size: int, chunks_per_block: int, strategy: str) -> ChunkLayout:
-    """The chunked op's layout of ``q (R, N, D)``: blocks of ``chunks_per_block`` chunks on the CPU
+def _layout(q: Tensor, opts: EngineOptions) -> ChunkLayout:
+    """The chunked op's layout of ``q (R, N, D)``: blocks of ``opts.per_tile`` chunks on the CPU
     strategy (temporaries in cache), one block of every chunk for the accelerator (its recurrence
     is then one scan over the whole sequence)."""
-    R, N = q.shape[0], q.shape[1]
-    if strategy == "accelerator":
-        chunks_per_block = -(-N // min(chunk_size, N))
-    return ChunkLayout.of(R, N, chunk_size, chunks_per_tile=chunks_per_block)
+    R, N, C = q.shape[0], q.shape[1], opts.chunk_size
+    per_block = -(-N // min(C, N)) if opts.strategy == "accelerator" else opts.per_tile
+    return ChunkLayout.of(R, N, C, chunks_per_tile=per_block)
 
 
 def _needs_states(*tensors) -> bool:
@@ -1029,13 +1036,13 @@ def _needs_states(*tensors) -> bool:
 
 
 def _delta_rule_setup(ctx, inputs, output):
-    q, k, v, b, g, s0, scale, chunk_size, chunks_per_block, solve_block, keep_states, qk_eps, strategy = inputs
+    q, k, v, b, g, s0, scale, keep_states, qk_eps, options = inputs
     if not keep_states:  # _needs_states decided no gradient flows through this call
         raise RuntimeError("linattn::delta_rule_chunked: called with keep_states=False on inputs that need "
                            "gradients; its caller must pass _needs_states(...)")
     ctx.save_for_backward(q, k, v, b, g, *output[2:])
-    ctx.knobs = (scale, chunk_size, chunks_per_block, qk_eps)
-    ctx.strategy = strategy
+    ctx.knobs = (scale, qk_eps)
+    ctx.options = options
     ctx.mark_non_differentiable(*output[2:])
     # unused outputs' gradients stay None: materialised, the kept tensors' would be zero-filled
     # tensors as large as themselves on every backward
@@ -1050,8 +1057,8 @@ def _delta_rule_autograd(ctx, do, ds_final, *_kept):
         ds_final = v.new_zeros(q.shape[0], q.shape[-1], v.shape[-1])
     need_g = g is not None and ctx.needs_input_grad[4]
     dq, dk, dv, db, dg, ds0 = _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final,
-                                                           *ctx.knobs, need_g, ctx.strategy)
-    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None, None, None, None
+                                                           *ctx.knobs, need_g, ctx.options)
+    return dq, dk, dv, db, dg if need_g else None, ds0, None, None, None, None
 
 
 _delta_rule_chunked.register_autograd(_delta_rule_autograd, setup_context=_delta_rule_setup)
@@ -1084,7 +1091,7 @@ def _step(q, k, v, beta, log_decay, scale, s0, qk_eps=None):
     return (q @ s) * scale, s
 
 
-def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size, knobs, qk_eps, strategy):
+def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, options, qk_eps):
     """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
     ``beta, log_decay (1, H, T)`` (log_decay or None), ``s0 (n, H, D, Dv)`` or None, prepared ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
@@ -1112,7 +1119,7 @@ def _varlen(q, k, v, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk
     Tx = lay.total
     g = g.view(H, Tx, D) if per_channel else g.view(H, Tx)
     o, *_ = _delta_rule_chunked(q[0], k[0], v[0], b.view(H, Tx), g, q.new_zeros(H, D, Dv), scale,
-                                chunk_size, *knobs, _needs_states(q, k, v, b, g), qk_eps, strategy)  # rows (H, Tx, *): B = 1
+                                _needs_states(q, k, v, b, g), qk_eps, options)  # rows (H, Tx, *): B = 1
     o = o.unsqueeze(0)  # (1, H, Tx, Dv)
     return lay.packed(o), (lay.states(o) if return_state else None)
 
@@ -1177,7 +1184,8 @@ def delta_rule_attention(
             and the triangular inverses cost C per position, the sequential loop over chunks and the
             saved states N / C, and at C = 32 the first still dominates), 16 with one per key channel
             (its sub-chunked decayed scores grow faster with C). Timings: docs/benchmarks/README.md,
-            History.
+            History. On the accelerator strategy 64 and 32 (:data:`CHUNK_SIZES`: the scan's
+            ``(D, D)`` products per chunk are then fewer).
         chunks_per_block: a tuning knob, how many chunks (all rows together) the chunked form
             works on at a time; any value >= 1 gives the same result. The batched per-chunk
             temporaries (C x C scores, D x D transitions) then exist for one block only. None:
@@ -1232,13 +1240,15 @@ def delta_rule_attention(
     """
     fn = "delta_rule_attention"
     _check_l2norm_eps(fn, qk_l2norm_eps)
+    check_strategy(fn, strategy)
+    run = resolve_strategy(strategy, q.device) if isinstance(q, Tensor) else "cpu"
     if chunk_size is None:
-        chunk_size = CHUNK_SIZES["channel" if isinstance(log_decay, Tensor) and log_decay.dim() == 4 else "head"]
+        kind = "channel" if isinstance(log_decay, Tensor) and log_decay.dim() == 4 else "head"
+        chunk_size = CHUNK_SIZES[run][kind]
     check_positive_int(fn, "chunk_size", chunk_size)
     if chunks_per_block is not None:
         check_positive_int(fn, "chunks_per_block", chunks_per_block)
     check_positive_int(fn, "solve_block", solve_block)
-    check_strategy(fn, strategy)
     with no_autocast(q.device.type):
         in_dtype = q.dtype
         dt, scale, beta, log_decay, q, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
@@ -1256,9 +1266,9 @@ def delta_rule_attention(
             gates = (beta,) if log_decay is None else (beta, log_decay)
             out, s = result_without_positions((qx, kx, vx, *gates), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
-            out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, chunk_size,
-                             (_chunks_per_block(chunks_per_block, H, D, Dv), solve_block), qk_l2norm_eps,
-                             resolve_strategy(strategy, q.device))
+            options = EngineOptions(chunk_size, run, operand_dtype(run, in_dtype),
+                                    _chunks_per_block(chunks_per_block, H, D, Dv), solve_block=solve_block).encode()
+            out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, options, qk_l2norm_eps)
         elif N == 1 and s0 is not None:  # the recurrent step
             out, s = _step(qx, kx, vx, beta, log_decay, scale, s0, qk_l2norm_eps)
         else:
@@ -1266,11 +1276,12 @@ def delta_rule_attention(
                 return t.reshape(B * H, N, *t.shape[3:])
 
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
+            options = EngineOptions(chunk_size, run, operand_dtype(run, in_dtype),
+                                    _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block=solve_block)
             o, s, *_ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
-                                           None if log_decay is None else rows(log_decay), s0r, scale, chunk_size,
-                                           _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block,
+                                           None if log_decay is None else rows(log_decay), s0r, scale,
                                            _needs_states(qx, kx, vx, beta, log_decay, s0r), qk_l2norm_eps,
-                                           resolve_strategy(strategy, q.device))
+                                           options.encode())
             out, s = o.view(B, H, N, Dv), s.view(B, H, D, Dv)
         out = _zero_padded_outputs(out, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out

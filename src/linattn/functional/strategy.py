@@ -29,10 +29,12 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["STRATEGIES", "EngineOptions", "check_strategy", "mixed_bmm", "operand_dtype", "resolve_strategy"]
+__all__ = ["HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "mixed_bmm", "operand_dtype", "resolve_strategy"]
 
 STRATEGIES = ("auto", "cpu", "accelerator")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# The profiler label of a product with half operands computed in float32 (devices without out_dtype).
+HALF_OPERANDS = "linattn::half_operands"
 
 
 def check_strategy(fn: str, strategy) -> str:
@@ -107,4 +109,6 @@ def mixed_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | N
     if a.device.type == "cuda":
         r = torch.bmm(a, b, out_dtype=torch.float32)
         return r if out is None else out.copy_(r)
-    return torch.bmm(a.float(), b.float(), out=out)
+    # labelled, so that a profile tells these products from float32 ones (bench/tensor_cores.py)
+    with torch.profiler.record_function(HALF_OPERANDS):
+        return torch.bmm(a.float(), b.float(), out=out)
