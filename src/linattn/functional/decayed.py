@@ -36,6 +36,7 @@ chunk, G gate width (1 for a per-head gate, D for a per-channel one).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -47,7 +48,7 @@ from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
 from .normaliser import guarded_normaliser, normaliser_floor
 from .recurrence import chunk_recurrence
-from .strategy import resolve_strategy
+from .strategy import EngineOptions, mixed_bmm, operand_dtype, resolve_strategy
 
 __all__ = ["CHUNK_SIZES", "ChannelDecays", "channel_decays", "channel_scores", "channel_scores_backward", "decayed_product",
            "sub_chunk_length"]
@@ -502,11 +503,13 @@ def _exp_masked(x: Tensor, upper: Tensor) -> Tensor:
     return x.clamp_(max=0).exp_().masked_fill_(upper, 0)
 
 
-def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay) -> tuple[Tensor, Tensor]:
+def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay,
+                operand: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Per-head gate: ``q, k (M, C, D)``, ``b (M, C, 1)`` -> ``A (M, C, C)`` and the masked
-    decays ``E = exp(b_t - b_s)`` ``(M, C, C)`` (0 above the diagonal)."""
+    decays ``E = exp(b_t - b_s)`` ``(M, C, C)`` (0 above the diagonal); ``q k^T`` with operands in
+    ``operand`` (None: as they are)."""
     E = _exp_masked(b - b.transpose(1, 2), _strict_upper(b.shape[1], b.device))  # exp(b_t - b_s)
-    return torch.bmm(q, k.transpose(1, 2)).mul_(E), E
+    return mixed_bmm(q, k.transpose(1, 2), operand).mul_(E), E
 
 
 def _flush_low(factors: Tensor) -> Tensor:
@@ -607,7 +610,8 @@ def channel_decays(g: Tensor, c: int, reset: Tensor | None = None) -> ChannelDec
     return ChannelDecays(reset, a, runs, inner, rev, inner[:, :, -1])
 
 
-def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays):
+def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.dtype | None = None,
+                   batched: bool = False):
     """Per-channel gate: ``S`` sets of queries ``x (M, S, C, D)`` against one set of keys
     ``k (M, C, D)``, with the :class:`ChannelDecays` of their log decays ->
     ``A (M, S, C, C)``, ``A_jts = sum_d x_jtd k_sd exp(b_td - b_sd)`` for s <= t (0 above the
@@ -615,7 +619,11 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays):
     at the top of this section). Everything on the keys' side (the decays between positions, the
     decayed keys) is formed once for all S sets: KDA's two score matrices (q against k, and k
     against k) cost little more than one. (Set-major: measured about 10% faster than the sets of
-    one position side by side, ``(M, C, S, D)``.)"""
+    one position side by side, ``(M, C, S, D)``.) ``operand``: the operand dtype of the products
+    between sub-chunks (:func:`~linattn.functional.strategy.mixed_bmm`), None for as they are.
+    ``batched`` (the accelerator strategy): the blocks between sub-chunks as one product over every
+    pair of sub-chunks (the zero pairs j >= i included: about twice their arithmetic, in two
+    launches instead of a few per sub-chunk)."""
     M, S, C, D = x.shape
     a = decays.a
     n, c = a.shape[1], a.shape[2]
@@ -646,12 +654,17 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays):
         qt = torch.mul(xs[:, :, 1:].transpose(1, 2), eq.unsqueeze(2),
                        out=x.new_empty(M, n - 1, S, c, D)).view(M, n - 1, S * c, D)
         kj = ks[:, :-1] * ek  # (M, n-1, c, D)
-        kts = []  # kts[i - 1] (M, i c, D): the keys before sub-chunk i, decayed to its start
         A5 = A.view(M, S, n, c, C)
-        for i in range(1, n):  # only the sub-chunks before i: no product of the zero blocks j >= i
-            kt = (mid[:, i - 1, :i].unsqueeze(2) * kj[:, :i]).view(M, i * c, D)
-            A5[:, :, i, :, : i * c] = (qt[:, i - 1] @ kt.transpose(1, 2)).view(M, S, c, i * c)
-            kts.append(kt)
+        if batched:  # kts (M, n-1 (i), (n-1) c, D): every key before sub-chunk n-1, decayed to i's start (0 for j >= i)
+            kts = (mid.unsqueeze(3) * kj.unsqueeze(1)).view(M * (n - 1), (n - 1) * c, D)
+            blocks = mixed_bmm(qt.view(M * (n - 1), S * c, D), kts.transpose(1, 2), operand)
+            A5[:, :, 1:, :, : P] = blocks.view(M, n - 1, S, c, P).transpose(1, 2)
+        else:
+            kts = []  # kts[i - 1] (M, i c, D): the keys before sub-chunk i, decayed to its start
+            for i in range(1, n):  # only the sub-chunks before i: no product of the zero blocks j >= i
+                kt = (mid[:, i - 1, :i].unsqueeze(2) * kj[:, :i]).view(M, i * c, D)
+                A5[:, :, i, :, : i * c] = mixed_bmm(qt[:, i - 1], kt.transpose(1, 2), operand).view(M, S, c, i * c)
+                kts.append(kt)
         off = (eq, ek, mid, qt, kts)
     A.view(M, S, n, c, n, c).diagonal(dim1=2, dim2=4).copy_(Ad.permute(0, 1, 3, 4, 2))
     return A, (runs, keys, off)
@@ -679,7 +692,18 @@ def channel_scores_backward(x: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
         for j in range(1, S):
             w.addcmul_(xs[:, j, :, d:], dp[:, j])
         dk[:, :, : c - d].addcmul_(w, runs[d])
-    if off is not None:
+    if off is not None and isinstance(off[4], Tensor):  # the batched form (channel_scores' batched)
+        eq, ek, mid, qt, kts = off
+        # d loss / d blocks, the pairs j < i only (dA above the diagonal is not read; the blocks
+        # j = i are the diagonal's, handled above)
+        below = torch.ones(n - 1, n - 1, dtype=torch.bool, device=dA.device).tril_()  # (i - 1, j): j < i
+        dAo = dA.view(M, S, n, c, C)[:, :, 1:, :, :P].transpose(1, 2)  # (M, n-1 (i), S, c, (n-1) c)
+        dAo = (dAo.reshape(M, n - 1, S, c, n - 1, c) * below[:, None, None, :, None]).reshape(M * (n - 1), S * c, P)
+        dx[:, :, 1:].addcmul_(torch.bmm(dAo, kts).view(M, n - 1, S, c, D).transpose(1, 2), eq.unsqueeze(1))
+        dkt = torch.bmm(dAo.transpose(1, 2), qt.view(M * (n - 1), S * c, D)).view(M, n - 1, n - 1, c, D)
+        dkj = (dkt * mid.unsqueeze(3)).sum(1)  # (M, n-1 (j), c, D): summed over the query sub-chunks i
+        dk[:, :-1].addcmul_(dkj, ek)
+    elif off is not None:
         eq, ek, mid, qt, kts = off
         dA5 = dA.view(M, S, n, c, C)
         dkj = x.new_zeros(M, n - 1, c, D)
@@ -705,16 +729,27 @@ def _g_sum(x: Tensor, G: int) -> Tensor:
     return x.sum(-1, keepdim=True) if G == 1 else x
 
 
-def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int):
+def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int, opts: EngineOptions | None = None):
     """``A (m, R, C, C)`` of a tile and what its backward needs, from its log decays ``g`` and
-    their cumulative sums ``b`` ``(m, R, C, G)``."""
+    their cumulative sums ``b`` ``(m, R, C, G)`` (``opts``: the products' operand dtype and, for a
+    gate per key channel, the accelerator's batched scores; None in the backward)."""
     m, R, C, D = q.shape
     q2, k2, g2, b2 = (t.reshape(m * R, C, t.shape[-1]) for t in (q, k, g, b))
+    operand = None if opts is None else opts.operand
     if b.shape[-1] == 1:
-        A, saved = _intra_head(q2, k2, b2)
-    else:
-        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c))  # one set of queries
+        A, saved = _intra_head(q2, k2, b2, operand)
+    else:  # one set of queries
+        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c), operand,
+                                  batched=opts is not None and opts.strategy == "accelerator")
     return A.view(m, R, C, C), saved
+
+
+def _mm(a: Tensor, b: Tensor, operand: torch.dtype | None) -> Tensor:
+    """``a @ b`` of ``a (m, R, X, Y)``, ``b (m, R, Y, Z)`` with operands in ``operand`` (None: as they
+    are; :func:`~linattn.functional.strategy.mixed_bmm`) -> ``(m, R, X, Z)``."""
+    if operand is None:
+        return a @ b
+    return mixed_bmm(a.flatten(0, 1), b.flatten(0, 1), operand).view(*a.shape[:-1], b.shape[-1])
 
 
 def _gated_layout(R: int, N: int, chunk_size: int, tile_positions: int, strategy: str) -> ChunkLayout:
@@ -726,16 +761,19 @@ def _gated_layout(R: int, N: int, chunk_size: int, tile_positions: int, strategy
     return ChunkLayout.of(R, N, chunk_size, tile_positions=tile_positions)
 
 
-def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None, chunk_size: int, scale: float,
-                   sub_chunk_size: int, tile_positions: int, strategy: str) -> tuple[Tensor, Tensor, Tensor]:
+def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None, scale: float,
+                   options: str) -> tuple[Tensor, Tensor, Tensor]:
     """The chunked form: ``q, k (B, H, N, D)``, ``v (B, H, N, Dv)``, ``g (B, H, N, G)``,
     ``s0 (B, H, D, Dv)`` or None, all in one (compute) dtype -> ``o (B, H, N, Dv)``, the final
     state ``(B, H, D, Dv)`` and the states before every chunk and after the last,
     ``(Nc + 1, B*H, D, Dv)`` (what the backward needs besides the inputs). ``q`` is scaled tile
-    by tile (a scaled copy of the whole q would be one more full-size tensor)."""
+    by tile (a scaled copy of the whole q would be one more full-size tensor). ``options``: an
+    encoded :class:`~linattn.functional.strategy.EngineOptions`."""
     B, H, N, D = q.shape
     Dv = v.shape[-1]
-    lay = _gated_layout(B * H, N, chunk_size, tile_positions, strategy)
+    opts = EngineOptions.decode(options)
+    strategy, operand = opts.strategy, opts.operand
+    lay = _gated_layout(B * H, N, opts.chunk_size, opts.per_tile, strategy)
     R, C, Nc = lay.R, lay.C, lay.Nc
     q3, k3, v3, g3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g))  # (R, Nc, C, *)
     states = q.new_empty(Nc + 1, R, D, Dv)  # states[j]: the state before chunk j
@@ -744,34 +782,36 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
     else:
         states[0] = s0.reshape(R, D, Dv)
     o = lay.new_chunked(q, Dv)
-    c = sub_chunk_length(C, sub_chunk_size)
+    c = sub_chunk_length(C, opts.sub_chunk_size)
     for sl in lay.tiles():
         q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
         k_, v_, g_ = (lay.take(t, sl) for t in (k3, v3, g3))
         b, eb, ek = _tile_decays(g_)
-        u = (k_ * ek).transpose(-1, -2) @ v_  # (m, R, D, Dv): what the chunk writes
+        u = _mm((k_ * ek).transpose(-1, -2), v_, operand)  # (m, R, D, Dv): what the chunk writes
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
         chunk_recurrence(a, u, states[sl.start], strategy=strategy, out=states[sl.start: sl.stop + 1])
-        A, _ = _tile_intra(q_, k_, g_, b, c)
-        lay.put(o, sl, (q_ * eb) @ states[sl] + A @ v_)
+        A, _ = _tile_intra(q_, k_, g_, b, c, opts)
+        lay.put(o, sl, _mm(q_ * eb, states[sl], operand).add_(_mm(A, v_, operand)))
     return lay.unchunked(o).reshape(B, H, N, Dv).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
 
 
 def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, do: Tensor, ds_final: Tensor,
-                    has_s0: bool, chunk_size: int, scale: float, sub_chunk_size: int,
-                    tile_positions: int, strategy: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    has_s0: bool, scale: float, options: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`_gated_forward` given ``do (B, H, N, Dv)`` and ``ds_final (B, H, D, Dv)``:
     ``dq, dk, dv, dg`` shaped as their inputs and ``ds0 (B, H, D, Dv)`` (``(0,)`` without
-    ``has_s0``). The chunk-local products are recomputed from the inputs and the saved states."""
+    ``has_s0``). The chunk-local products are recomputed from the inputs and the saved states, in
+    the compute dtype (the backward's products take no half operands)."""
     B, H, N, D = q.shape
     Dv, G = v.shape[-1], g.shape[-1]
-    lay = _gated_layout(B * H, N, chunk_size, tile_positions, strategy)
+    opts = EngineOptions.decode(options)
+    strategy = opts.strategy
+    lay = _gated_layout(B * H, N, opts.chunk_size, opts.per_tile, strategy)
     R, C, Nc = lay.R, lay.C, lay.Nc
     q3, k3, v3, g3, do3 = (lay.chunked(t.reshape(R, N, t.shape[-1])) for t in (q, k, v, g, do))  # (R, Nc, C, *)
     T = q3.new_empty(Nc + 1, R, D, Dv)  # T[j]: gradient of states[j]
     T[Nc] = ds_final.reshape(R, D, Dv)
     dq3, dk3, dv3, dg3 = (lay.new_chunked(q, X) for X in (D, D, Dv, G))
-    c = sub_chunk_length(C, sub_chunk_size)
+    c = sub_chunk_length(C, opts.sub_chunk_size)
     for sl in reversed(lay.tiles()):
         q_ = lay.view(q3, sl) * scale  # (m, R, C, D)
         k_, v_, g_, do_ = (lay.take(t, sl) for t in (k3, v3, g3, do3))
@@ -781,7 +821,7 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
         chunk_recurrence(a, gs, T[sl.stop], strategy=strategy, reverse=True, out=T[sl.start: sl.stop + 1])
         s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
-        A, saved = _tile_intra(q_, k_, g_, b, c)
+        A, saved = _tile_intra(q_, k_, g_, b, c, replace(opts, operands=""))
         dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
         lay.put(dv3, sl, (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_)
         dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
@@ -815,38 +855,36 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
 # compiles in seconds and whole), and eager autograd runs the same two functions.
 _gated_chunked = engine_op(
     "linattn::gated_chunked",
-    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? s0, int chunk_size, float scale, "
-    "int sub_chunk_size, int tile_positions, str strategy) -> (Tensor, Tensor, Tensor)",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? s0, float scale, str options) -> (Tensor, Tensor, Tensor)",
     _gated_forward)
 
 
 @_gated_chunked.register_fake
-def _(q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions, strategy):
+def _(q, k, v, g, s0, scale, options):
     B, H, N, D = q.shape
     Dv = v.shape[-1]
-    Nc = -(-N // min(chunk_size, N))
+    Nc = -(-N // min(EngineOptions.decode(options).chunk_size, N))
     return q.new_empty(B, H, N, Dv), q.new_empty(B, H, D, Dv), q.new_empty(Nc + 1, B * H, D, Dv)
 
 
 _gated_chunked_backward = engine_op(
     "linattn::gated_chunked_backward",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor states, Tensor do, Tensor ds_final, "
-    "bool has_s0, int chunk_size, float scale, int sub_chunk_size, int tile_positions, str strategy) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "bool has_s0, float scale, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _gated_backward)
 
 
 @_gated_chunked_backward.register_fake
-def _(q, k, v, g, states, do, ds_final, has_s0, chunk_size, scale, sub_chunk_size, tile_positions, strategy):
+def _(q, k, v, g, states, do, ds_final, has_s0, scale, options):
     B, H, _, D = q.shape
     ds0 = q.new_empty(B, H, D, v.shape[-1]) if has_s0 else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), ds0
 
 
 def _gated_setup(ctx, inputs, output):
-    q, k, v, g, s0, chunk_size, scale, sub_chunk_size, tile_positions, strategy = inputs
+    q, k, v, g, s0, scale, options = inputs
     ctx.save_for_backward(q, k, v, g, output[2])
-    ctx.knobs = (s0 is not None, chunk_size, scale, sub_chunk_size, tile_positions, strategy)
+    ctx.knobs = (s0 is not None, scale, options)
     ctx.mark_non_differentiable(output[2])
     # unused outputs' gradients stay None: materialised, the saved states' would be a zero-filled tensor
     # as large as the states themselves on every backward
@@ -860,7 +898,7 @@ def _gated_autograd(ctx, do, ds_final, _dstates):
     if ds_final is None:
         ds_final = q.new_zeros(*q.shape[:2], *states.shape[2:])  # (B, H, D, Dv)
     dq, dk, dv, dg, ds0 = _gated_chunked_backward(q, k, v, g, states, do, ds_final, *ctx.knobs)
-    return dq, dk, dv, dg, ds0 if has_s0 else None, None, None, None, None, None
+    return dq, dk, dv, dg, ds0 if has_s0 else None, None, None
 
 
 _gated_chunked.register_autograd(_gated_autograd, setup_context=_gated_setup)
@@ -1143,6 +1181,7 @@ def decayed_product(
     sub_chunk_size: int = 4,
     tile_positions: int = 4096,
     strategy: str = "auto",
+    input_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The decayed engine's one entry (internal: callers have checked the inputs and chosen the
     compute dtype; B*H, N >= 1). Differentiable once in q, k, v, log_decay and s0.
@@ -1171,6 +1210,9 @@ def decayed_product(
         strategy: ``"auto"``, ``"cpu"`` or ``"accelerator"`` (``recurrence.py``): tiles in cache
             and a sequential recurrence across chunks, or one tile of the whole sequence and a
             log-depth scan (launches that do not grow with N); ``"auto"`` picks by q's device.
+        input_dtype: the caller's dtype before its cast to the compute dtype (None: q's): with
+            half inputs on the accelerator, the gated forward's large products take half operands
+            (``strategy.py``).
 
     Every knob leaves the result unchanged. Returns ``out (B, H, N, Dv)`` and the final state
     ``(B, H, D, Dv)`` (``Dv + 1`` with ``normalise``).
@@ -1183,7 +1225,9 @@ def decayed_product(
     if log_decay is not None:
         kind = "head" if log_decay.shape[-1] == 1 else "channel"
         C = CHUNK_SIZES[kind] if chunk_size is None else chunk_size
-        out, s_final, _ = _gated_chunked(q, k, v, log_decay, s0, C, scale, sub_chunk_size, tile_positions, strategy)
+        options = EngineOptions(C, strategy, operand_dtype(strategy, input_dtype or q.dtype), tile_positions,
+                                sub_chunk_size)
+        out, s_final, _ = _gated_chunked(q, k, v, log_decay, s0, scale, options.encode())
         return out, s_final
     if scale != 1.0:
         q = q * scale

@@ -112,7 +112,7 @@ __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 # (D, D) product per chunk, so fewer chunks cut its share of the work, and longer chunks make
 # larger in-chunk products, which then carry more than half of the forward's arithmetic in the
 # inputs' half dtype (strategy.py).
-CHUNK_SIZES = {"cpu": {"head": 32, "channel": 16}, "accelerator": {"head": 64, "channel": 32}}
+CHUNK_SIZES = {"cpu": {"head": 32, "channel": 16}, "accelerator": {"head": 64, "channel": 64}}
 
 # Default block size (chunks_per_block=None): a block holds about this many (row, chunk) pairs times
 # the width D + Dv, so 32 chunks at R = 8 rows and D = Dv = 64, where 32 was measured best, and 8 at
@@ -304,15 +304,16 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
 
 def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_size: int = 4,
             qk: Tensor | None = None, kept: _Solved | None = None, form: bool = True,
-            operand: torch.dtype | None = None) -> _Scores:
+            operand: torch.dtype | None = None, batched: bool = False) -> _Scores:
     """``q, k (m, C, D)`` (q already scaled), ``g (m, C)`` (per head), ``(m, C, D)`` (per key
     channel) or None -> :class:`_Scores`, its tensors in the tile buffers ``buf``
     (``sub_chunk_size``: the per-channel scores' sub-chunks), or E, KK and P in those of ``kept``
     (:class:`_Solved`) where it has them: formed there (``form``), or taken as they are. ``operand``:
     the products' operand dtype (:func:`~linattn.functional.strategy.mixed_bmm`), None for as they
-    are."""
+    are; ``batched``: a per-channel gate's scores in the accelerator's batched form
+    (:func:`~linattn.functional.decayed.channel_scores`)."""
     if g is not None and g.dim() == 3:
-        return _channel_scores(q, k, g, sub_chunk_size, qk)
+        return _channel_scores(q, k, g, sub_chunk_size, qk, operand, batched)
     m, C, D = k.shape
     E = gam = delta = gC = None
     into = kept if kept is not None and kept.KK is not None else None  # E, KK, P live there
@@ -344,7 +345,7 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
     return _Scores(E, gam, delta, gC, KK, P, Kd, GQ)
 
 
-def _channel_scores(q, k, g, sub_chunk_size, qk=None) -> _Scores:
+def _channel_scores(q, k, g, sub_chunk_size, qk=None, operand=None, batched=False) -> _Scores:
     """:func:`_scores` for a gate per key channel, ``g (m, C, D)`` (KDA). The decayed scores
     ``sum_d x_td y_id exp(G_td - G_id)`` of A (x = y = k) and P (x = q) are the per-channel gated
     engine's (:func:`~linattn.functional.decayed.channel_scores`: sub-chunks, no exponent above 0);
@@ -358,7 +359,7 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None) -> _Scores:
     # q and k as two sets of queries against the keys k: the decayed keys are formed once
     if qk is None:
         qk = torch.stack([q, k], dim=1)  # (m, 2, C, D)
-    scores, saved = channel_scores(qk, k, decays)  # (m, 2, C, C), i <= t
+    scores, saved = channel_scores(qk, k, decays, operand, batched)  # (m, 2, C, C), i <= t
     P = scores[:, 0]  # (m, C, C): q_t . k_i decayed
     KK = scores[:, 1].tril_(-1)  # (m, C, C): k_t . k_i decayed, i < t
     before = decays.before()
@@ -478,7 +479,8 @@ def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=No
     m, C, D = q.shape
     R, Dv = S.shape[0], S.shape[-1]
     n = m // R
-    x = _scores(q, k, g, buf, qk=qk, kept=kept, operand=opts.operand)
+    x = _scores(q, k, g, buf, opts.sub_chunk_size, qk=qk, kept=kept, operand=opts.operand,
+                batched=opts.strategy == "accelerator")
     sol = _solve(x, k, bv, b, opts.solve_block, buf, kept, operand=opts.operand)
     if opts.strategy == "accelerator":
         return _outputs_by_scan(x, sol, S, n, opts.operand)
@@ -599,7 +601,7 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, opts: EngineOptions, keep=Tr
 
 
 def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None,
-                    strategy="cpu"):
+                    opts: EngineOptions = EngineOptions(32)):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, 2C, Dv)``, each chunk's output gradient in its first C rows (the second C rows are
     a workspace, see :func:`_take_stacked`), the states before and after the block ``start, end
@@ -635,7 +637,8 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     m, C, D = q.shape
     R, Dv = st.shape[0], st.shape[1]  # st: (R, Dv, D)
     n = m // R
-    x = _scores(q, k, g, buf, qk=qk, kept=sol, form=False)
+    x = _scores(q, k, g, buf, opts.sub_chunk_size, qk=qk, kept=sol, form=False, batched=opts.strategy == "accelerator")
+    strategy = opts.strategy
     U = sol.U
     # the loops' per-chunk views made at once (unbind), not indexed op by op
     Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
@@ -905,7 +908,8 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     return dq, dk, dv, db, dg
 
 
-def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, l2=None, strategy="cpu"):
+def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, l2=None,
+                      opts: EngineOptions = EngineOptions(32)):
     """Gradients of :func:`_chunked_forward` from what it kept (``states``, the state before every
     block, ``kept``, its :class:`_Solved` buffers, and ``l2``, the L2 normalisation's factors of q
     and k ``(2, R, N)`` or None without one): ``dq, dk (R, N, D)``, ``dv (R, N, Dv)``,
@@ -936,7 +940,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
                                          states[i], states[i + 1], _kept(kept, blk), st, do_blk, dst,
                                          need_g, scale, into, buf, qk,
                                          None if l2 is None else tuple(_take(lay, f, blk) for f in factors),
-                                         strategy)
+                                         opts)
         lay.put(db, blk, db_blk)
         if dg_blk is not None:
             lay.put(dg, blk, dg_blk)
@@ -1008,7 +1012,7 @@ def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, d
         scores = g is None or g.dim() == 2  # E, KK, P kept by the forward (E only with a decay)
         kept = _Solved(T, U, W, *((E if g is not None else None, KK, P) if scores else ()))
         dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale,
-                                                    lay, need_g, None if qk_eps is None else l2, opts.strategy)
+                                                    lay, need_g, None if qk_eps is None else l2, opts)
     # each gradient in its input's layout (ChunkLayout.new_chunked_like), as the fake says
     return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
 
@@ -1138,6 +1142,7 @@ def delta_rule_attention(
     chunk_size: int | None = None,
     chunks_per_block: int | None = None,
     solve_block: int = 32,
+    sub_chunk_size: int = 4,
     cu_seqlens: Tensor | None = None,
     qk_l2norm_eps: float | None = None,
     strategy: str = "auto",
@@ -1196,6 +1201,9 @@ def delta_rule_attention(
             batched products); any value >= 1 gives the same result up to rounding. The default
             solves a chunk of the default length whole, which ran faster than by halves of 16
             (timings: docs/benchmarks/README.md, History).
+        sub_chunk_size: a tuning knob of a gate per key channel (KDA), the length of the sub-chunks
+            of its decayed scores (the largest divisor of C up to it; as in
+            ``gated_linear_attention``); any value >= 1 gives the same result up to rounding.
         cu_seqlens: None, or integer (int32 or int64) ``(n + 1,)`` offsets ``[0, c_1, ..., T]`` of n documents packed
             along N (non-decreasing; empty documents allowed), flash-attention's varlen convention.
             Then B must be 1 (inputs ``(1, H, T, *)``), no information crosses a document
@@ -1249,6 +1257,7 @@ def delta_rule_attention(
     if chunks_per_block is not None:
         check_positive_int(fn, "chunks_per_block", chunks_per_block)
     check_positive_int(fn, "solve_block", solve_block)
+    check_positive_int(fn, "sub_chunk_size", sub_chunk_size)
     with no_autocast(q.device.type):
         in_dtype = q.dtype
         dt, scale, beta, log_decay, q, kx, vx = _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask,
@@ -1267,7 +1276,7 @@ def delta_rule_attention(
             out, s = result_without_positions((qx, kx, vx, *gates), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
             options = EngineOptions(chunk_size, run, operand_dtype(run, in_dtype),
-                                    _chunks_per_block(chunks_per_block, H, D, Dv), solve_block=solve_block).encode()
+                                    _chunks_per_block(chunks_per_block, H, D, Dv), sub_chunk_size, solve_block).encode()
             out, s = _varlen(qx, kx, vx, beta, log_decay, scale, s0, cu_seqlens, return_state, options, qk_l2norm_eps)
         elif N == 1 and s0 is not None:  # the recurrent step
             out, s = _step(qx, kx, vx, beta, log_decay, scale, s0, qk_l2norm_eps)
@@ -1277,7 +1286,7 @@ def delta_rule_attention(
 
             s0r = vx.new_zeros(B * H, D, Dv) if s0 is None else s0.reshape(B * H, D, Dv)
             options = EngineOptions(chunk_size, run, operand_dtype(run, in_dtype),
-                                    _chunks_per_block(chunks_per_block, B * H, D, Dv), solve_block=solve_block)
+                                    _chunks_per_block(chunks_per_block, B * H, D, Dv), sub_chunk_size, solve_block)
             o, s, *_ = _delta_rule_chunked(rows(qx), rows(kx), rows(vx), rows(beta),
                                            None if log_decay is None else rows(log_decay), s0r, scale,
                                            _needs_states(qx, kx, vx, beta, log_decay, s0r), qk_l2norm_eps,

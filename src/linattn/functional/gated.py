@@ -150,7 +150,7 @@ def _recurrent_step(q, k, v, g, s0):
     s = torch.addcmul(k.transpose(-1, -2) * v, torch.exp(g).transpose(-1, -2), s0)  # (B, H, D, Dv)
     return q @ s, s
 
-def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs, strategy):
+def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs, strategy, input_dtype):
     """Packed documents (see ``varlen.py``): ``q, k (1, H, T, D)``, ``v (1, H, T, Dv)``,
     ``g (1, H, T, G)``, ``s0 (n, H, D, Dv)`` or None, prepared (compute dtype, padding zeroed) ->
     ``(1, H, T, Dv)`` and the per-document final states ``(n, H, D, Dv)`` (None unless
@@ -167,7 +167,8 @@ def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs, 
         g = lay.expand(g, lay.zeros(g), lay.zeros(g))
         scale = 1.0
     out, _ = decayed_product(q, k, v, log_decay=lay.with_resets(g), scale=scale, chunk_size=chunk_size,
-                             sub_chunk_size=knobs[0], tile_positions=knobs[1], strategy=strategy)
+                             sub_chunk_size=knobs[0], tile_positions=knobs[1], strategy=strategy,
+                             input_dtype=input_dtype)
     return lay.packed(out), (lay.states(out) if return_state else None)
 
 
@@ -276,13 +277,13 @@ def gated_linear_attention(
             out, s = result_without_positions((q, k, v, g), s0, (B, H, N, Dv), (n, H, D, Dv))
         elif cu_seqlens is not None:
             out, s = _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size,
-                             (sub_chunk_size, tile_positions), strategy)
+                             (sub_chunk_size, tile_positions), strategy, in_dtype)
         elif N == 1 and s0 is not None:
             out, s = _recurrent_step(q * scale, k, v, g, s0)
         else:
             out, s = decayed_product(q, k, v, s0, log_decay=g, scale=scale, chunk_size=chunk_size,
                                      sub_chunk_size=sub_chunk_size, tile_positions=tile_positions,
-                                     strategy=strategy)
+                                     strategy=strategy, input_dtype=in_dtype)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
 
