@@ -128,12 +128,12 @@ class _ChunkInputs(NamedTuple):
     z0: Tensor | None
     R: int
 
-    def states(self) -> tuple[Tensor, Tensor]:
+    def states(self, operand: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """States before each chunk, ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, and the
-        final state ``(R, F, E)``."""
+        final state ``(R, F, E)`` (``operand``: the products' operand dtype, None: as they are)."""
         Fd, E = self.a.shape[-1], self.w.shape[-1]
         s_excl, s_final = _exclusive_chunk_sums(
-            torch.bmm(self.k.transpose(1, 2), self.w).view(self.R, -1, Fd, E), self.s0
+            mixed_bmm(self.k.transpose(1, 2), self.w, operand).view(self.R, -1, Fd, E), self.s0
         )
         return s_excl.view(-1, Fd, E), s_final
 
@@ -142,20 +142,25 @@ class _ChunkInputs(NamedTuple):
         z_excl, z_final = _exclusive_chunk_sums(self.k.sum(1).view(self.R, -1, self.a.shape[-1]), self.z0)
         return z_excl.view(-1, self.a.shape[-1]), z_final
 
-    def scores(self) -> Tensor:
+    def scores(self, operand: torch.dtype | None = None) -> Tensor:
         """``(R*Nc, C, C)`` intra-chunk scores a_i . k_j for j <= i, zero above the diagonal."""
-        return torch.bmm(self.a, self.k.transpose(1, 2)).tril_()
+        return mixed_bmm(self.a, self.k.transpose(1, 2), operand).tril_()
 
 
-def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None):
+def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None, operand: torch.dtype | None = None):
     """Forward of one tile: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
     the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)``, its final state ``(R, F)``
     and its floor ``(R*Nc, C)`` (:func:`normaliser_floor`, from the normaliser state each position
     sees). The normaliser is the product with an implicit ones column, kept out of the bmm: a
-    width of 65 instead of 64 makes them markedly slower. ``out``: where to write o, or None."""
-    s_excl, s_final = x.states()
-    scores = x.scores()
-    o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
+    width of 65 instead of 64 makes them markedly slower. ``out``: where to write o, or None;
+    ``operand``: the four products' operand dtype (None: as they are; the normaliser's stay in the
+    compute dtype)."""
+    s_excl, s_final = x.states(operand)
+    scores = x.scores(operand)
+    if operand is None:
+        o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
+    else:
+        o = mixed_bmm(x.a, s_excl, operand, out=out).add_(mixed_bmm(scores, x.w, operand))
     if not with_den:
         return o, s_final, None, None, None
     z_excl, z_final = x.z_states()
@@ -228,8 +233,8 @@ def _split_state(s: Tensor | None, normalise: bool, dv: int) -> tuple[Tensor | N
     return s[..., :dv], s[..., dv]
 
 
-def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_size: int, tile_positions: int,
-                     normalise: bool, phi_name: str, keep: bool):
+def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, normalise: bool, phi_name: str, keep: bool,
+                     options: str):
     """The product without a gate, row tile by row tile: ``o_i = q_i . (s0 + sum_{j<=i} k_j v_j^T)``,
     or with ``normalise`` ``out_i = n_i / d_i`` where ``[n_i, d_i] = phi(q_i) . (s0 + sum_{j<=i}
     phi(k_j) [v_j, 1]^T)`` (``phi``: an elementwise feature map's name, or "" when q and k are
@@ -237,9 +242,11 @@ def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_s
     guarded normaliser's inverse ``inv (B, H, N, 1)`` and where it was used ``active`` (bool), the
     kept features (two ``(B, H, N, F)`` when ``keep`` and ``phi``), and the states before every
     block of a row but its first, stacked, numerator ``(n, 1, F, Dv)`` and normaliser ``(n, 1, F)``.
-    What does not apply is ``(0,)`` (each a new tensor: a custom op's outputs may not alias)."""
+    What does not apply is ``(0,)`` (each a new tensor: a custom op's outputs may not alias).
+    ``options``: an encoded :class:`~linattn.functional.strategy.EngineOptions`."""
     phi = ELEMENTWISE_MAPS[phi_name] if phi_name else None
-    lay = ChunkLayout.by_rows(q.shape[0] * q.shape[1], q.shape[2], chunk_size, tile_positions)
+    opts = EngineOptions.decode(options)
+    lay = _ungated_layout(q, opts)
     dv = v.shape[-1]
     q3, k3, v3, s03 = (_rows_view(t) for t in (q, k, v, s0))
     out = v.new_empty(v.shape)
@@ -263,7 +270,8 @@ def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_s
             x = _block_inputs(lay, chunks, q3[rows], k3[rows], v3[rows], s, z, phi,
                               None if feats3 is None else [f[rows] for f in feats3])
             into = lay.target(out3[rows], chunks)
-            og, s, d, z, floor = _rows_forward(x, with_den=normalise, out=None if normalise else into)
+            og, s, d, z, floor = _rows_forward(x, with_den=normalise, out=None if normalise else into,
+                                               operand=opts.operand)
             if normalise:
                 d, act = guarded_normaliser(d, floor)
                 inv_g = d.reciprocal_().unsqueeze(-1)
@@ -286,14 +294,24 @@ def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, chunk_s
     return out, s_final, inv, active, fq, fk, ss, sz
 
 
-def _ungated_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, chunk_size,
-                      tile_positions, normalise, phi_name):
+def _ungated_layout(q: Tensor, opts: EngineOptions) -> ChunkLayout:
+    """The row tiles of ``q (B, H, N, F)``: of about ``opts.per_tile`` positions on the CPU strategy,
+    one tile of every row and chunk on the accelerator's (the chunk states are then one cumsum)."""
+    R, N, C = q.shape[0] * q.shape[1], q.shape[2], opts.chunk_size
+    per_tile = opts.per_tile
+    if opts.strategy == "accelerator":
+        per_tile = max(per_tile, R * -(-N // min(C, N)) * min(C, N))
+    return ChunkLayout.by_rows(R, N, C, per_tile)
+
+
+def _ungated_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, normalise, phi_name,
+                      options):
     """Gradients of :func:`_ungated_forward` (``need``: for q, k, v, s0; ``(0,)`` where not needed);
     the kept features ``fq, fk`` (unless ``(0,)``) are overwritten with the gradients of q and k,
     which then come back as ``(0,)``."""
     phi = ELEMENTWISE_MAPS[phi_name] if phi_name else None
     feats = (fq, fk) if fq.numel() else None
-    lay = ChunkLayout.by_rows(q.shape[0] * q.shape[1], q.shape[2], chunk_size, tile_positions)
+    lay = _ungated_layout(q, EngineOptions.decode(options))
     dv = v.shape[-1]
     q3, k3, v3, s03, out3, inv3, active3, dout3, dsf3 = (
         _rows_view(t) for t in (q, k, v, s0, out, inv, active, dout, ds_final)
@@ -362,17 +380,16 @@ def _ungated_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_fi
 # a compiled backward does not take as an input): the backward recomputes phi.
 _ungated_chunked = engine_op(
     "linattn::ungated_chunked",
-    "(Tensor q, Tensor k, Tensor v, Tensor? s0, int chunk_size, int tile_positions, "
-    "bool normalise, str phi, bool keep) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
-    "Tensor, Tensor, Tensor)",
+    "(Tensor q, Tensor k, Tensor v, Tensor? s0, bool normalise, str phi, bool keep, str options) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _ungated_forward)
 
 
 @_ungated_chunked.register_fake
-def _(q, k, v, s0, chunk_size, tile_positions, normalise, phi, keep):
+def _(q, k, v, s0, normalise, phi, keep, options):
     B, H, N, Fd = q.shape
     dv = v.shape[-1]
-    n_starts = ChunkLayout.by_rows(B * H, N, chunk_size, tile_positions).block_starts()
+    n_starts = _ungated_layout(q, EngineOptions.decode(options)).block_starts()
     kept = keep and bool(phi)
 
     def maybe(cond: bool, *shape: int) -> Tensor:
@@ -388,14 +405,12 @@ _ungated_chunked_backward = engine_op(
     "linattn::ungated_chunked_backward",
     "(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor out, Tensor inv, Tensor active, "
     "Tensor(a!) fq, Tensor(b!) fk, Tensor ss, Tensor sz, Tensor dout, Tensor ds_final, "
-    "bool[] need, int chunk_size, int tile_positions, bool normalise, str phi) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "bool[] need, bool normalise, str phi, str options) -> (Tensor, Tensor, Tensor, Tensor)",
     _ungated_backward, mutates_args=("fq", "fk"))
 
 
 @_ungated_chunked_backward.register_fake
-def _(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, chunk_size, tile_positions, normalise,
-      phi):
+def _(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, normalise, phi, options):
     kept = fq.numel() > 0
     dq = q.new_empty(q.shape) if need[0] and not kept else q.new_empty(0)
     dk = k.new_empty(k.shape) if need[1] and not kept else q.new_empty(0)
@@ -405,10 +420,10 @@ def _(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final, need, chunk
 
 
 def _ungated_setup(ctx, inputs, output):
-    q, k, v, s0, chunk_size, tile_positions, normalise, phi, keep = inputs
+    q, k, v, s0, normalise, phi, keep, options = inputs
     out, s_final, inv, active, fq, fk, ss, sz = output
     ctx.save_for_backward(q, k, v, s0, out, inv, active, ss, sz)
-    ctx.knobs = (chunk_size, tile_positions, normalise, phi)
+    ctx.knobs = (normalise, phi, options)
     # on ctx, not saved: the backward overwrites them in place (saved tensors would refuse a second
     # backward for that), and forgets them after the first
     ctx.feats = (fq, fk) if fq.numel() else None
@@ -425,12 +440,12 @@ def _ungated_autograd(ctx, dout, ds_final, *_):
     if dout is None:
         dout = torch.zeros_like(out)
     if ds_final is None:
-        ds_final = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1] + ctx.knobs[2])  # (B, H, F, Dv [+ 1])
+        ds_final = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1] + ctx.knobs[0])  # (B, H, F, Dv [+ 1])
     grads = list(_ungated_chunked_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_final,
                                            need, *ctx.knobs))
     if fq.numel():  # the kept features now hold the gradients of q and k
         grads[:2] = fq, fk
-    return (*(g if n else None for g, n in zip(grads, need)), None, None, None, None, None)
+    return (*(g if n else None for g, n in zip(grads, need)), None, None, None, None)
 
 
 _ungated_chunked.register_autograd(_ungated_autograd, setup_context=_ungated_setup)
@@ -987,13 +1002,13 @@ def _scan_(buf: Tensor, lvl: Tensor, lvl_init: Tensor, *, reverse: bool, has_ini
 
 
 def _scanned_products(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lvl_init: Tensor, *,
-                      reverse: bool, strategy: str = "cpu") -> Tensor:
+                      reverse: bool, strategy: str = "cpu", operand: torch.dtype | None = None) -> Tensor:
     """:func:`_scan_` of the per-chunk products ``bmm(a, b)`` for ``a (BH*Nc, F, C)``,
     ``b (BH*Nc, C, E)``, seeded with ``seed`` (anything of BH*F*E entries; None for zeros): a new
     ``(BH, Nc + 1, F*E)`` laid out as :func:`_scan_` describes. The products go straight into their
     slots when those are one block of memory (BH = 1, the tiled FAVOR path)."""
     if strategy == "accelerator":
-        return _scanned_by_recurrence(a, b, seed, lvl, lvl_init, reverse=reverse)
+        return _scanned_by_recurrence(a, b, seed, lvl, lvl_init, reverse=reverse, operand=operand)
     BH = lvl.shape[0]
     nc, Fd, E = a.shape[0] // BH, a.shape[1], b.shape[2]
     buf = a.new_empty(BH, nc + 1, Fd * E)
@@ -1010,13 +1025,13 @@ def _scanned_products(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lv
 
 
 def _scanned_by_recurrence(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tensor, lvl_init: Tensor, *,
-                           reverse: bool) -> Tensor:
+                           reverse: bool, operand: torch.dtype | None = None) -> Tensor:
     """:func:`_scanned_products` for the accelerator: the same sums as the recurrence across chunks
     (``recurrence.py``) with a number per row as each chunk's transition, ``e^{lvl[c-1] - lvl[c]}``
     (``e^{lvl[c+1] - lvl[c]}`` reversed; ``lvl_init`` at the seed's end), every factor <= 1."""
     BH, nc = lvl.shape
     Fd, E = a.shape[1], b.shape[2]
-    terms = torch.bmm(a, b).view(BH, nc, Fd, E).transpose(0, 1)  # (Nc, BH, F, E)
+    terms = mixed_bmm(a, b, operand).view(BH, nc, Fd, E).transpose(0, 1)  # (Nc, BH, F, E)
     beyond = lvl_init[:, None]
     other = torch.cat([lvl[:, 1:], beyond], dim=1) if reverse else torch.cat([beyond, lvl[:, :-1]], dim=1)
     A = torch.exp(other - lvl).t()[..., None, None]  # (Nc, BH, 1, 1)
@@ -1027,7 +1042,7 @@ def _scanned_by_recurrence(a: Tensor, b: Tensor, seed: Tensor | None, lvl: Tenso
 
 def _chunk_states(
     kc: Tensor, wc: Tensor, leave: Tensor, start: Tensor, end: Tensor, s0: Tensor | None, BH: int,
-    strategy: str = "cpu",
+    strategy: str = "cpu", operand: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The state entering each chunk ``(B*H*Nc, F, E)`` and the final state ``(B*H, F, E)``.
 
@@ -1036,7 +1051,8 @@ def _chunk_states(
     Fd, E = kc.shape[-1], wc.shape[-1]
     nc = kc.shape[0] // BH
     # s0, then each chunk's leaving state (scale the narrower w)
-    buf = _scanned_products(kc.transpose(1, 2), wc * leave, s0, end, start[:, 0], reverse=False, strategy=strategy)
+    buf = _scanned_products(kc.transpose(1, 2), wc * leave, s0, end, start[:, 0], reverse=False, strategy=strategy,
+                            operand=operand)
     s_final = buf[:, nc].reshape(BH, Fd, E).clone()
     return buf[:, :nc].reshape(-1, Fd, E), s_final  # a view when BH = 1
 
@@ -1048,14 +1064,16 @@ def _scale_layout(a: Tensor, chunk_size: int) -> ChunkLayout:
 
 
 def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None,
-             chunk_size: int, strategy: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   options: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> ``o (B, H, N, E)``, the final state ``(B, H, F, E)`` and what the backward keeps besides
     the inputs: the chunked scales ``mc (B*H, Nc, C)``, the per-chunk states ``s_in (B*H*Nc, F, E)``
     and the masked chunk scores ``(B*H*Nc, C, C)`` (N F E / C and N C floats: with F in the
     hundreds both cost more to redo than to keep)."""
     B, H, N, Fd = a.shape
     E = w.shape[-1]
-    lay = _scale_layout(a, chunk_size)
+    opts = EngineOptions.decode(options)
+    operand = opts.operand
+    lay = _scale_layout(a, opts.chunk_size)
     C, nc, n_pad = lay.C, lay.Nc, lay.fill
     ac, kc, wc = (_scale_chunks(lay, x) for x in (a, kf, w))  # (B*H*Nc, C, F|F|E)
     # fill positions repeat the last scale: they carry zero rows and must not rescale. A copy (B*H*N
@@ -1064,20 +1082,22 @@ def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | Non
     if n_pad:
         mc[:, -1, C - n_pad:] = mc[:, -1, C - n_pad - 1: C - n_pad]
     intra, enter, leave, start, end = _scale_weights(mc)
-    s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H, strategy)
-    scores = torch.bmm(ac, kc.transpose(1, 2)).mul_(intra)  # (B*H*Nc, C, C)
-    o = torch.bmm(ac, s_in).mul_(enter).baddbmm_(scores, wc)  # (B*H*Nc, C, E)
+    s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H, opts.strategy, operand)
+    scores = mixed_bmm(ac, kc.transpose(1, 2), operand).mul_(intra)  # (B*H*Nc, C, C)
+    o = mixed_bmm(ac, s_in, operand).mul_(enter).add_(mixed_bmm(scores, wc, operand))  # (B*H*Nc, C, E)
     out = lay.unchunked(o.view(B * H, nc, C, E)).view(B, H, N, E)
     return out.contiguous(), s_final.view(B, H, Fd, E), mc, s_in.contiguous(), scores
 
 
 def _scale_backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, scores: Tensor, do: Tensor,
-              ds_final: Tensor, has_s0: bool, chunk_size: int, strategy: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    ds_final: Tensor, has_s0: bool, options: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`_forward`: ``da, dkf, dw`` shaped as their inputs and ``ds0 (B, H, F, E)``
     (``(0,)`` without ``has_s0``)."""
     B, H, N, Fd = a.shape
     E = w.shape[-1]
-    lay = _scale_layout(a, chunk_size)
+    opts = EngineOptions.decode(options)
+    strategy = opts.strategy
+    lay = _scale_layout(a, opts.chunk_size)
     C = lay.C
     ac, kc, wc, doc = (_scale_chunks(lay, x) for x in (a, kf, w, do))  # (B*H*Nc, C, F|F|E|E)
     intra, enter, leave, start, end = _scale_weights(mc)
@@ -1107,16 +1127,15 @@ def _scale_backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, 
 # delta-rule engines): torch.compile sees one op per call instead of unrolling the chunk scan.
 _scaled_chunked = engine_op(
     "linattn::scaled_chunked",
-    "(Tensor a, Tensor kf, Tensor w, Tensor m, Tensor? s0, int chunk_size, str strategy) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "(Tensor a, Tensor kf, Tensor w, Tensor m, Tensor? s0, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _scale_forward)
 
 
 @_scaled_chunked.register_fake
-def _(a, kf, w, m, s0, chunk_size, strategy):
+def _(a, kf, w, m, s0, options):
     B, H, N, Fd = a.shape
     E = w.shape[-1]
-    C = min(chunk_size, N)
+    C = min(EngineOptions.decode(options).chunk_size, N)
     nc = -(-N // C)
     return (a.new_empty(B, H, N, E), a.new_empty(B, H, Fd, E), a.new_empty(B * H, nc, C),
             a.new_empty(B * H * nc, Fd, E), a.new_empty(B * H * nc, C, C))
@@ -1125,22 +1144,22 @@ def _(a, kf, w, m, s0, chunk_size, strategy):
 _scaled_chunked_backward = engine_op(
     "linattn::scaled_chunked_backward",
     "(Tensor a, Tensor kf, Tensor w, Tensor mc, Tensor s_in, Tensor scores, Tensor do, "
-    "Tensor ds_final, bool has_s0, int chunk_size, str strategy) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor ds_final, bool has_s0, str options) -> (Tensor, Tensor, Tensor, Tensor)",
     _scale_backward)
 
 
 @_scaled_chunked_backward.register_fake
-def _(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, chunk_size, strategy):
+def _(a, kf, w, mc, s_in, scores, do, ds_final, has_s0, options):
     B, H, _, Fd = a.shape
     ds0 = a.new_empty(B, H, Fd, w.shape[-1]) if has_s0 else a.new_empty(0)
     return a.new_empty(a.shape), kf.new_empty(kf.shape), w.new_empty(w.shape), ds0
 
 
 def _scale_setup(ctx, inputs, output):
-    a, kf, w, m, s0, chunk_size, strategy = inputs
+    a, kf, w, m, s0, options = inputs
     _, _, mc, s_in, scores = output
     ctx.save_for_backward(a, kf, w, mc, s_in, scores)
-    ctx.knobs = (s0 is not None, chunk_size, strategy)
+    ctx.knobs = (s0 is not None, options)
     ctx.mark_non_differentiable(mc, s_in, scores)
     # unused outputs' gradients stay None (materialised, the saved tensors' would be zero-filled)
     ctx.set_materialize_grads(False)
@@ -1155,7 +1174,7 @@ def _scale_autograd(ctx, do, ds_final, _dmc, _ds_in, _dscores):
     if ds_final is None:
         ds_final = w.new_zeros(B, H, Fd, w.shape[-1])
     da, dk, dw, ds0 = _scaled_chunked_backward(a, kf, w, mc, s_in, scores, do, ds_final, *ctx.knobs)
-    return da, dk, dw, None, ds0 if has_s0 else None, None, None
+    return da, dk, dw, None, ds0 if has_s0 else None, None
 
 
 _scaled_chunked.register_autograd(_scale_autograd, setup_context=_scale_setup)
@@ -1233,11 +1252,11 @@ def decayed_product(
         q = q * scale
     if running_log_scale is not None:
         C = CHUNK_SIZES["scale"] if chunk_size is None else chunk_size
-        out, s_final, _, _, _ = _scaled_chunked(q, k, v, running_log_scale.detach(), s0, C, strategy)
+        options = EngineOptions(C, strategy, operand_dtype(strategy, input_dtype or q.dtype))
+        out, s_final, _, _, _ = _scaled_chunked(q, k, v, running_log_scale.detach(), s0, options.encode())
         return out, s_final
     C = CHUNK_SIZES["none"] if chunk_size is None else chunk_size
-    if strategy == "accelerator":  # one tile of every row and chunk: the chunk states are one cumsum
-        tile_positions = max(tile_positions, q.shape[0] * q.shape[1] * -(-q.shape[2] // C) * C)
-    out, s_final, *_ = _ungated_chunked(q, k, v, s0, C, tile_positions, normalise, phi, keep)
+    options = EngineOptions(C, strategy, operand_dtype(strategy, input_dtype or q.dtype), tile_positions)
+    out, s_final, *_ = _ungated_chunked(q, k, v, s0, normalise, phi, keep, options.encode())
     return out, s_final
 

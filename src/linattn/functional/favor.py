@@ -513,7 +513,8 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             s_final = s_final + s0
         o = qf @ s_final  # (B, H, 1, E)
     else:
-        o, s_final = decayed_product(qf, kf, w, s0, running_log_scale=run, chunk_size=chunk_size, strategy=strategy)
+        o, s_final = decayed_product(qf, kf, w, s0, running_log_scale=run, chunk_size=chunk_size, strategy=strategy,
+                                     input_dtype=out_dtype)
     out = _finish(o, dv, features, out_dtype, _positive_floor(m, dt))
     if not return_state:
         return out

@@ -349,7 +349,7 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
                 and any(t is not None and t.requires_grad for t in (qf, kf, v, s0)))
         name = "" if phi is None else feature_map
         out, s_final = decayed_product(qf, kf, v, s0, normalise=True, phi=name, keep=keep, chunk_size=chunk_size,
-                                       tile_positions=tile_positions, strategy=strategy)
+                                       tile_positions=tile_positions, strategy=strategy, input_dtype=q.dtype)
         out = out.to(q.dtype)
     else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
