@@ -253,3 +253,78 @@ def test_forced_accelerator_compiles_whole(form):
 
     compiled = torch.compile(fn, fullgraph=True, backend="eager")
     assert rel(compiled(**t), eager) < 1e-6
+
+
+# --- half inputs on the accelerator: half operands, float32 accumulation -------------------------
+
+
+def _half_case(form: str, N: int = 256, H: int = 2, D: int = 64):
+    g = torch.Generator().manual_seed(11)
+    bf = torch.bfloat16
+    q, v = (torch.randn(1, H, N, D, generator=g).to(bf) for _ in range(2))
+    k = F.normalize(torch.randn(1, H, N, D, generator=g), dim=-1).to(bf)
+    beta = torch.rand(1, H, N, generator=g).to(bf)
+    head = F.logsigmoid(torch.randn(1, H, N, generator=g) + 3).to(bf)
+    channel = F.logsigmoid(torch.randn(1, H, N, D, generator=g) + 3).to(bf)
+    P = LF.favor_projection(64, D, generator=torch.Generator().manual_seed(3))
+
+    def call(strategy: str, dtype=None):
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+        qq, kk, vv, bb, hh, cc = (cast(t) for t in (q, k, v, beta, head, channel))
+        with torch.no_grad():
+            if form == "delta_head":
+                return LF.delta_rule_attention(qq, kk, vv, bb, log_decay=hh, strategy=strategy)
+            if form == "delta_channel":
+                return LF.delta_rule_attention(qq, kk, vv, bb, log_decay=cc, strategy=strategy)
+            if form == "gla_head":
+                return LF.gated_linear_attention(qq, kk, vv, hh, strategy=strategy)
+            if form == "gla_channel":
+                return LF.gated_linear_attention(qq, kk, vv, cc, strategy=strategy)
+            if form == "linear_elu":
+                return LF.linear_attention(qq, kk, vv, causal=True, strategy=strategy)
+            return LF.favor_attention(qq, kk, vv, P.to(qq.dtype), causal=True, strategy=strategy)
+
+    return call
+
+
+HALF_FORMS = ["delta_head", "delta_channel", "gla_head", "gla_channel", "linear_elu", "favor_softmax"]
+
+
+@pytest.mark.parametrize("form", HALF_FORMS)
+def test_half_inputs_on_the_accelerator_take_half_operands_for_most_product_flops(form):
+    from linattn.bench.tensor_cores import product_flops
+
+    call = _half_case(form)
+    acc, cpu = product_flops(lambda: call("accelerator")), product_flops(lambda: call("cpu"))
+    assert acc.half_share >= 0.5, (form, acc)
+    assert cpu.half == 0 and cpu.full > 0  # the CPU strategy keeps float32 operands
+    # float32 inputs take no half operands on either strategy
+    assert product_flops(lambda: call("accelerator", torch.float32)).half == 0
+
+
+@pytest.mark.parametrize("form", HALF_FORMS)
+def test_half_operands_cost_at_most_a_few_bf16_roundings(form):
+    """The bf16 output with half operands against float64: within 3x the error of the CPU
+    strategy's float32 products (whose error is the output's own rounding to bf16), and within
+    1e-2 of the output's scale."""
+    call = _half_case(form)
+    ref = call("cpu", torch.float64)
+    err_acc, err_cpu = rel(call("accelerator"), ref), rel(call("cpu"), ref)
+    assert err_cpu < 5e-3
+    assert err_acc <= max(3 * err_cpu, 1e-3) and err_acc < 1e-2, (form, err_acc, err_cpu)
+
+
+def test_mixed_bmm_rounds_the_operands_and_accumulates_in_float32():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 8, 300, generator=g), torch.randn(3, 300, 5, generator=g)
+    got = mixed_bmm(a, b, torch.bfloat16)
+    want = torch.bmm(a.to(torch.bfloat16).double(), b.to(torch.bfloat16).double())
+    assert got.dtype == torch.float32
+    assert rel(got, want) < 1e-6  # float32 accumulation of the rounded operands
+    assert rel(got, torch.bmm(a.double(), b.double())) > 1e-4  # the operands were rounded
+    assert torch.equal(mixed_bmm(a, b, None), torch.bmm(a, b))
+    assert operand_dtype("accelerator", torch.bfloat16) == "bfloat16"
+    assert operand_dtype("accelerator", torch.float16) == "float16"
+    assert operand_dtype("cpu", torch.bfloat16) == "" and operand_dtype("accelerator", torch.float32) == ""
+    opts = EngineOptions(64, "accelerator", "bfloat16", 7, 4, 16)
+    assert EngineOptions.decode(opts.encode()) == opts and opts.operand is torch.bfloat16
