@@ -300,7 +300,21 @@ def build_parser(prog: str) -> CommandParser:
                           help=f"Comma-separated forms, from {', '.join(LAUNCH_FORMS)} (default: all).")
     launches.add_argument("--quick", action="store_true",
                           help="Tiny widths (2 heads of 16) and N = 256,1024: a check of the command in seconds.")
-    for sub in (sweep, core, favor, family, full, gen, gated, hf, cp, gpu, launches):  # its validation errors name it, not `linattn bench`
+    tensor_cores = bench_sub.add_parser(
+        "tensor-cores", help="The share of every chunked form's product FLOPs with half operands on the accelerator "
+        "strategy, and the accuracy they cost against float64 and FLA.",
+        description=_wrapped("Every chunked form (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, causal "
+        "linear attention, FAVOR+) at checkpoint widths, B = 1, bfloat16 inputs, one forward: the share of its "
+        "matrix-product FLOPs with half operands, strategy accelerator against cpu, and the bf16 output's error "
+        "against float64 on the same inputs beside float32 products and FLA's figure recorded on the H200 (issue 44). "
+        "Writes tensor_cores.json and tensor_cores.md; minutes at full size."))
+    add_out_argument(tensor_cores, "docs/benchmarks/tensor_cores", "Folder for tensor_cores.json and tensor_cores.md")
+    tensor_cores.add_argument("--n", type=positive_int, default=None,
+                              help="Sequence length N (default: 4096; 256 with --quick).")
+    tensor_cores.add_argument("--quick", action="store_true",
+                              help="Tiny widths (2 heads of 16) and N = 256: a check of the command in seconds.")
+    for sub in (sweep, core, favor, family, full, gen, gated, hf, cp, gpu, launches,
+                tensor_cores):  # its validation errors name it, not `linattn bench`
         sub.set_defaults(suite_parser=sub)
     return parser
 
@@ -401,6 +415,10 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
         from ..bench.launches import run_launches
 
         run_launches(out=args.out, n=args.n, forms=args.forms, quick=args.quick, command=command_line(argv))
+    elif args.suite == "tensor-cores":
+        from ..bench.tensor_cores import run_tensor_cores
+
+        run_tensor_cores(out=args.out, n=args.n, quick=args.quick, command=command_line(argv))
     elif args.suite == "context-parallel":
         from ..bench.context_parallel import run_context_parallel
 
