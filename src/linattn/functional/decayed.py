@@ -48,7 +48,7 @@ from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
 from .normaliser import guarded_normaliser, normaliser_floor
 from .recurrence import chunk_recurrence
-from .strategy import EngineOptions, mixed_bmm, operand_dtype, resolve_strategy
+from .strategy import EngineOptions, mixed_bmm, operand_dtype, resolve_strategy, split_bmm
 
 __all__ = ["CHUNK_SIZES", "ChannelDecays", "channel_decays", "channel_scores", "channel_scores_backward", "decayed_product",
            "sub_chunk_length"]
@@ -159,8 +159,8 @@ def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None, op
     scores = x.scores(operand)
     if operand is None:
         o = torch.bmm(x.a, s_excl, out=out).baddbmm_(scores, x.w)  # inter-chunk + intra-chunk
-    else:
-        o = mixed_bmm(x.a, s_excl, operand, out=out).add_(mixed_bmm(scores, x.w, operand))
+    else:  # the state in two half parts (strategy.split_bmm): its rounding cost the bf16 output the most
+        o = split_bmm(x.a, s_excl, operand, out=out).add_(mixed_bmm(scores, x.w, operand))
     if not with_den:
         return o, s_final, None, None, None
     z_excl, z_final = x.z_states()
@@ -759,12 +759,14 @@ def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int, 
     return A.view(m, R, C, C), saved
 
 
-def _mm(a: Tensor, b: Tensor, operand: torch.dtype | None) -> Tensor:
+def _mm(a: Tensor, b: Tensor, operand: torch.dtype | None, split: bool = False) -> Tensor:
     """``a @ b`` of ``a (m, R, X, Y)``, ``b (m, R, Y, Z)`` with operands in ``operand`` (None: as they
-    are; :func:`~linattn.functional.strategy.mixed_bmm`) -> ``(m, R, X, Z)``."""
+    are; :func:`~linattn.functional.strategy.mixed_bmm`, or with ``split`` b in two half parts,
+    :func:`~linattn.functional.strategy.split_bmm`) -> ``(m, R, X, Z)``."""
     if operand is None:
         return a @ b
-    return mixed_bmm(a.flatten(0, 1), b.flatten(0, 1), operand).view(*a.shape[:-1], b.shape[-1])
+    product = split_bmm if split else mixed_bmm
+    return product(a.flatten(0, 1), b.flatten(0, 1), operand).view(*a.shape[:-1], b.shape[-1])
 
 
 def _gated_layout(R: int, N: int, chunk_size: int, tile_positions: int, strategy: str) -> ChunkLayout:
@@ -806,7 +808,8 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
         chunk_recurrence(a, u, states[sl.start], strategy=strategy, out=states[sl.start: sl.stop + 1])
         A, _ = _tile_intra(q_, k_, g_, b, c, opts)
-        lay.put(o, sl, _mm(q_ * eb, states[sl], operand).add_(_mm(A, v_, operand)))
+        # the state in two half parts (strategy.split_bmm): its rounding cost the bf16 output the most
+        lay.put(o, sl, _mm(q_ * eb, states[sl], operand, split=True).add_(_mm(A, v_, operand)))
     return lay.unchunked(o).reshape(B, H, N, Dv).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
 
 
@@ -1084,7 +1087,8 @@ def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | Non
     intra, enter, leave, start, end = _scale_weights(mc)
     s_in, s_final = _chunk_states(kc, wc, leave, start, end, s0, B * H, opts.strategy, operand)
     scores = mixed_bmm(ac, kc.transpose(1, 2), operand).mul_(intra)  # (B*H*Nc, C, C)
-    o = mixed_bmm(ac, s_in, operand).mul_(enter).add_(mixed_bmm(scores, wc, operand))  # (B*H*Nc, C, E)
+    # the state in two half parts (strategy.split_bmm): its rounding cost the bf16 output the most
+    o = split_bmm(ac, s_in, operand).mul_(enter).add_(mixed_bmm(scores, wc, operand))  # (B*H*Nc, C, E)
     out = lay.unchunked(o.view(B * H, nc, C, E)).view(B, H, N, E)
     return out.contiguous(), s_final.view(B, H, Fd, E), mc, s_in.contiguous(), scores
 

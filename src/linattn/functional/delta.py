@@ -96,7 +96,7 @@ from .decayed_state import DecayedState, check_decayed_state, result_without_pos
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
 from .recurrence import chunk_recurrence
-from .strategy import EngineOptions, check_strategy, mixed_bmm, operand_dtype, resolve_strategy
+from .strategy import EngineOptions, check_strategy, mixed_bmm, operand_dtype, resolve_strategy, split_bmm
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 
@@ -394,7 +394,7 @@ def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: 
     # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
     # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
     # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
-    U = mixed_bmm(T, bv, operand, out=out.U)
+    U = split_bmm(T, bv, operand, out=out.U)
     if x.channel is not None:  # W = T diag(beta) (gamma o K), gamma per key channel
         W = mixed_bmm(T, torch.mul(k, x.gam * bcol, out=buf("k w", m, C, D)), operand, out=out.W)
     else:  # W = (T diag(beta gamma)) K: the columns of T scaled, not the rows of K (C x C, not C x D)
@@ -471,19 +471,27 @@ def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=No
     or the block's views of the buffers the backward reads (:class:`_Solved`), written here. Returns
     ``o (n*R, C, Dv)`` (a tile buffer).
 
-    The loop over chunks carries the state, ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``, and
-    forms each chunk's outputs ``O = diag(gamma) Q S + P U`` while its state is in cache: one state
-    updated in place (an in-place scale, not a copy to a new chunk's slot), none kept but the one
-    after the block. With the ``"accelerator"`` strategy, :func:`_states_by_scan` instead.
+    Three stages: the in-chunk scores (:func:`_scores`), the triangular solve (:func:`_solve`), and
+    the recurrence across chunks with the outputs, by the strategy's own stage
+    (:func:`_outputs_by_loop` on a CPU, :func:`_outputs_by_scan` on an accelerator).
     """
-    m, C, D = q.shape
-    R, Dv = S.shape[0], S.shape[-1]
-    n = m // R
+    n = q.shape[0] // S.shape[0]
     x = _scores(q, k, g, buf, opts.sub_chunk_size, qk=qk, kept=kept, operand=opts.operand,
                 batched=opts.strategy == "accelerator")
     sol = _solve(x, k, bv, b, opts.solve_block, buf, kept, operand=opts.operand)
     if opts.strategy == "accelerator":
         return _outputs_by_scan(x, sol, S, n, opts.operand)
+    return _outputs_by_loop(x, sol, S, n, buf)
+
+
+def _outputs_by_loop(x: _Scores, sol: _Solved, S: Tensor, n: int, buf: TileBuffers) -> Tensor:
+    """The recurrence across a block's ``n`` chunks and their outputs on a CPU: the loop over chunks
+    carries the state ``S (R, D, Dv)``, ``U = Uv - W S``, ``S <- gamma_C S + Kd^T U``, and forms each
+    chunk's outputs ``O = diag(gamma) Q S + P U`` while its state is in cache: one state updated in
+    place (an in-place scale, not a copy to a new chunk's slot), none kept but the one after the
+    block. ``sol.U`` becomes the pseudo-values. Returns ``o (n*R, C, Dv)`` (a tile buffer)."""
+    m, C, Dv = sol.U.shape
+    R, D = S.shape[0], S.shape[1]
     # each chunk's views made at once (unbind), not indexed op by op; U: Uv, made U chunk by chunk in place
     U, W = sol.U.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).unbind()
     KdT = x.Kd.view(n, R, C, D).transpose(2, 3).unbind()  # (R, D, C) each
@@ -523,7 +531,9 @@ def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch
     before = states[:n].reshape(m, D, Dv)
     U = sol.U.sub_(mixed_bmm(sol.W, before, operand))  # the pseudo-values, in place (the backward reads them)
     S.copy_(states[n])
-    return mixed_bmm(x.P, U, operand).add_(mixed_bmm(x.GQ, before, operand))
+    # U in two half parts: its rounding cost the bf16 output more digits than every other product
+    # (the pseudo-values are a difference of larger terms); so does beta v's in the solve
+    return split_bmm(x.P, U, operand).add_(mixed_bmm(x.GQ, before, operand))
 
 
 def _qk_norms(lay: ChunkLayout, factors: Tensor | None) -> tuple | None:
@@ -638,12 +648,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     R, Dv = st.shape[0], st.shape[1]  # st: (R, Dv, D)
     n = m // R
     x = _scores(q, k, g, buf, opts.sub_chunk_size, qk=qk, kept=sol, form=False, batched=opts.strategy == "accelerator")
-    strategy = opts.strategy
     U = sol.U
-    # the loops' per-chunk views made at once (unbind), not indexed op by op
-    Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
-    dSl = dst.unbind()
-    gCl = None if x.gC is None else x.gC.view(n, R, -1, 1).unbind()  # (R, 1 | D, 1): per head or per key channel
     # dO arrived in the first half of a (m, 2C, Dv) buffer whose second half receives dRv: the
     # products of both with S^T and with U^T are then one product each (S and U read once)
     dof = do[:, :C]
@@ -651,56 +656,25 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # then accumulate in place: no separate buffers, and no out= pass that copies them over
     dU = torch.bmm(x.P.transpose(1, 2), dof, out=buf("dU", m, C, Dv))
     torch.bmm(x.GQ.transpose(1, 2), dof, out=dst[:n].view(m, D, Dv))
-    dUl, WTl = dU.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).transpose(2, 3).unbind()
     # <S, dS> after the block, for a per-head decay's gradient (the chunks' are telescoped from it)
     energy = None
-    if need_g and x.channel is None and gCl is not None:
+    if need_g and x.channel is None and x.gC is not None:
         energy = torch.linalg.vecdot(end.view(R, D * Dv), dst[n].view(R, D * Dv))  # (R,)
-    if strategy == "accelerator":
-        _state_grads_by_scan(x, sol, dU, dst, n)
-    for c in (reversed(range(n)) if strategy == "cpu" else ()):  # the state's gradient, backwards: no state needed
-        dUl[c].baddbmm_(Kdl[c], dSl[c + 1])
-        if gCl is None:
-            dSl[c].add_(dSl[c + 1])
-        else:
-            dSl[c].addcmul_(dSl[c + 1], gCl[c])
-        dSl[c].baddbmm_(WTl[c], dUl[c], alpha=-1)
+    (_state_grads_by_scan if opts.strategy == "accelerator" else _state_grads_by_loop)(x, sol, dU, dst, n)
     # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
     dRv = torch.bmm(sol.T.transpose(1, 2), dU, out=buf("dRv", m, C, Dv))
     do[:, C:] = dRv
-    # dO S^T and dRv S^T = -dRw chunk by chunk, as the state before each chunk is formed again from
-    # the one before the block (one product a chunk, U kept), in place in one (R, D, Dv) workspace
-    # that stays in cache (a state kept for every chunk of the block, read again by one batched
-    # product, took longer); with a gate per key channel also the gradient of its decay gamma_C,
-    # <S, dSn> row by row. Two products a chunk into two buffers, not one of [dO; dRv]: their rows'
-    # dot products with q and k below are then batched products too (of a (m, 2C, D) buffer's
-    # halves, torch.linalg.vecdot formed a temporary)
+    # dO S^T and dRv S^T = -dRw, and with a gate per key channel the gradient of its decay gamma_C,
+    # <S, dSn> row by row: two products into two buffers, not one of [dO; dRv], so that their rows'
+    # dot products with q and k below are batched products too (of a (m, 2C, D) buffer's halves,
+    # torch.linalg.vecdot formed a temporary)
     dOS, mdRw = buf("dO S^T", m, C, D), buf("-dRw", m, C, D)  # mdRw: the sign rides on its factors
-    dOSl, mdRwl = dOS.view(n, R, C, D).unbind(), mdRw.view(n, R, C, D).unbind()
-    dol, dRvl = do.view(n, R, 2 * C, Dv)[:, :, :C].unbind(), dRv.view(n, R, C, Dv).unbind()
-    # The state is formed again transposed, S^T (R, Dv, D) contiguous: a product with a transposed
-    # view as its right factor (dO S^T with S^T a view) ran 1.4x as long as with a contiguous one
-    # (docs/benchmarks/README.md, History), and the update S^T <- gamma_C S^T + U^T Kd reads U^T as
-    # a left factor, which costs nothing. Not where a gate per key channel needs <S, dSn> row by
-    # row (dgC): there S's rows stay contiguous, S^T is a view of it and S is updated in its own
-    # layout (a vecdot of S^T's columns took 2.5x as long as the rows' batched products, and the
-    # update through the view S^T was slower too: KDA's forward+backward took 1.02-1.04x the time)
     dgC = q.new_empty(n, R, D) if need_g and x.channel is not None else None
-    if strategy == "accelerator":
+    if opts.strategy == "accelerator":
         _state_products_by_scan(x, U, start, dof, dRv, dst, n, dOS, mdRw, dgC)
-    S = None if dgC is None else st.view(R, D, Dv).copy_(start)
-    ST = st.copy_(start.transpose(1, 2)) if S is None else S.transpose(1, 2)
-    gCT = None if x.gC is None else x.gC.view(n, R, 1, -1).unbind()  # (R, 1, 1 | D): scales S^T's columns
-    for c in (range(n) if strategy == "cpu" else ()):
-        torch.bmm(dol[c], ST, out=dOSl[c])
-        torch.bmm(dRvl[c], ST, out=mdRwl[c])
-        if dgC is not None:
-            torch.bmm(S.view(R * D, 1, Dv), dSl[c + 1].view(R * D, Dv, 1), out=dgC[c].view(R * D, 1, 1))
-        if c < n - 1 and S is None:  # S^T <- gamma_C S^T + U^T Kd
-            (ST if gCT is None else ST.mul_(gCT[c])).baddbmm_(Ul[c].transpose(1, 2), Kdl[c])
-        elif c < n - 1:  # S <- gamma_C S + Kd^T U
-            S.mul_(gCl[c]).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
+    else:
+        _state_products_by_loop(x, U, start, st, dof, dRv, dst, n, dOS, mdRw, dgC)
     # [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
     XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     qf, kf, vf, bf = q, k, v, b
@@ -717,6 +691,135 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
             _unnormalized_grad(dk.mul_(norms[1][:, :, None]), kf, 1.0, dk_to)
         dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
+    return _head_block_grads(x, sol, q, k, v, b, g, dRv, dOS, mdRw, XU, dSn, energy, need_g, scale, into, buf,
+                             norms)
+
+
+def _state_grads_by_loop(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: int) -> None:
+    """:func:`_block_backward`'s state gradients on a CPU, chunk by chunk backwards (no state needed):
+    with ``dU = P^T dO`` and ``dst[:n] = (diag(gamma) Q)^T dO`` on entry, ``dU += Kd dS_{c+1}`` and
+    ``dS_c = gamma_C dS_{c+1} + dst_c - W^T dU_c``, in place in ``dst (n + 1, R, D, Dv)``."""
+    m, C, D = sol.W.shape
+    R, Dv = dst.shape[1], dst.shape[-1]
+    # the loop's per-chunk views made at once (unbind), not indexed op by op
+    dUl, WTl = dU.view(n, R, C, Dv).unbind(), sol.W.view(n, R, C, D).transpose(2, 3).unbind()
+    Kdl, dSl = x.Kd.view(n, R, C, D).unbind(), dst.unbind()
+    gCl = None if x.gC is None else x.gC.view(n, R, -1, 1).unbind()  # (R, 1 | D, 1): per head or per key channel
+    for c in reversed(range(n)):
+        dUl[c].baddbmm_(Kdl[c], dSl[c + 1])
+        if gCl is None:
+            dSl[c].add_(dSl[c + 1])
+        else:
+            dSl[c].addcmul_(dSl[c + 1], gCl[c])
+        dSl[c].baddbmm_(WTl[c], dUl[c], alpha=-1)
+
+
+def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO: Tensor, dRv: Tensor, dst: Tensor,
+                            n: int, dOS: Tensor, mdRw: Tensor, dgC: Tensor | None) -> None:
+    """:func:`_block_backward`'s products with the states on a CPU: the state before each chunk formed
+    again from ``start (R, D, Dv)`` and the kept pseudo-values ``U`` (one product a chunk), in place
+    in one workspace ``st (R, Dv, D)`` that stays in cache (a state kept for every chunk of the
+    block, read again by one batched product, took longer), and with it ``dO S^T``, ``dRv S^T``
+    (into ``dOS``, ``mdRw (n*R, C, D)``) and, with a gate per key channel, ``<S, dSn>`` row by row
+    (into ``dgC (n, R, D)``).
+
+    The state is formed transposed, S^T (R, Dv, D) contiguous: a product with a transposed view as
+    its right factor (dO S^T with S^T a view) ran 1.4x as long as with a contiguous one
+    (docs/benchmarks/README.md, History), and the update S^T <- gamma_C S^T + U^T Kd reads U^T as a
+    left factor, which costs nothing. Not where a gate per key channel needs <S, dSn> row by row:
+    there S's rows stay contiguous, S^T is a view of it and S is updated in its own layout (a vecdot
+    of S^T's columns took 2.5x as long as the rows' batched products, and the update through the
+    view S^T was slower too: KDA's forward+backward took 1.02-1.04x the time)."""
+    m, C, D = x.Kd.shape
+    R, Dv = start.shape[0], start.shape[-1]
+    Ul, Kdl, dSl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind(), dst.unbind()
+    dOSl, mdRwl = dOS.view(n, R, C, D).unbind(), mdRw.view(n, R, C, D).unbind()
+    dol, dRvl = dO.view(n, R, C, Dv).unbind(), dRv.view(n, R, C, Dv).unbind()
+    gCl = None if x.gC is None else x.gC.view(n, R, -1, 1).unbind()  # (R, 1 | D, 1): scales S's rows
+    gCT = None if x.gC is None else x.gC.view(n, R, 1, -1).unbind()  # (R, 1, 1 | D): scales S^T's columns
+    S = None if dgC is None else st.view(R, D, Dv).copy_(start)
+    ST = st.copy_(start.transpose(1, 2)) if S is None else S.transpose(1, 2)
+    for c in range(n):
+        torch.bmm(dol[c], ST, out=dOSl[c])
+        torch.bmm(dRvl[c], ST, out=mdRwl[c])
+        if dgC is not None:
+            torch.bmm(S.view(R * D, 1, Dv), dSl[c + 1].view(R * D, Dv, 1), out=dgC[c].view(R * D, 1, 1))
+        if c < n - 1 and S is None:  # S^T <- gamma_C S^T + U^T Kd
+            (ST if gCT is None else ST.mul_(gCT[c])).baddbmm_(Ul[c].transpose(1, 2), Kdl[c])
+        elif c < n - 1:  # S <- gamma_C S + Kd^T U
+            S.mul_(gCl[c]).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
+
+
+def _state_grads_by_scan(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: int) -> None:
+    """:func:`_block_backward`'s backward loop for the accelerator: with ``dU = P^T dO`` and
+    ``dst[:n] = (diag(gamma) Q)^T dO`` on entry, the state gradients ``dS_c = A_c^T dS_{c+1} +
+    dst_c - W^T dU_c`` (``A_c`` the chunk's transition, :func:`_transitions`) for every chunk from
+    one reverse scan, written into ``dst[:n]``, then ``dU += Kd dS_{c+1}`` in one product."""
+    m, C, D = sol.W.shape
+    R, Dv = dst.shape[1], dst.shape[-1]
+    inputs = torch.baddbmm(dst[:n].view(m, D, Dv), sol.W.transpose(1, 2), dU, alpha=-1).view(n, R, D, Dv)
+    chunk_recurrence(_transitions(x, sol.W, n), inputs, dst[n], strategy="accelerator", reverse=True, out=dst)
+    dU.baddbmm_(x.Kd, dst[1:].reshape(m, D, Dv))
+
+
+def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dRv: Tensor, dst: Tensor, n: int,
+                            dOS: Tensor, mdRw: Tensor, dgC: Tensor | None) -> None:
+    """:func:`_block_backward`'s forward loop for the accelerator: the state before every chunk again,
+    from ``start (R, D, Dv)`` and the kept pseudo-values ``U (n*R, C, Dv)`` (``S <- gamma_C S +
+    Kd^T U``: a diagonal recurrence, one scan), then ``dO S^T`` and ``dRv S^T`` (``dO, dRv (n*R, C,
+    Dv)``) into ``dOS``, ``mdRw``
+    ``(n*R, C, D)`` and, with a gate per key channel, ``<S, dSn>`` row by row into ``dgC (n, R, D)``,
+    one product each for all chunks."""
+    m, C, D = x.Kd.shape
+    R, Dv = start.shape[0], start.shape[-1]
+    A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
+    added = torch.bmm(x.Kd.transpose(1, 2), U).view(n, R, D, Dv)
+    ST = chunk_recurrence(A, added, start, strategy="accelerator")[:n].reshape(m, D, Dv).transpose(1, 2)
+    torch.bmm(dO, ST, out=dOS)
+    torch.bmm(dRv, ST, out=mdRw)
+    if dgC is not None:
+        torch.linalg.vecdot(ST.transpose(1, 2), dst[1:].reshape(m, D, Dv), out=dgC.view(m, D))
+
+
+def _energies(end: Tensor, change: Tensor) -> Tensor:
+    """``<S_c+1, dS_c+1>`` ``(n, R)`` for the chunks c of a block, the state after each and its
+    gradient, from ``end (R,)``, that after the block's last chunk, and each chunk's ``change
+    (n, R)``, ``<S_c, dS_c> - <S_c+1, dS_c+1>``.
+
+    Why: a per-head decay's gradient needs ``gamma_C <S_c, dS_c+1>`` for every chunk, one pass
+    over two (D, Dv) states each; but from the chunk's recurrences,
+    ``S_c+1 = gamma_C S_c + Kd^T U`` and ``dS_c = gamma_C dS_c+1 + (diag(gamma) Q)^T dO - W^T dU``,
+    ``gamma_C <S_c, dS_c+1> = <S_c+1, dS_c+1> - <Kd, dKd>`` and
+    ``<S_c, dS_c> = gamma_C <S_c, dS_c+1> + sum_t gamma_t dgamma_t``: the change is
+    ``sum_t (gamma_t dgamma_t - ddelta_t)``, chunk-local sums the backward forms anyway, and one
+    pass over the states a block (``end``) replaces one a chunk. Sums are taken within the block
+    only (from its own end): a rounding error that of a few chunks' sums, as within a chunk,
+    not of the whole sequence's."""
+    later = change.flip(0).cumsum(0).flip(0).sub_(change)  # sum over the chunks after each
+    return later.add_(end)
+
+
+def _unnormalized_grad(rgrad: Tensor, xb: Tensor, s: float, out: Tensor) -> None:
+    """The gradient of the unnormalised x, into ``out (n, R, C, D)``, from ``rgrad (m, C, D)``, r times
+    the gradient of the block's ``xb = s r x`` times s (r, s: the normalisation's factors and the
+    scale), and ``xb``: for ``x^ = r x``, ``dx = s r (G - (x^ . G) x^)`` with G the gradient of xb,
+    which is ``rgrad - (xb . rgrad / s^2) xb``."""
+    c = _rowdot(xb, rgrad)  # (m, C)
+    if s != 1.0:
+        c.div_(s * s)
+    torch.addcmul(rgrad.view(out.shape), xb.view(out.shape), c.view(*out.shape[:3], 1), value=-1, out=out)
+
+
+def _head_block_grads(x: _Scores, sol: _Solved, qf, kf, vf, bf, g, dRv, dOS, mdRw, XU, dSn, energy, need_g, scale,
+                      into, buf, norms):
+    """The end of :func:`_block_backward` without a gate or with one per head: from the products
+    it formed (``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T, ``XU (m, 2C, C)`` =
+    [dO; dRv] U^T, overwritten, ``dSn (m, D, Dv)``, ``energy (R,)`` or None), every gradient
+    through the scores and the solve: writes dq, dk, dv into ``into`` and returns ``db``, ``dg``."""
+    m, C, D = qf.shape
+    n, R = into[0].shape[:2]
+    U = sol.U
+    dq_to, dk_to, dv_to = into
     dP, dAE = XU[:, :C], XU[:, C:].neg_().tril_(-1)  # dA
     # dP o P: through P, both dE o E (the decays' gradient) and the parts of the queries' and the
     # keys' gradients along themselves (the normalisation's, below)
@@ -799,66 +902,6 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
             dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
     return db, dg
-
-
-def _state_grads_by_scan(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: int) -> None:
-    """:func:`_block_backward`'s backward loop for the accelerator: with ``dU = P^T dO`` and
-    ``dst[:n] = (diag(gamma) Q)^T dO`` on entry, the state gradients ``dS_c = A_c^T dS_{c+1} +
-    dst_c - W^T dU_c`` (``A_c`` the chunk's transition, :func:`_transitions`) for every chunk from
-    one reverse scan, written into ``dst[:n]``, then ``dU += Kd dS_{c+1}`` in one product."""
-    m, C, D = sol.W.shape
-    R, Dv = dst.shape[1], dst.shape[-1]
-    inputs = torch.baddbmm(dst[:n].view(m, D, Dv), sol.W.transpose(1, 2), dU, alpha=-1).view(n, R, D, Dv)
-    chunk_recurrence(_transitions(x, sol.W, n), inputs, dst[n], strategy="accelerator", reverse=True, out=dst)
-    dU.baddbmm_(x.Kd, dst[1:].reshape(m, D, Dv))
-
-
-def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dRv: Tensor, dst: Tensor, n: int,
-                            dOS: Tensor, mdRw: Tensor, dgC: Tensor | None) -> None:
-    """:func:`_block_backward`'s forward loop for the accelerator: the state before every chunk again,
-    from ``start (R, D, Dv)`` and the kept pseudo-values ``U (n*R, C, Dv)`` (``S <- gamma_C S +
-    Kd^T U``: a diagonal recurrence, one scan), then ``dO S^T`` and ``dRv S^T`` (``dO, dRv (n*R, C,
-    Dv)``) into ``dOS``, ``mdRw``
-    ``(n*R, C, D)`` and, with a gate per key channel, ``<S, dSn>`` row by row into ``dgC (n, R, D)``,
-    one product each for all chunks."""
-    m, C, D = x.Kd.shape
-    R, Dv = start.shape[0], start.shape[-1]
-    A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
-    added = torch.bmm(x.Kd.transpose(1, 2), U).view(n, R, D, Dv)
-    ST = chunk_recurrence(A, added, start, strategy="accelerator")[:n].reshape(m, D, Dv).transpose(1, 2)
-    torch.bmm(dO, ST, out=dOS)
-    torch.bmm(dRv, ST, out=mdRw)
-    if dgC is not None:
-        torch.linalg.vecdot(ST.transpose(1, 2), dst[1:].reshape(m, D, Dv), out=dgC.view(m, D))
-
-
-def _energies(end: Tensor, change: Tensor) -> Tensor:
-    """``<S_c+1, dS_c+1>`` ``(n, R)`` for the chunks c of a block, the state after each and its
-    gradient, from ``end (R,)``, that after the block's last chunk, and each chunk's ``change
-    (n, R)``, ``<S_c, dS_c> - <S_c+1, dS_c+1>``.
-
-    Why: a per-head decay's gradient needs ``gamma_C <S_c, dS_c+1>`` for every chunk, one pass
-    over two (D, Dv) states each; but from the chunk's recurrences,
-    ``S_c+1 = gamma_C S_c + Kd^T U`` and ``dS_c = gamma_C dS_c+1 + (diag(gamma) Q)^T dO - W^T dU``,
-    ``gamma_C <S_c, dS_c+1> = <S_c+1, dS_c+1> - <Kd, dKd>`` and
-    ``<S_c, dS_c> = gamma_C <S_c, dS_c+1> + sum_t gamma_t dgamma_t``: the change is
-    ``sum_t (gamma_t dgamma_t - ddelta_t)``, chunk-local sums the backward forms anyway, and one
-    pass over the states a block (``end``) replaces one a chunk. Sums are taken within the block
-    only (from its own end): a rounding error that of a few chunks' sums, as within a chunk,
-    not of the whole sequence's."""
-    later = change.flip(0).cumsum(0).flip(0).sub_(change)  # sum over the chunks after each
-    return later.add_(end)
-
-
-def _unnormalized_grad(rgrad: Tensor, xb: Tensor, s: float, out: Tensor) -> None:
-    """The gradient of the unnormalised x, into ``out (n, R, C, D)``, from ``rgrad (m, C, D)``, r times
-    the gradient of the block's ``xb = s r x`` times s (r, s: the normalisation's factors and the
-    scale), and ``xb``: for ``x^ = r x``, ``dx = s r (G - (x^ . G) x^)`` with G the gradient of xb,
-    which is ``rgrad - (xb . rgrad / s^2) xb``."""
-    c = _rowdot(xb, rgrad)  # (m, C)
-    if s != 1.0:
-        c.div_(s * s)
-    torch.addcmul(rgrad.view(out.shape), xb.view(out.shape), c.view(*out.shape[:3], 1), value=-1, out=out)
 
 
 def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, XU, dSn, dgC, need_g):

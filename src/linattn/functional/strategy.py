@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "mixed_bmm", "operand_dtype", "resolve_strategy"]
+__all__ = ["HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "mixed_bmm", "operand_dtype", "resolve_strategy",
+           "split_bmm"]
 
 STRATEGIES = ("auto", "cpu", "accelerator")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,3 +113,17 @@ def mixed_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | N
     # labelled, so that a profile tells these products from float32 ones (bench/tensor_cores.py)
     with torch.profiler.record_function(HALF_OPERANDS):
         return torch.bmm(a.float(), b.float(), out=out)
+
+
+def split_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | None = None) -> Tensor:
+    """:func:`mixed_bmm` with ``b`` carried in two half parts, ``b_hi`` (b rounded) and ``b_lo`` (the
+    rounding error, rounded): ``a b_hi + a b_lo``, two half products whose result keeps about twice
+    the half dtype's digits of ``b``. For a factor that is a difference of larger terms (the delta
+    rule's pseudo-values ``U = Uv - W S``) or a product of two inputs (its values times beta),
+    whose rounding to bfloat16 would cost the output more digits than the other products' (measured:
+    docs/benchmarks/tensor_cores). Into ``out`` when given."""
+    if operand is None:
+        return torch.bmm(a, b, out=out)
+    hi = b.to(operand)
+    lo = b - hi.float()
+    return mixed_bmm(a, hi, operand, out=out).add_(mixed_bmm(a, lo, operand))
