@@ -23,9 +23,15 @@ docs/design/one_engine.md, and every run of ``linattn bench gated``):
 - **per head, as a running log scale** ``m`` (non-decreasing): the weights ``e^{m_j - m_i}`` are
   differences of given values, never of cumulative sums, so a jump of thousands in ``m`` costs no
   digit, and the chunk states are one rescaled scan;
-- **per head or per key channel, as log decays**: chunk-local cumulative log decays, a sequential
-  recurrence over chunks for all rows at once, and for a per-channel gate the GLA paper's
-  sub-chunks.
+- **per head or per key channel, as log decays**: chunk-local cumulative log decays, the
+  recurrence across chunks for all rows at once (``recurrence.py``), and for a per-channel gate
+  the GLA paper's sub-chunks.
+
+Each specialisation runs either strategy of ``strategy.py`` (the ``strategy`` keyword of the
+functional forms): on a CPU, tiles in cache and a sequential recurrence; on an accelerator, one
+tile of the whole input, the recurrence as a log-depth scan and, for half inputs, the forward's
+products on half operands. The ops take their knobs as one
+:class:`~linattn.functional.strategy.EngineOptions` value.
 
 Dimension legend: B batch, H heads, N positions, D (or F) query/key (feature) width, Dv value
 width, E a value width (Dv, or Dv + 1 with a ones column), R rows (the B*H independent sequences),

@@ -59,6 +59,16 @@ with it, and derives every other gradient in batched products (the derivation is
 inverse's is ``dA = -T^T dT T^T``, which with ``U`` kept is ``-dRv U^T``, one product). Chunks and
 blocks follow ``linattn.functional.chunks``, the layout the gated engine uses too.
 
+The loop over chunks is the CPU strategy's (``strategy.py``). The accelerator's writes the same
+recurrence as one affine map per chunk, ``S <- (Diag(gamma_C) - Kd^T W) S + Kd^T Uv`` (U = Uv - W S
+put into the state update), and solves it for every chunk at once with the log-depth scan of
+``recurrence.py``; the outputs and U then follow in one product each. Its backward runs the state
+gradient's recurrence, ``dS = (Diag(gamma_C) - W^T Kd) dSn + (diag(gamma) Q)^T dO - W^T P^T dO``,
+as a reverse scan, and forms the states again from the kept U (a diagonal recurrence). The engine's
+stages (in-chunk scores, the triangular solve, the recurrence with the outputs, the state
+gradients, the products with the states, the local gradients) are named functions, each with its
+CPU and accelerator version where the two differ.
+
 A gate per key channel (KDA, arXiv 2510.26692 section 3.1) changes only the chunk-local parts:
 ``gamma_t`` becomes a diagonal matrix ``Diag(exp(G_t))`` (G cumulative per channel), so the ratios
 ``gamma_t / gamma_i`` no longer factor out of ``k_t . k_i`` and ``q_t . k_i``. Those two decayed
