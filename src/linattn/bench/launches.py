@@ -14,8 +14,10 @@ gradients) and train (forward+backward), with the engines' ``strategy`` forced t
 ``"accelerator"``: the accelerator strategy batches every chunk and scans the recurrence across
 chunks, so its count should stay flat in N (issue 44: at most 200 launches for a forward and 600
 for a forward+backward at N = 16384, and at most 1.5x the count at N = 4096, for Gated DeltaNet,
-KDA, per-channel GLA and causal linear attention). Writes launches.json (every op of every row and
-the commit counted) and launches.md.
+KDA, per-channel GLA and causal linear attention). Each count runs in a fresh process by default,
+so that a setting the system kills for its memory (the accelerator strategy keeps every chunk's
+intermediates at once) is a row that says so. Writes launches.json (every op of every row, the
+peak memory of each call and the commit counted) and launches.md.
 
 Dimension legend: B batch (1), H heads, N positions, D head width (Dk = Dv).
 """
@@ -24,6 +26,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,13 +38,19 @@ import torch
 from torch import Tensor
 
 from .. import progress
-from ..functional import delta_rule_attention, favor_attention, favor_projection, gated_linear_attention, linear_attention
+from ..functional import (
+    delta_rule_attention,
+    favor_attention,
+    favor_projection,
+    gated_linear_attention,
+    linear_attention,
+)
 from ..processes import run_process
 from .gpu import FAVOR_FEATURES, HEAD_DIM, KERNEL_FORMS, QUICK_HEAD_DIM, QUICK_HEADS, Form, make_inputs
-from .harness import machine_info, output_folder, write_atomically
+from .harness import machine_info, output_folder, peak_rss_bytes, release_free_heap, write_atomically
 
 __all__ = ["DEFAULT_NS", "FORMS", "GROWTH", "LIMITS", "NON_COMPUTING", "PASSES", "QUICK_NS", "STRATEGIES", "TARGETS",
-           "LaunchCount", "count_launches", "form_call", "format_launches", "run_launches", "verdicts"]
+           "LaunchCount", "count_launches", "form_call", "format_launches", "measure", "run_launches", "verdicts"]
 
 # aten ops that only make a view, change metadata or allocate: no kernel runs for them.
 NON_COMPUTING = frozenset(f"aten::{name}" for name in (
@@ -162,38 +173,80 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300].rstrip(": ")
 
 
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def measure(form: str, n: int, pass_: str, strategy: str, *, quick: bool = False) -> dict:
+    """One row in this process (:func:`form_call`): after a warm-up call (first-call work such as
+    registrations and caches is neither counted nor measured), the peak memory of one call (resident
+    set above the inputs, ``peak_bytes``), then the launches of the next, ``launches``, with every
+    op's count, ``by_op``, and the most frequent ones, ``top``."""
+    call = form_call(form, n, pass_, strategy, quick=quick)
+    call()
+    release_free_heap()
+    peak = peak_rss_bytes(call)
+    count = count_launches(call)
+    ops = dict(count.by_op.most_common())
+    return {"launches": count.total, "top": list(ops.items())[:TOP_OPS], "by_op": ops, "peak_bytes": peak}
+
+
+def _measure_in_child(form: str, n: int, pass_: str, strategy: str, *, quick: bool) -> dict:
+    """:func:`measure` in a fresh process: its row, or ``{"error": ...}`` when it raised or was killed."""
+    argv = [sys.executable, "-m", "linattn.bench.launches", "count", form, str(n), pass_, strategy]
+    proc = run_process([*argv, *(["--quick"] if quick else [])])
+    if proc.returncode == 0:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    if proc.returncode == -signal.SIGKILL:
+        memory = _memory_bytes()
+        return {"error": "killed (SIGKILL), most likely for memory"
+                         + (f": this machine has {memory / 2**30:.0f} GiB" if memory else "")}
+    last = proc.stderr.strip().splitlines()[-1:] or [""]
+    return {"error": f"exit status {proc.returncode}: {last[0]}"[:300]}
+
+
 def verdicts(result: dict) -> list[dict]:
     """Per form and pass: the accelerator's count at the smallest and the largest N, its growth, and
-    whether issue 44's limits hold there (``target``: the issue sets them for this form)."""
+    whether issue 44's limits hold there (``target``: the issue sets them for this form; ``holds``
+    None with the ``error`` when a count is missing)."""
     ns = result["config"]["n"]
     lo, hi = min(ns), max(ns)
-    counts = {(r["form"], r["n"], r["pass"]): r.get("launches") for r in result["rows"]
-              if r["strategy"] == "accelerator"}
+    rows = {(r["form"], r["n"], r["pass"]): r for r in result["rows"] if r["strategy"] == "accelerator"}
     out = []
     for form in result["config"]["forms"]:
         for pass_ in PASSES:
-            first, last = counts.get((form, lo, pass_)), counts.get((form, hi, pass_))
-            if last is None:
+            first, last = rows.get((form, lo, pass_)), rows.get((form, hi, pass_))
+            if first is None or last is None:  # not reached yet
                 continue
-            growth = last / first if first and hi != lo else None
-            within = last <= LIMITS[pass_]
-            flat = growth is None or growth <= GROWTH
-            out.append({"form": form, "pass": pass_, "smallest_n": lo, "largest_n": hi, "launches_smallest": first,
-                        "launches_largest": last, "growth": growth, "within_limit": within, "flat": flat,
-                        "holds": within and flat, "target": form in TARGETS})
+            v = {"form": form, "pass": pass_, "smallest_n": lo, "largest_n": hi, "target": form in TARGETS,
+                 "launches_smallest": first.get("launches"), "launches_largest": last.get("launches")}
+            missing = [r for r in (first, last) if "launches" not in r]
+            if missing:
+                v.update(holds=None, error=f"N = {missing[-1]['n']}: {missing[-1]['error']}")
+            else:
+                growth = last["launches"] / first["launches"] if hi != lo else None
+                within = last["launches"] <= LIMITS[pass_]
+                flat = growth is None or growth <= GROWTH
+                v.update(growth=growth, within_limit=within, flat=flat, holds=within and flat)
+            out.append(v)
     return out
 
 
 def run_launches(out: str | Path = "docs/benchmarks/launches", *, n: Sequence[int] | None = None,
-                 forms: Sequence[str] = FORMS, quick: bool = False, command: str | None = None,
-                 quiet: bool = False) -> dict:
+                 forms: Sequence[str] = FORMS, quick: bool = False, fresh_processes: bool = True,
+                 command: str | None = None, quiet: bool = False) -> dict:
     """Count the launches (:func:`count_launches`) of one call of every form of ``forms`` at every N of
     ``n`` (None: 4096 and 16384; 256 and 1024 with ``quick``, which also takes 2 heads of 16), each
-    pass (``prefill``, ``train``) and strategy (``cpu``, ``accelerator``), after one warm-up call;
-    write launches.json and launches.md into ``out`` (after every form: a stopped run leaves what it
-    counted), print the Markdown and return the result. ``command``: the command line recorded
-    (None: one rebuilt from the arguments). ValueError before any work for a bad argument. A call
-    that raises is a row with its error, not the end of the run."""
+    pass (``prefill``, ``train``) and strategy (``cpu``, ``accelerator``), after one warm-up call and
+    one whose peak memory is measured (:func:`measure`); write launches.json and launches.md into ``out``
+    (after every form: a stopped run leaves what it counted), print the Markdown and return the
+    result. ``fresh_processes``: each count in a process of its own (a clean heap, and a count that
+    the system kills for memory is a row), else all in this one. ``command``: the command line
+    recorded (None: one rebuilt from the arguments). ValueError before any work for a bad argument.
+    A call that raises is a row with its error, not the end of the run."""
     unknown = [f for f in forms if f not in FORMS]
     if unknown or not forms:
         raise ValueError(f"run_launches: forms must be some of {', '.join(FORMS)}, got {list(forms)}")
@@ -205,17 +258,18 @@ def run_launches(out: str | Path = "docs/benchmarks/launches", *, n: Sequence[in
     if command is None:
         command = ("linattn bench launches" + (f" --n {','.join(map(str, n))}" if n is not None else "")
                    + (f" --forms {','.join(forms)}" if tuple(forms) != FORMS else "")
-                   + (" --quick" if quick else "") + f" --out {out}")
+                   + (" --quick" if quick else "") + ("" if fresh_processes else " --no-fresh-processes")
+                   + f" --out {out}")
     t_start = time.perf_counter()
     result: dict = {
         "command": command,
         "complete": False,
         "commit": _commit(),
-        "machine": machine_info(),
+        "machine": {**machine_info(), "memory_bytes": _memory_bytes()},
         "config": {"forms": list(forms), "n": list(ns), "passes": list(PASSES), "strategies": list(STRATEGIES),
-                   "quick": quick, "dtype": "float32", "batch_size": 1, "warmup": 1,
-                   "widths": {f: {"heads": QUICK_HEADS if quick else KERNEL_FORMS[f].heads,
-                                  "head_dim": QUICK_HEAD_DIM if quick else HEAD_DIM} for f in forms},
+                   "quick": quick, "fresh_processes": fresh_processes, "dtype": "float32", "batch_size": 1,
+                   "warmup": 1, "widths": {f: {"heads": QUICK_HEADS if quick else KERNEL_FORMS[f].heads,
+                                               "head_dim": QUICK_HEAD_DIM if quick else HEAD_DIM} for f in forms},
                    "limits": {"launches": LIMITS, "growth": GROWTH, "targets": list(TARGETS)}},
         "rows": [],
     }
@@ -231,33 +285,49 @@ def run_launches(out: str | Path = "docs/benchmarks/launches", *, n: Sequence[in
         for x in ns:
             for pass_ in PASSES:
                 for strategy in STRATEGIES:
-                    row = {"form": form, "n": x, "pass": pass_, "strategy": strategy}
                     t0 = time.perf_counter()
-                    try:
-                        call = form_call(form, x, pass_, strategy, quick=quick)
-                        call()  # the warm-up: first-call work (custom ops' registration, caches) is not counted
-                        count = count_launches(call)
-                        del call
-                    except Exception as e:  # noqa: BLE001 - one failed setting is a row, not the end of the run
-                        row["error"] = _first_line(e)
-                        say(f"  {form}, N = {x}, {pass_}, {strategy}: error: {row['error']}")
+                    if fresh_processes:
+                        row = _measure_in_child(form, x, pass_, strategy, quick=quick)
                     else:
-                        ops = dict(count.by_op.most_common())
-                        row.update(launches=count.total, top=list(ops.items())[:TOP_OPS], by_op=ops)
-                        say(f"  {form}, N = {x}, {pass_}, {strategy}: {count.total} launches "
-                            f"({time.perf_counter() - t0:.1f} s)")
-                    result["rows"].append(row)
+                        try:
+                            row = measure(form, x, pass_, strategy, quick=quick)
+                        except Exception as e:  # noqa: BLE001 - one failed setting is a row, not the end of the run
+                            row = {"error": _first_line(e)}
+                    result["rows"].append({"form": form, "n": x, "pass": pass_, "strategy": strategy, **row})
+                    what = (f"error: {row['error']}" if "error" in row else
+                            f"{row['launches']} launches, peak {_memory(row['peak_bytes'])}")
+                    say(f"  {form}, N = {x}, {pass_}, {strategy}: {what} ({time.perf_counter() - t0:.1f} s)")
         save()
     result["complete"] = True
+    end = _commit()
+    if end != result["commit"]:  # the counts of a run whose code moved under it belong to no one commit
+        result["commit_at_end"] = end
     save()
     say(format_launches(result))
     return result
+
+
+def _memory(b: int | None) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
 
 
 def _top(row: dict | None, k: int = 3) -> str:
     if row is None or "launches" not in row:
         return "-"
     return ", ".join(f"{op.removeprefix('aten::')} {c}" for op, c in row["top"][:k])
+
+
+def _moved(end: dict | None) -> list[str]:
+    """The warning of a run during which the checkout changed (none when it did not)."""
+    if end is None:
+        return []
+    head = end["head"][:12] if end["head"] else "unknown"
+    dirty = end.get("uncommitted")
+    return [f"**The code changed during the run**: at its end the checkout was at {head}"
+            + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+            + "; counts made after the change count other code.", ""]
 
 
 def format_launches(result: dict) -> str:
@@ -273,6 +343,7 @@ def format_launches(result: dict) -> str:
              f"Written by `{result['command']}`; do not edit by hand. Commit {head}"
              + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
              + f". Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}.", "",
+             *_moved(result.get("commit_at_end")),
              "A count is the computing leaf aten ops of one call, after one warm-up call, recorded by "
              "torch.profiler on the CPU (`linattn.bench.launches.count_launches`): ops that compute (no view, "
              "metadata change or allocation) and call no other computing op. On a GPU each launches a kernel; "
@@ -280,7 +351,8 @@ def format_launches(result: dict) -> str:
              "(1497 against 1409 for one Gated DeltaNet forward at N = 4096, 16 heads of 128). "
              f"B = 1, float32, heads x head width: {widths}. prefill: a forward without gradients; train: a "
              "forward and a backward into every input's gradient. cpu / accelerator: the engines' `strategy=` "
-             "forced.", "",
+             "forced. Peak memory: one call's resident set above its inputs, after the warm-up"
+             + (", each count in a fresh process." if cfg.get("fresh_processes") else "."), "",
              f"Issue 44's limits, with the accelerator strategy, for {', '.join(names[f] for f in TARGETS)}: at the "
              f"largest N at most {LIMITS['prefill']} launches for a prefill and {LIMITS['train']} for a forward+"
              f"backward, and at most {GROWTH:g}x the count at the smallest N (here N = {hi} against {lo}). The other "
@@ -289,6 +361,10 @@ def format_launches(result: dict) -> str:
         lines += ["", "**Incomplete**: the run stopped before its end; these are the settings it finished."]
     lines += ["", "## Limits", ""]
     for v in result.get("verdicts", []):
+        if v["holds"] is None:
+            lines.append(f"- not measured{'' if v['target'] else ' (no target)'}: `{v['form']}` {v['pass']}, "
+                         f"accelerator: {v['error']}")
+            continue
         growth = "-" if v["growth"] is None else f"{v['growth']:.2f}x"
         state = "holds" if v["holds"] else ("**does not hold**" if v["target"] else "does not hold")
         lines.append(f"- {state}{'' if v['target'] else ' (no target)'}: `{v['form']}` {v['pass']}, accelerator: "
@@ -297,8 +373,9 @@ def format_launches(result: dict) -> str:
     lines += ["", "## Counts", "",
               f"growth: the accelerator's count / its count at N = {lo}. Most frequent: the accelerator's three most "
               "frequent ops (launches.json has every op of every row).", "",
-              "| form | N | pass | cpu | accelerator | accelerator growth | limits | most frequent (accelerator) |",
-              "| --- | ---: | --- | ---: | ---: | ---: | --- | --- |"]
+              "| form | N | pass | cpu | accelerator | accelerator growth | limits | most frequent (accelerator) | "
+              "peak memory (cpu / accelerator) |",
+              "| --- | ---: | --- | ---: | ---: | ---: | --- | --- | ---: |"]
     rows = {(r["form"], r["n"], r["pass"], r["strategy"]): r for r in result["rows"]}
     by_key = {(v["form"], v["pass"]): v for v in result.get("verdicts", [])}
 
@@ -314,16 +391,28 @@ def format_launches(result: dict) -> str:
                 if cpu is None and acc is None:
                     continue
                 v = by_key.get((form, pass_)) if x == hi else None
-                growth = "-" if v is None or v["growth"] is None else f"{v['growth']:.2f}x"
+                growth = "-" if v is None or v.get("growth") is None else f"{v['growth']:.2f}x"
                 if v is None:
                     verdict = "-"
+                elif v["holds"] is None:
+                    verdict = "not measured"
                 else:
                     why = [f"{v['launches_largest']} > {LIMITS[pass_]}"] * (not v["within_limit"]) + \
                           [f"{v['growth']:.2f}x > {GROWTH:g}x"] * (not v["flat"])
                     verdict = "holds" if v["holds"] else ("**does not hold**" if v["target"] else "does not hold") + \
                         f": {'; '.join(why)}"
                     verdict += "" if v["target"] else " (no target)"
+                peaks = " / ".join(_memory((r or {}).get("peak_bytes")) for r in (cpu, acc))
                 lines.append(f"| `{form}` | {x} | {pass_} | {cell(cpu)} | {cell(acc)} | {growth} | {verdict} | "
-                             f"{_top(acc)} |")
+                             f"{_top(acc)} | {peaks} |")
     lines += ["", f"Elapsed: {result.get('elapsed_seconds', 0):.0f} s.", ""]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # one count in a fresh process (run_launches' fresh_processes)
+    args = sys.argv[1:]
+    quick_flag = "--quick" in args
+    args = [a for a in args if a != "--quick"]
+    if len(args) != 5 or args[0] != "count":
+        raise SystemExit("usage: python -m linattn.bench.launches count FORM N PASS STRATEGY [--quick]")
+    print(json.dumps(measure(args[1], int(args[2]), args[3], args[4], quick=quick_flag)))

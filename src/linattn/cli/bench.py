@@ -300,6 +300,9 @@ def build_parser(prog: str) -> CommandParser:
                           help=f"Comma-separated forms, from {', '.join(LAUNCH_FORMS)} (default: all).")
     launches.add_argument("--quick", action="store_true",
                           help="Tiny widths (2 heads of 16) and N = 256,1024: a check of the command in seconds.")
+    launches.add_argument("--fresh-processes", action=argparse.BooleanOptionalAction, default=True,
+                          help="Each count in a process of its own: a clean heap, and a setting the system kills "
+                          "for its memory is a row that says so, not the end of the run (default: on).")
     tensor_cores = bench_sub.add_parser(
         "tensor-cores", help="The share of every chunked form's product FLOPs with half operands on the accelerator "
         "strategy, and the accuracy they cost against float64 and FLA.",
@@ -414,7 +417,8 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
     elif args.suite == "launches":
         from ..bench.launches import run_launches
 
-        run_launches(out=args.out, n=args.n, forms=args.forms, quick=args.quick, command=command_line(argv))
+        run_launches(out=args.out, n=args.n, forms=args.forms, quick=args.quick,
+                     fresh_processes=args.fresh_processes, command=command_line(argv))
     elif args.suite == "tensor-cores":
         from ..bench.tensor_cores import run_tensor_cores
 
