@@ -46,7 +46,7 @@ __all__ = ["Case", "INHERITED_ALLOCATOR", "OtherLoad", "PEERS", "Peer", "REFEREN
            "format_run_loads",
            "format_seconds", "format_spread", "format_spread_cells", "forms", "installed_peers", "machine_info",
            "make_inputs", "needs_input", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
-           "output_folder", "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
+           "git_state", "output_folder", "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
 # otherwise fault in fresh pages, which costs the O(N) methods 25-50% of their time at N = 16k).
@@ -654,3 +654,16 @@ if __name__ == "__main__":
         _memory_child(sys.argv[2])
     else:
         raise SystemExit("usage: python -m linattn.bench.harness memory CASE_JSON")
+
+
+def git_state() -> dict:
+    """The commit this code runs at (``git rev-parse HEAD`` of the checkout holding this file) and the
+    files under src/ that differ from it, for a result file to name what measured it: None for both
+    outside a git checkout."""
+    root = Path(__file__).resolve().parents[3]  # src/linattn/bench/harness.py -> the checkout
+    head = run_process(["git", "-C", str(root), "rev-parse", "HEAD"], timeout=60)
+    if head.returncode != 0:
+        return {"head": None, "uncommitted": None}
+    status = run_process(["git", "-C", str(root), "status", "--porcelain", "--", "src"], timeout=60)
+    return {"head": head.stdout.strip(),
+            "uncommitted": [line[3:] for line in status.stdout.splitlines()] if status.returncode == 0 else None}

@@ -47,7 +47,7 @@ from ..functional import (
 )
 from ..processes import run_process
 from .gpu import FAVOR_FEATURES, HEAD_DIM, KERNEL_FORMS, QUICK_HEAD_DIM, QUICK_HEADS, Form, make_inputs
-from .harness import machine_info, output_folder, peak_rss_bytes, release_free_heap, write_atomically
+from .harness import git_state, machine_info, output_folder, peak_rss_bytes, release_free_heap, write_atomically
 
 __all__ = ["DEFAULT_NS", "FORMS", "GROWTH", "LIMITS", "NON_COMPUTING", "PASSES", "QUICK_NS", "STRATEGIES", "TARGETS",
            "LaunchCount", "count_launches", "form_call", "format_launches", "measure", "run_launches", "verdicts"]
@@ -156,18 +156,6 @@ def form_call(form: str, n: int, pass_: str, strategy: str, *, quick: bool = Fal
     return train
 
 
-def _commit() -> dict:
-    """The commit this code ran at (``git rev-parse HEAD`` of the checkout that holds this file) and
-    the files under src/ that differ from it: None for both outside a git checkout."""
-    root = Path(__file__).resolve().parents[3]  # src/linattn/bench/launches.py -> the checkout
-    head = run_process(["git", "-C", str(root), "rev-parse", "HEAD"], timeout=60)
-    if head.returncode != 0:
-        return {"head": None, "uncommitted": None}
-    status = run_process(["git", "-C", str(root), "status", "--porcelain", "--", "src"], timeout=60)
-    return {"head": head.stdout.strip(),
-            "uncommitted": [line[3:] for line in status.stdout.splitlines()] if status.returncode == 0 else None}
-
-
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300].rstrip(": ")
@@ -264,7 +252,7 @@ def run_launches(out: str | Path = "docs/benchmarks/launches", *, n: Sequence[in
     result: dict = {
         "command": command,
         "complete": False,
-        "commit": _commit(),
+        "commit": git_state(),
         "machine": {**machine_info(), "memory_bytes": _memory_bytes()},
         "config": {"forms": list(forms), "n": list(ns), "passes": list(PASSES), "strategies": list(STRATEGIES),
                    "quick": quick, "fresh_processes": fresh_processes, "dtype": "float32", "batch_size": 1,
@@ -299,7 +287,7 @@ def run_launches(out: str | Path = "docs/benchmarks/launches", *, n: Sequence[in
                     say(f"  {form}, N = {x}, {pass_}, {strategy}: {what} ({time.perf_counter() - t0:.1f} s)")
         save()
     result["complete"] = True
-    end = _commit()
+    end = git_state()
     if end != result["commit"]:  # the counts of a run whose code moved under it belong to no one commit
         result["commit_at_end"] = end
     save()

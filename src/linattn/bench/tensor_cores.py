@@ -36,9 +36,8 @@ from torch import Tensor
 from .. import progress
 from ..functional import delta_rule_attention, favor_attention, favor_projection, gated_linear_attention, linear_attention
 from ..functional.strategy import HALF_OPERANDS
-from ..processes import run_process
 from .gpu import FAVOR_FEATURES, HEAD_DIM, KERNEL_FORMS, QUICK_HEAD_DIM, QUICK_HEADS, Form
-from .harness import machine_info, output_folder, write_atomically
+from .harness import git_state, machine_info, output_folder, write_atomically
 
 __all__ = ["DEFAULT_N", "FLA_RESULTS", "FORMS", "QUICK_N", "STRATEGIES", "ProductFlops", "fla_recorded", "form_fn",
            "format_tensor_cores", "make_inputs", "measure_form", "product_flops", "relative_error", "run_tensor_cores"]
@@ -198,18 +197,6 @@ def fla_recorded(path: str | Path = FLA_RESULTS) -> list[dict] | None:
     return sorted(rows, key=lambda r: r["n"]) or None
 
 
-def _commit() -> dict:
-    """``git rev-parse HEAD`` of the checkout holding this file and the files under src/ that differ
-    from it: None for both outside a git checkout."""
-    root = Path(__file__).resolve().parents[3]  # src/linattn/bench/tensor_cores.py -> the checkout
-    head = run_process(["git", "-C", str(root), "rev-parse", "HEAD"], timeout=60)
-    if head.returncode != 0:
-        return {"head": None, "uncommitted": None}
-    status = run_process(["git", "-C", str(root), "status", "--porcelain", "--", "src"], timeout=60)
-    return {"head": head.stdout.strip(),
-            "uncommitted": [line[3:] for line in status.stdout.splitlines()] if status.returncode == 0 else None}
-
-
 def run_tensor_cores(out: str | Path = "docs/benchmarks/tensor_cores", *, n: int | None = None, quick: bool = False,
                      command: str | None = None, quiet: bool = False) -> dict:
     """Measure every form of :data:`FORMS` at ``n`` (None: 4096; 256 with ``quick``, which also takes
@@ -229,7 +216,7 @@ def run_tensor_cores(out: str | Path = "docs/benchmarks/tensor_cores", *, n: int
     result: dict = {
         "command": command,
         "complete": False,
-        "commit": _commit(),
+        "commit": git_state(),
         "machine": machine_info(),
         "config": {"forms": list(FORMS), "n": n, "quick": quick, "batch_size": 1, "dtype": "bfloat16",
                    "strategies": list(STRATEGIES), "favor_features": FAVOR_FEATURES,

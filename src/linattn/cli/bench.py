@@ -1,4 +1,5 @@
-"""``linattn bench [sweep|core|favor|family|full|generate]``: the benchmarks.
+"""``linattn bench [sweep|core|favor|family|full|generate|gated|transformers|context-parallel|gpu|launches|tensor-cores]``: the
+benchmarks.
 
 Each sub-command's flags carry the names of its ``run_*`` function's parameters (``--out`` is
 ``out``, ``--n-layers`` is ``n_layers``, ``--num-features`` is ``num_features``); mechanisms come
