@@ -23,6 +23,7 @@ import json
 import re
 import sys
 import typing
+import time
 from pathlib import Path
 
 from .common import (
@@ -133,13 +134,21 @@ def _with_flag(message: str) -> str:
     return message if flag is None else f"{flag}: {message}"
 
 
+# How long a rank other than 0 waits before it exits on a refused config: rank 0 reached the same
+# refusal after the same work, and a rank that exits first has torchrun stop rank 0 (SIGTERM) before
+# its line is printed (seen once in a loaded test run: no line at all).
+REFUSAL_GRACE_S = 5.0
+
+
 def _refuse(parser: CommandParser, message: str) -> typing.NoReturn:
     """A config every rank refuses alike: the one line on rank 0 only (not once per process, ahead
-    of torchrun's report), status 2 on every rank."""
+    of torchrun's report), status 2 on every rank; the other ranks exit after rank 0 has printed it
+    (:data:`REFUSAL_GRACE_S`), or are stopped by torchrun once rank 0 has exited."""
     from ..train.dist import is_main_process
 
     if is_main_process():
         parser.fail(message)
+    time.sleep(REFUSAL_GRACE_S)
     parser.exit(2)
 
 
