@@ -104,6 +104,12 @@ class ChunkLayout(NamedTuple):
         per = chunks_per_tile if chunks_per_tile is not None else max(1, tile_positions // (R * C))
         return ChunkLayout(R, N, C, -(-N // C), per)
 
+    @staticmethod
+    def whole(R: int, N: int, chunk_size: int) -> "ChunkLayout":
+        """:meth:`of` with one tile of every chunk: the layout of an engine that works on the whole
+        sequence at once (the accelerator strategy, the running-scale product)."""
+        return ChunkLayout.of(R, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
+
     @property
     def fill(self) -> int:
         """Zero positions appended to fill the last chunk."""

@@ -780,7 +780,7 @@ def _gated_layout(R: int, N: int, chunk_size: int, tile_positions: int, strategy
     in cache), one tile of every chunk for the accelerator (every product over the whole sequence,
     the recurrence a scan: launches that do not grow with N)."""
     if strategy == "accelerator":
-        return ChunkLayout.of(R, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
+        return ChunkLayout.whole(R, N, chunk_size)
     return ChunkLayout.of(R, N, chunk_size, tile_positions=tile_positions)
 
 
@@ -1069,7 +1069,7 @@ def _chunk_states(
 def _scale_layout(a: Tensor, chunk_size: int) -> ChunkLayout:
     """One tile: the whole row (the per-chunk states are one scan over all chunks at once)."""
     B, H, N = a.shape[:3]
-    return ChunkLayout.of(B * H, N, chunk_size, chunks_per_tile=-(-N // min(chunk_size, N)))
+    return ChunkLayout.whole(B * H, N, chunk_size)
 
 
 def _scale_forward(a: Tensor, kf: Tensor, w: Tensor, m: Tensor, s0: Tensor | None,
@@ -1251,22 +1251,22 @@ def decayed_product(
     if log_decay is not None and running_log_scale is not None:
         raise ValueError("decayed_product: give at most one of log_decay and running_log_scale")
     strategy = resolve_strategy(strategy, q.device)
+    operands = operand_dtype(strategy, input_dtype or q.dtype)
     if log_decay is not None:
         kind = "head" if log_decay.shape[-1] == 1 else "channel"
         C = CHUNK_SIZES[kind] if chunk_size is None else chunk_size
-        options = EngineOptions(C, strategy, operand_dtype(strategy, input_dtype or q.dtype), tile_positions,
-                                sub_chunk_size)
+        options = EngineOptions(C, strategy, operands, tile_positions, sub_chunk_size)
         out, s_final, _ = _gated_chunked(q, k, v, log_decay, s0, scale, options.encode())
         return out, s_final
     if scale != 1.0:
         q = q * scale
     if running_log_scale is not None:
         C = CHUNK_SIZES["scale"] if chunk_size is None else chunk_size
-        options = EngineOptions(C, strategy, operand_dtype(strategy, input_dtype or q.dtype))
+        options = EngineOptions(C, strategy, operands)
         out, s_final, _, _, _ = _scaled_chunked(q, k, v, running_log_scale.detach(), s0, options.encode())
         return out, s_final
     C = CHUNK_SIZES["none"] if chunk_size is None else chunk_size
-    options = EngineOptions(C, strategy, operand_dtype(strategy, input_dtype or q.dtype), tile_positions)
+    options = EngineOptions(C, strategy, operands, tile_positions)
     out, s_final, *_ = _ungated_chunked(q, k, v, s0, normalise, phi, keep, options.encode())
     return out, s_final
 

@@ -1081,9 +1081,10 @@ def _layout(q: Tensor, opts: EngineOptions) -> ChunkLayout:
     """The chunked op's layout of ``q (R, N, D)``: blocks of ``opts.per_tile`` chunks on the CPU
     strategy (temporaries in cache), one block of every chunk for the accelerator (its recurrence
     is then one scan over the whole sequence)."""
-    R, N, C = q.shape[0], q.shape[1], opts.chunk_size
-    per_block = -(-N // min(C, N)) if opts.strategy == "accelerator" else opts.per_tile
-    return ChunkLayout.of(R, N, C, chunks_per_tile=per_block)
+    R, N = q.shape[0], q.shape[1]
+    if opts.strategy == "accelerator":
+        return ChunkLayout.whole(R, N, opts.chunk_size)
+    return ChunkLayout.of(R, N, opts.chunk_size, chunks_per_tile=opts.per_tile)
 
 
 def _needs_states(*tensors) -> bool:
