@@ -46,3 +46,31 @@ def test_bench_transformers_refuses_bad_values(tmp_path):
         bench.run_transformers(out=tmp_path, repeats=0)
     with pytest.raises(ValueError, match="sizes must be one of"):
         bench.run_transformers(out=tmp_path, sizes="huge")
+
+
+def test_bench_transformers_subjects_tiny(tmp_path):
+    """``--subjects``: only those are timed (the Mamba-2 family here), into a folder of their own,
+    and the command line written says so."""
+    out = tmp_path / "ssd"
+    assert main(["bench", "transformers", "--sizes", "tiny", "--runs", "1", "--repeats", "1", "--subjects",
+                 "ssd_model,ssd_core,ssd_layer", "--out", str(out)]) == 0
+    result = json.loads((out / "transformers.json").read_text())
+    subjects = ("ssd_core", "ssd_layer", "ssd_model")
+    assert "--subjects ssd_core,ssd_layer,ssd_model" in result["command"]
+    want = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s in subjects for p, ns in bench.PLAN[s].items() for n in ns}
+    assert set(result["ratios"]) == want
+    assert set(result["decode_ratios"]) == {f"{s}/{bench._position(p, 'tiny')}" for s in ("ssd_layer", "ssd_model")
+                                            for p in bench.DECODE_POSITIONS}
+    assert set(result["memory"]) == {f"{s}/{path}/{bench._n(n, 'tiny')}" for s in ("ssd_core", "ssd_layer")
+                                     for n in bench.MEMORY_PLAN[s][0] for path in bench.PATHS}
+    assert set(result["alone_ratios"]) == {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, p, n in bench.ALONE
+                                           if s in subjects}
+
+
+def test_bench_transformers_refuses_unknown_subjects(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "transformers", "--subjects", "ssd_core,mamba"])
+    assert exit_.value.code != 0
+    assert "subjects must be some of" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="subjects must be some of"):
+        bench.run_transformers(subjects=())

@@ -18,6 +18,14 @@ Subjects, at checkpoint widths (``sizes="checkpoint"``), B = 1, float32, 2 threa
   vocabulary 1024), where the fixed costs around the recurrence (layouts, convolution, gates) weigh
   most. Its prefill runs without a cache: transformers 5.23's cache cannot serve a model without an
   attention layer (``get_seq_length`` raises).
+- ``ssd_core``: Mamba-2's SSD scan at Mamba-2 1.3B's width (64 heads of 64, state 128, one group of
+  B and C): transformers' ``mamba2_chunk_scan`` (its chunk 256, Mamba-2's default) against
+  ``linattn.integrations.transformers.ssd``, with D, dt_bias, softplus and the final state;
+- ``ssd_layer``: Mamba-2 1.3B's mixer (hidden 2048, the widths above), a ``Mamba2Mixer``;
+- ``ssd_model``: a small whole Mamba-2 model at that width (4 mixer layers, vocabulary 1024).
+
+``--subjects`` times some of them (the Mamba-2 family apart from the delta rule's, say), into a
+folder of their own.
 
 Alone: every target's setting is also timed with each path alone in a fresh process of its own (a
 warm-up call where the interleaved timing has one, then ``repeats + 1`` timed calls), as a user
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -66,8 +75,9 @@ from .harness import (
     write_atomically,
 )
 
-SUBJECTS = ("gdn_core", "kda_core", "gdn_layer", "kda_layer", "gdn_model", "kda_model", "kda_small_model")
-DECODED = ("gdn_layer", "kda_layer", "gdn_model", "kda_model")
+SUBJECTS = ("gdn_core", "kda_core", "gdn_layer", "kda_layer", "gdn_model", "kda_model", "kda_small_model",
+            "ssd_core", "ssd_layer", "ssd_model")
+DECODED = ("gdn_layer", "kda_layer", "gdn_model", "kda_model", "ssd_layer", "ssd_model")
 PATHS = ("transformers", "linattn")
 PASSES = ("prefill", "train")
 SIZES = ("checkpoint", "tiny")
@@ -82,14 +92,21 @@ PLAN = {
     "gdn_model": {"prefill": (1024,), "train": (1024,)},
     "kda_model": {"prefill": (1024,)},
     "kda_small_model": {"prefill": (2048,)},
+    "ssd_core": {"prefill": (1024, 4096, 16384), "train": (1024, 4096, 16384)},
+    "ssd_layer": {"prefill": (1024, 4096), "train": (1024, 4096)},
+    "ssd_model": {"prefill": (1024,), "train": (1024,)},
 }
 # peak memory of one prefill, per subject: the Ns for both paths, and linattn's alone further on
-MEMORY_PLAN = {"gdn_core": ((1024, 4096, 16384), ()), "kda_core": ((1024, 4096), (16384,))}
+MEMORY_PLAN = {"gdn_core": ((1024, 4096, 16384), ()), "kda_core": ((1024, 4096), (16384,)),
+               "ssd_core": ((1024, 4096, 16384), ()), "ssd_layer": ((1024, 4096, 16384), ())}
 # the issue's targets, transformers' time / linattn's at least this: (subject, pass, N) -> factor
 TARGETS = {
     ("gdn_core", "prefill", 1024): 2.0, ("gdn_core", "prefill", 4096): 3.0, ("gdn_core", "prefill", 16384): 3.0,
     ("gdn_core", "train", 1024): 3.0, ("gdn_core", "train", 4096): 10.0, ("gdn_core", "train", 16384): 30.0,
     ("kda_core", "prefill", 4096): 20.0, ("kda_small_model", "prefill", 2048): 10.0,
+    # issue 45's, for the Mamba-2 family: the scan and the whole mixer at Mamba-2 1.3B's width
+    ("ssd_core", "prefill", 4096): 20.0, ("ssd_core", "train", 4096): 20.0, ("ssd_core", "train", 16384): 50.0,
+    ("ssd_layer", "prefill", 4096): 20.0, ("ssd_layer", "train", 4096): 20.0,
 }
 # the targets also timed with each path alone in fresh processes (as a user runs one of them): all
 # but the slowest (transformers' gdn_core train at 4096 and 16384 takes seconds to a minute a call)
@@ -105,7 +122,20 @@ TINY = 64  # the "tiny" sizes' N unit: N = 1024 becomes 64
 
 
 def _family(subject: str) -> str:
-    return "qwen3_5" if subject.startswith("gdn") else "kimi_linear"
+    return {"gdn": "qwen3_5", "kda": "kimi_linear", "ssd": "mamba2"}[subject[:3]]
+
+
+def _ssd_scan(path: str):
+    """transformers' scan or linattn's, called the same way: ``(x, dt, A, B, C, D, dt_bias, final)``."""
+    from ..integrations import transformers as lt
+
+    if path == "linattn":
+        return lambda x, dt, A, B, C, D, dt_bias, final: lt.ssd(
+            x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True, output_final_state=final)
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    return lambda x, dt, A, B, C, D, dt_bias, final: mamba2_chunk_scan(
+        x, dt, A, B, C, chunk_size=256, D=D, dt_bias=dt_bias, dt_softplus=True, return_final_states=final)
 
 
 def build(subject: str, sizes: str):
@@ -114,6 +144,10 @@ def build(subject: str, sizes: str):
     from ..integrations import transformers as lt
 
     family = _family(subject)
+    if subject == "ssd_core":
+        big = sizes == "checkpoint"
+        return None, {p: _ssd_scan(p) for p in PATHS}, {"heads": 64 if big else 4, "head_dim": 64 if big else 16,
+                                                         "state": 128 if big else 16, "groups": 1}
     if subject.endswith("core"):
         import importlib
 
@@ -125,6 +159,8 @@ def build(subject: str, sizes: str):
                                                                            "kda": family == "kimi_linear"}
     if sizes == "tiny":
         dims = dict(hidden_size=64, heads=4, head_dim=16)
+    elif family == "mamba2":  # Mamba-2 1.3B's mixer
+        dims = dict(hidden_size=2048, heads=64, head_dim=64, key_heads=1, state_size=128)
     elif subject == "kda_small_model":
         dims = dict(hidden_size=256, heads=8, head_dim=64)
     elif family == "qwen3_5":
@@ -161,6 +197,16 @@ def _position(position: int, sizes: str) -> int:
 
 def _inputs(subject: str, module, config, n: int, *, grad: bool):
     g = torch.Generator().manual_seed(1)
+    if subject == "ssd_core":
+        # transformers' layout; A and dt_bias initialised as Mamba-2 does (A = -1 .. -H, dt in
+        # [1e-3, 1e-1] log-uniform), the raw time steps around 0
+        H, P, Ds, G = config["heads"], config["head_dim"], config["state"], config["groups"]
+        dt0 = torch.exp(torch.rand(H, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        x = {"x": torch.randn(1, n, H, P, generator=g), "dt": torch.randn(1, n, H, generator=g) * 0.5,
+             "A": -torch.arange(1, H + 1, dtype=torch.float32), "B": torch.randn(1, n, G, Ds, generator=g),
+             "C": torch.randn(1, n, G, Ds, generator=g), "D": torch.ones(H),
+             "dt_bias": dt0 + torch.log(-torch.expm1(-dt0))}
+        return {k: t.requires_grad_(grad) for k, t in x.items()}
     if subject.endswith("core"):
         # transformers' layout (B, N, heads, D); decays near 1 as trained models have, beta in (0, 1)
         H, D = config["heads"], config["head_dim"]
@@ -178,6 +224,17 @@ def _inputs(subject: str, module, config, n: int, *, grad: bool):
 def _call(subject: str, module, config, x, pass_: str, path: str = "linattn") -> None:
     from transformers import DynamicCache
 
+    if subject == "ssd_core":
+        if pass_ == "prefill":
+            with torch.no_grad():
+                module[path](**x, final=True)
+            return
+        for t in x.values():
+            t.grad = None
+        out = module[path](**x, final=False)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+        return
     if subject.endswith("core"):
         fn = module[path]
         if pass_ == "prefill":
@@ -243,15 +300,18 @@ def _alone_child(key: str, path: str, sizes: str, repeats: int) -> dict:
     return {"median_s": median(times), "all_s": times}
 
 
-def _alone(sizes: str, repeats: int, runs: int, say) -> list[dict]:
-    """Each :data:`ALONE` setting on each path alone, a fresh process per (setting, path), ``runs``
-    times; one ``{"times": {key: {path: {...}}}, "load": {...}}`` per run."""
+def _alone(sizes: str, repeats: int, runs: int, say, subjects: tuple[str, ...] = SUBJECTS) -> list[dict]:
+    """Each :data:`ALONE` setting of ``subjects`` on each path alone, a fresh process per (setting,
+    path), ``runs`` times; one ``{"times": {key: {path: {...}}}, "load": {...}}`` per run."""
     out = []
+    settings = [key for key in ALONE if key[0] in subjects]
+    if not settings:
+        return out
     for i in range(runs):
         say(f"  run {i + 1}/{runs}: each path alone, a fresh process per setting ...")
         load = OtherLoad(reference=True)
         times: dict = {}
-        for subject, pass_, n in ALONE:
+        for subject, pass_, n in settings:
             key = f"{subject}/{pass_}/{_n(n, sizes)}"
             for path in (PATHS if i % 2 == 0 else PATHS[::-1]):
                 times.setdefault(key, {})[path] = run_child(
@@ -273,9 +333,9 @@ def _decode(subject, module, config, position: int, steps: int) -> dict:
             if subject.endswith("layer"):
                 caches[path] = DynamicCache(config=config)
                 module(torch.randn(1, position, config.hidden_size, generator=g), cache_params=caches[path])
-            else:
-                caches[path] = module(torch.randint(3, config.vocab_size, (1, position), generator=g),
-                                      use_cache=True).past_key_values
+            else:  # Mamba-2's causal LM names its cache cache_params
+                out = module(torch.randint(3, config.vocab_size, (1, position), generator=g), use_cache=True)
+                caches[path] = out.cache_params if hasattr(out, "cache_params") else out.past_key_values
         times = {p: [] for p in PATHS}
         for step in range(steps + 2):  # two warm-up steps each
             for path in (PATHS if step % 2 else PATHS[::-1]):
@@ -287,16 +347,17 @@ def _decode(subject, module, config, position: int, steps: int) -> dict:
                 else:
                     x = torch.randint(3, config.vocab_size, (1, 1), generator=g)
                     t0 = time.perf_counter()
-                    module(x, past_key_values=caches[path], use_cache=True)
+                    cache = {"cache_params" if config.model_type == "mamba2" else "past_key_values": caches[path]}
+                    module(x, **cache, use_cache=True)
                 if step >= 2:
                     times[path].append(time.perf_counter() - t0)
     return {p: {"median_s": median(t), "all_s": t} for p, t in times.items()}
 
 
-def _child(sizes: str, repeats: int) -> dict:
+def _child(sizes: str, repeats: int, subjects: tuple[str, ...] = SUBJECTS) -> dict:
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     out: dict = {"times": {}, "decode": {}}
-    for subject in SUBJECTS:
+    for subject in subjects:
         model, module, config = build(subject, sizes)
         if model is not None:
             module.train(False)
@@ -334,11 +395,22 @@ def memory(subject: str, path: str, n: int, sizes: str, *, timeout: float = 3600
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def check_subjects(subjects) -> tuple[str, ...]:
+    """``subjects`` as a tuple in :data:`SUBJECTS`' order; ValueError naming an unknown one or none."""
+    subjects = tuple(subjects)
+    unknown = [s for s in subjects if s not in SUBJECTS]
+    if unknown or not subjects:
+        raise ValueError(f"run_transformers: subjects must be some of {', '.join(SUBJECTS)}, got "
+                         f"{', '.join(map(repr, subjects)) or 'none'}")
+    return tuple(s for s in SUBJECTS if s in subjects)
+
+
 def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeats: int = 2, runs: int = RUNS,
-                     sizes: str = "checkpoint", measure_memory: bool = True, quiet: bool = False) -> dict:
-    """Time ``runs`` times (a fresh process each), measure peak memory, write transformers.json and
-    transformers.md in ``out``, print the Markdown; return the result. transformers must be installed
-    (the ``transformers`` extra)."""
+                     sizes: str = "checkpoint", measure_memory: bool = True, quiet: bool = False,
+                     subjects: tuple[str, ...] = SUBJECTS) -> dict:
+    """Time ``subjects`` ``runs`` times (a fresh process each), measure peak memory, write
+    transformers.json and transformers.md in ``out``, print the Markdown; return the result.
+    transformers must be installed (the ``transformers`` extra)."""
     from ..extras import require_extra
 
     require_extra("transformers", command="linattn bench transformers")
@@ -347,6 +419,7 @@ def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeat
             raise ValueError(f"run_transformers: {name} must be >= 1, got {value}")
     if sizes not in SIZES:
         raise ValueError(f"run_transformers: sizes must be one of {SIZES}, got {sizes!r}")
+    subjects = check_subjects(subjects)
     output_folder(out)
     say = functools.partial(progress.say, quiet=quiet)
     say(f"linattn bench transformers: {sizes} sizes, {runs} runs of {repeats} interleaved calls per setting")
@@ -356,12 +429,14 @@ def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeat
     result: dict = {
         "command": (f"linattn bench transformers --repeats {repeats}" + (f" --runs {runs}" if runs != RUNS else "")
                     + (f" --sizes {sizes}" if sizes != "checkpoint" else "")
-                    + ("" if measure_memory else " --no-measure-memory") + f" --out {out}"),
+                    + ("" if measure_memory else " --no-measure-memory")
+                    + ("" if subjects == SUBJECTS else f" --subjects {','.join(subjects)}") + f" --out {out}"),
         "machine": machine_info(),
         "config": {"sizes": sizes, "plan": {s: dict(p) for s, p in PLAN.items()}, "repeats": repeats, "runs": runs,
                    "decode_positions": list(DECODE_POSITIONS), "decode_steps": DECODE_STEPS,
-                   "transformers": transformers.__version__, "dtype": "float32", "batch_size": 1},
-        "runs": run_repeated("linattn.bench.transformers", [sizes, str(repeats)], runs=runs,
+                   "transformers": transformers.__version__, "dtype": "float32", "batch_size": 1,
+                   "subjects": list(subjects)},
+        "runs": run_repeated("linattn.bench.transformers", [sizes, str(repeats), ",".join(subjects)], runs=runs,
                              allocators=INHERITED_ALLOCATOR, say=say),
     }
     children = [r["allocators"]["inherited"] for r in result["runs"]]
@@ -370,14 +445,16 @@ def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeat
     result["decode_ratios"] = {key: spread([c["decode"][key]["transformers"]["median_s"]
                                             / c["decode"][key]["linattn"]["median_s"] for c in children])
                                for key in children[0]["decode"]}
-    result["alone"] = _alone(sizes, repeats + 1, runs, say)
+    result["alone"] = _alone(sizes, repeats + 1, runs, say, subjects)
     result["alone_ratios"] = {key: spread([r["times"][key]["transformers"]["median_s"]
                                            / r["times"][key]["linattn"]["median_s"] for r in result["alone"]])
-                              for key in result["alone"][0]["times"]}
+                              for key in (result["alone"][0]["times"] if result["alone"] else ())}
     if measure_memory:
         say("  peak memory of one prefill (fresh processes) ...")
         result["memory"] = {}
         for subject, (both, ours_only) in MEMORY_PLAN.items():
+            if subject not in subjects:
+                continue
             for n in (*both, *ours_only):
                 for path in (PATHS if n in both else ("linattn",)):
                     n_real = _n(n, sizes)
@@ -410,7 +487,7 @@ def claims(result: dict) -> dict[str, dict]:
             out[f"{key}/alone"] = {"statement": f"{subject} {pass_} at N = {n}, each path alone in a fresh process: "
                                                 f"linattn at least {factor:g}x faster than transformers' own path",
                                    "spread": s, "holds": s["median"] >= factor}
-    for subject in DECODED:
+    for subject in (s for s in DECODED if f"{s}/{DECODE_POSITIONS[0]}" in result["decode_ratios"]):
         near, far = (result["decode_ratios"].get(f"{subject}/{p}") for p in DECODE_POSITIONS)
         out[f"{subject}/decode"] = {
             "statement": f"{subject} decoding no slower per token than transformers' own path at positions "
@@ -428,7 +505,7 @@ def claims(result: dict) -> dict[str, dict]:
                                                 f"{KDA_MEMORY_TARGET:g}x less than transformers'", "ratio": r,
                                    "holds": r >= KDA_MEMORY_TARGET}
     for subject, (both, ours_only) in MEMORY_PLAN.items():
-        ns = sorted((*both, *ours_only))
+        ns = sorted(_n(n, result["config"]["sizes"]) for n in (*both, *ours_only))
         peaks = [mem.get(f"{subject}/linattn/{n}") for n in ns]
         if None in peaks or len(ns) < 2:
             continue
@@ -570,12 +647,12 @@ def format_demo_part(part: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "child":
-        print(json.dumps(_child(sys.argv[2], int(sys.argv[3]))))
+    if len(sys.argv) == 5 and sys.argv[1] == "child":
+        print(json.dumps(_child(sys.argv[2], int(sys.argv[3]), tuple(sys.argv[4].split(",")))))
     elif len(sys.argv) == 6 and sys.argv[1] == "alone":
         print(json.dumps(_alone_child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))))
     elif len(sys.argv) == 6 and sys.argv[1] == "memory":
         print(json.dumps(_memory_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])))
     else:
-        raise SystemExit("usage: python -m linattn.bench.transformers child SIZES REPEATS | "
+        raise SystemExit("usage: python -m linattn.bench.transformers child SIZES REPEATS SUBJECTS | "
                          "alone SUBJECT/PASS/N PATH SIZES REPEATS | memory SUBJECT PATH N SIZES")

@@ -217,10 +217,10 @@ def build_parser(prog: str) -> CommandParser:
     _add_runs(gated)
 
     hf = bench_sub.add_parser(
-        "transformers", help="transformers' Gated DeltaNet and KDA layers and models on their own path against "
-        "linattn's (linattn.integrations.transformers).",
-        description=_wrapped("Qwen3.5-0.8B's Gated DeltaNet layer, Kimi Linear's KDA layer and a small whole model of "
-        "each family, at checkpoint widths: prefill, forward+backward and decoding time on transformers' own PyTorch "
+        "transformers", help="transformers' Gated DeltaNet, KDA and Mamba-2 layers and models on their own path "
+        "against linattn's (linattn.integrations.transformers).",
+        description=_wrapped("Qwen3.5-0.8B's Gated DeltaNet layer, Kimi Linear's KDA layer, Mamba-2 1.3B's mixer, "
+        "each family's recurrence alone and a small whole model of each family, at checkpoint widths: prefill, forward+backward and decoding time on transformers' own PyTorch "
         "path and on linattn, interleaved on the same module; peak memory of a prefill in fresh processes. Needs the "
         "transformers extra. Runs for tens of minutes."))
     add_out_argument(hf, "docs/benchmarks/transformers", "Folder for transformers.json and transformers.md")
@@ -231,6 +231,9 @@ def build_parser(prog: str) -> CommandParser:
                     "the command itself (default: checkpoint).")
     hf.add_argument("--measure-memory", action=argparse.BooleanOptionalAction, default=True,
                     help="Measure each prefill's peak memory in fresh processes (default: on).")
+    hf.add_argument("--subjects", type=_subjects, default=None,
+                    help="Comma-separated subjects to time (default: all): gdn_core, kda_core, gdn_layer, kda_layer, "
+                    "gdn_model, kda_model, kda_small_model, ssd_core, ssd_layer, ssd_model.")
     _add_runs(hf)
 
     cp = bench_sub.add_parser(
@@ -323,6 +326,16 @@ def build_parser(prog: str) -> CommandParser:
     return parser
 
 
+def _subjects(text: str) -> tuple[str, ...]:
+    """``--subjects``: comma-separated names of ``linattn bench transformers``' subjects."""
+    from ..bench.transformers import check_subjects
+
+    try:
+        return check_subjects(name.strip() for name in text.split(",") if name.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("run_transformers: ")) from None
+
+
 def _given(args: argparse.Namespace, *names: str) -> dict:
     """``{name: value}`` of the flags (defaults None) that were given: the others keep the defaults of
     the function called, stated once there."""
@@ -406,7 +419,7 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
 
         with reported(chosen, MissingExtraError):
             run_transformers(out=args.out, repeats=args.repeats, sizes=args.sizes,
-                             measure_memory=args.measure_memory, **_given(args, "runs"))
+                             measure_memory=args.measure_memory, **_given(args, "runs", "subjects"))
     elif args.suite == "gpu":
         from ..bench.gpu import check_device, run_gpu
 
