@@ -35,7 +35,8 @@ from .checks import (
     shape_str,
 )
 from .decayed import decayed_product
-from .strategy import check_strategy
+from .grouped import grouped_decayed_product
+from .strategy import check_strategy, resolve_strategy
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .sharding import ShardForm, ShardPart, cumulative_decay
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
@@ -172,6 +173,49 @@ def _varlen(q, k, v, g, s0, scale, cu_seqlens, return_state, chunk_size, knobs, 
     return lay.packed(out), (lay.states(out) if return_state else None)
 
 
+def _grouped_route(q, v, log_decay, key_padding_mask, initial_state, return_state, cu_seqlens) -> bool:
+    """Whether a call runs :func:`grouped_decayed_product`: grouped value heads (q and k with fewer
+    heads than v) and a decay per head, as Mamba-2's SSD has them, without padding; packed
+    documents only without states (they become resets, -inf log decays at the documents' starts).
+    Every other call repeats q and k per head (``expand_key_heads``) for the general engine."""
+    return (isinstance(q, Tensor) and isinstance(v, Tensor) and q.dim() == 4 and v.dim() == 4
+            and 0 < q.shape[1] < v.shape[1] and isinstance(log_decay, Tensor) and log_decay.dim() == 3
+            and key_padding_mask is None
+            and (cu_seqlens is None or (initial_state is None and not return_state)))
+
+
+def _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_size, strategy, cu_seqlens):
+    """:func:`gated_linear_attention` on the grouped route: checks (as the general route's, on one
+    head of each group), then the engine -> ``(out (B, H, N, Dv), state (B, H, D, Dv))``."""
+    B, Hk, N, D = q.shape
+    H, Dv = v.shape[1], v.shape[-1]
+    if H % Hk:
+        raise ValueError(f"{fn}: v's number of heads H must be a multiple of q's and k's Hk (value head h reads "
+                         f"query/key head h // (H / Hk)), got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
+    if isinstance(k, Tensor) and k.dim() == 4 and k.shape[1] != Hk:
+        raise ValueError(f"{fn}: q and k must have the same number of heads (grouped value heads: q, k "
+                         f"(B, Hk, N, D), v (B, H, N, Dv)), got q {shape_str(q)} and k {shape_str(k)}")
+    check_qkv(fn, q, k, v[:, :: H // Hk], causal=True)  # one value head per group: the shapes, dtypes, devices
+    if cu_seqlens is not None:
+        cu_seqlens = int64_offsets(check_cu_seqlens(fn, cu_seqlens, q))
+    scale = check_scale(fn, scale, D)
+    g = _check_log_decay(fn, log_decay, v, None).squeeze(-1)  # (B, H, N): v has q's B, N and the H heads
+    if initial_state is not None:
+        check_decayed_state(fn, initial_state, B, H, D, Dv, q.device)
+    dt = compute_dtype(q.dtype)
+    q, k, v = (q * scale).to(dt), k.to(dt), v.to(dt)
+    s0 = None if initial_state is None else initial_state.s.to(dt)
+    if cu_seqlens is not None:  # every document starts from zeros: a reset at its first position
+        starts = torch.zeros(N + 1, dtype=torch.bool, device=q.device).index_fill_(0, cu_seqlens[:-1], True)[:N]
+        g = torch.where(starts, g.new_full((), float("-inf")), g)
+    return grouped_decayed_product(q, k, v, g, s0, chunk_size=GROUPED_CHUNK_SIZE if chunk_size is None else chunk_size,
+                                   strategy=resolve_strategy(strategy, q.device))
+
+
+# The grouped route's chunk length (why: docs/benchmarks/README.md, History)
+GROUPED_CHUNK_SIZE = 64
+
+
 def gated_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -198,8 +242,10 @@ def gated_linear_attention(
 
     Args:
         q: ``(B, H, N, D)`` queries, or ``(B, Hk, N, D)`` with H a multiple of Hk (grouped value
-            heads: value head h reads query/key head ``h // (H / Hk)``; q and k are repeated inside,
-            their gradients summed over each group).
+            heads: value head h reads query/key head ``h // (H / Hk)``). With a decay per head and
+            no ``key_padding_mask`` (Mamba-2's SSD), a group's heads share its scores and its state
+            products (``linattn.functional.grouped``; packed documents there only without states);
+            otherwise q and k are repeated inside, their gradients summed over each group.
         k: ``(B, H, N, D)`` keys (``(B, Hk, N, D)`` with q).
         v: ``(B, H, N, Dv)`` values.
         log_decay: ``(B, H, N)``, one gate per head and position (RetNet, Mamba-2, simple GLA), or
@@ -263,6 +309,13 @@ def gated_linear_attention(
     check_positive_int(fn, "tile_positions", tile_positions)
     check_strategy(fn, strategy)
     in_dtype = q.dtype
+    if _grouped_route(q, v, log_decay, key_padding_mask, initial_state, return_state, cu_seqlens) and \
+            q.shape[0] * v.shape[1] * q.shape[2] > 0 and not (q.shape[2] == 1 and initial_state is not None):
+        with no_autocast(q.device.type):
+            out, s = _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_size, strategy,
+                              cu_seqlens)
+        out = out.to(in_dtype)
+        return (out, DecayedState(s)) if return_state else out
     with no_autocast(q.device.type):
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
                                          scaled=False, cu_seqlens=cu_seqlens)
