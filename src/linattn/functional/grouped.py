@@ -12,7 +12,7 @@ the recurrence across chunks is :func:`linattn.functional.recurrence.chunk_recur
 transposed state, whose rows the decays scale (a "diagonal" transition), with its two strategies.
 
 Every chunk is formed at once (``C x C`` decay masks for every head and chunk: memory O(N C H),
-linear in N), with its own backward (recomputing the masks). Decays inside a chunk are running
+linear in N), with its own backward (the forward keeps the masks for it when a gradient is asked). Decays inside a chunk are running
 products of the steps' decays (or sums of their logs), never differences of cumulative sums: a
 large decay, or a reset (-inf, what packed documents put at their starts), costs no digit of the
 others.
@@ -36,12 +36,13 @@ __all__ = ["grouped_decayed_product"]
 
 def _segment_decays(a: Tensor) -> Tensor:
     """``(.., C) -> (.., C, C)``: entry ``[i, j]`` the decay from position j to i,
-    ``exp(a[j+1] + .. + a[i])`` for j <= i (1 on the diagonal), 0 above it: a running product of
-    the steps' decays (factors in [0, 1]: no digit lost to a large decay, none to a difference)."""
+    ``exp(a[j+1] + .. + a[i])`` for j <= i (1 on the diagonal), and 1 above it (the caller's causal
+    mask zeroes those: one pass fewer here): a running product of the steps' decays (factors in
+    [0, 1]: no digit lost to a large decay, none to a difference)."""
     C = a.shape[-1]
     strict = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(-1)
     x = a.exp().unsqueeze(-1).expand(*a.shape, C).masked_fill(~strict, 1.0)  # [i, j] = exp(a[i]) for i > j
-    return x.cumprod_(-2).masked_fill_(~strict.logical_or_(torch.eye(C, dtype=torch.bool, device=a.device)), 0.0)
+    return x.cumprod_(-2)
 
 
 def _suffix_sums(a: Tensor) -> Tensor:
@@ -93,7 +94,8 @@ def _flush(factors: Tensor) -> Tensor:
 
 
 def _decays(a: Tensor):
-    """``a (R, m, Nc, C)`` log decays -> the chunk's decay masks ``L (R, m, Nc, C, C)``, the decay
+    """``a (R, m, Nc, C)`` log decays -> the chunk's decay masks ``L (R, m, Nc, C, C)`` (1 above the
+    diagonal, where the causal mask of the scores applies), the decay
     from each chunk's start to each position ``E (R, m, Nc, C)``, from each position to the chunk's
     end ``Wd (R, m, Nc, C)`` and over the whole chunk ``T (R, m, Nc)``."""
     L = _flush(_segment_decays(a))
@@ -108,21 +110,23 @@ def _transitions(T: Tensor, lay: _Layout) -> Tensor:
     return T.permute(2, 0, 1)[..., None, None].expand(lay.Nc, lay.R, lay.m, lay.Dv, 1).reshape(lay.Nc, lay.R, lay.W, 1)
 
 
-def _forward(q, k, v, a, s0, lay: _Layout, strategy: str):
-    """The outputs ``(B, H, N, Dv)`` and the states before every chunk and after the last
-    ``(Nc + 1, R, W, D)`` (transposed: a row per value column)."""
+def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, keep: bool):
+    """The outputs ``(B, H, N, Dv)``, the states before every chunk and after the last
+    ``(Nc + 1, R, W, D)`` (transposed: a row per value column), and with ``keep`` the decay masks
+    and masked scores ``L, M (R, m, Nc, C, C)`` for the backward (else None, None)."""
     qc, kc = lay.chunks(q), lay.chunks(k)  # (R, Nc, C, D)
     vh = lay.head_chunks(v)  # (R, m, Nc, C, Dv)
     L, E, Wd, T = _decays(lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C))
-    G = qc @ kc.transpose(-1, -2)  # (R, Nc, C, C), once per group
-    y = L.mul_(G.unsqueeze(1)) @ vh  # (R, m, Nc, C, Dv): within the chunks
+    G = (qc @ kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
+    M = L * G.unsqueeze(1) if keep else L.mul_(G.unsqueeze(1))
+    y = M @ vh  # (R, m, Nc, C, Dv): within the chunks
     # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, Nc, W, D)
     Ut = _columns_scaled(vh, Wd, lay).transpose(-1, -2) @ kc
     seed = q.new_zeros(lay.R, lay.W, lay.D) if s0 is None else _transposed_state(s0, lay)
     S = chunk_recurrence(_transitions(T, lay), Ut.transpose(0, 1), seed, strategy=strategy)  # (Nc + 1, R, W, D)
     Z = qc @ S[:-1].transpose(0, 1).transpose(-1, -2)  # (R, Nc, C, W): every chunk's state read at once
     y.addcmul_(lay.heads(Z), E.unsqueeze(-1))
-    return lay.output(y), S
+    return lay.output(y), S, (L, M) if keep else (None, None)
 
 
 def _columns_scaled(vh: Tensor, scale: Tensor, lay: _Layout) -> Tensor:
@@ -142,15 +146,17 @@ def _state(St: Tensor, lay: _Layout) -> Tensor:
     return St.reshape(lay.R, lay.m, lay.Dv, lay.D).transpose(-1, -2).reshape(lay.B, lay.Hk * lay.m, lay.D, lay.Dv)
 
 
-def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str):
+def _backward(q, k, v, a, s0, S, L, M, dy, ds, lay: _Layout, strategy: str):
     """Gradients of ``(q, k, v, a, s0)`` from those of the outputs ``dy (B, H, N, Dv)`` and the final
-    state ``ds (B, H, D, Dv)`` or None; ``S`` the forward's transposed states."""
+    state ``ds (B, H, D, Dv)`` or None; ``S, L, M`` the forward's transposed states, decay masks
+    and masked scores."""
     qc, kc = lay.chunks(q), lay.chunks(k)
     vh = lay.head_chunks(v)
     ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
-    L, E, Wd, T = _decays(ac)
+    E = ac.cumsum(-1)
+    T = _flush(E[..., -1].exp())
+    E, Wd = _flush(E.exp_()), _flush(_suffix_sums(ac).exp_())
     dyh = lay.head_chunks(dy)  # (R, m, Nc, C, Dv)
-    G = qc @ kc.transpose(-1, -2)
     # from the state read: y += heads(q S_c) * E
     Z = qc @ S[:-1].transpose(0, 1).transpose(-1, -2)  # (R, Nc, C, W)
     dE = (lay.heads(Z) * dyh).sum(-1)  # (R, m, Nc, C)
@@ -169,11 +175,10 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str):
     dvw = lay.heads(kc @ dU.transpose(-1, -2))  # (R, m, Nc, C, Dv)
     dv = dvw * Wd.unsqueeze(-1)
     dWd = (dvw * vh).sum(-1) * Wd  # d log Wd, (R, m, Nc, C)
-    # within the chunks: y += (G * L) @ vh
-    M = G.unsqueeze(1) * L
+    # within the chunks: y += M @ vh, M = tril(G) * L
     dv = dv + M.transpose(-1, -2) @ dyh
     dM = dyh @ vh.transpose(-1, -2)  # (R, m, Nc, C, C)
-    dG = (dM * L).sum(1)  # (R, Nc, C, C)
+    dG = (dM * L).sum(1).tril_()  # (R, Nc, C, C)
     dq = dq + dG @ kc
     dk = dk + dG.transpose(-1, -2) @ qc
     dL = (dM * M).tril_(-1)  # d log L below the diagonal (log L is 0 on it, L is 0 above it)
@@ -196,16 +201,17 @@ class _GroupedDecayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, s0, chunk_size, strategy):
         lay = _Layout(q, v, chunk_size)
-        y, S = _forward(q, k, v, a, s0, lay, strategy)
-        ctx.save_for_backward(q, k, v, a, s0, S)
+        keep = any(ctx.needs_input_grad[:5])  # (forward runs with grad mode off: ask the inputs)
+        y, S, (L, M) = _forward(q, k, v, a, s0, lay, strategy, keep)
+        ctx.save_for_backward(q, k, v, a, s0, S, L, M)
         ctx.lay, ctx.strategy = lay, strategy
         return y, _state(S[-1], lay)
 
     @staticmethod
     def backward(ctx, dy, ds):
-        q, k, v, a, s0, S = ctx.saved_tensors
+        q, k, v, a, s0, S, L, M = ctx.saved_tensors
         dy = torch.zeros_like(v) if dy is None else dy.contiguous()
-        grads = _backward(q, k, v, a, s0, S, dy, ds, ctx.lay, ctx.strategy)
+        grads = _backward(q, k, v, a, s0, S, L, M, dy, ds, ctx.lay, ctx.strategy)
         return (*grads, None, None)
 
 

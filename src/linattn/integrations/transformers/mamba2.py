@@ -140,7 +140,7 @@ def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, D: Tensor | N
         out, new = result if output_final_state else (result, None)
     y = out.transpose(1, 2)  # (B, N, H, P)
     if D is not None:
-        y = y + D.to(ct)[:, None] * xc
+        y = torch.addcmul(y, D.to(ct)[:, None], xc)
     state = new.s.transpose(-1, -2) if (output_final_state and new is not None) else None
     return y, state
 
