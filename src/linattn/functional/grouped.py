@@ -11,8 +11,9 @@ single large products of width ``m Dv`` per chunk. A decay per head scales the s
 the recurrence across chunks is :func:`linattn.functional.recurrence.chunk_recurrence` on the
 transposed state, whose rows the decays scale (a "diagonal" transition), with its two strategies.
 
-Every chunk is formed at once (``C x C`` decay masks for every head and chunk: memory O(N C H),
-linear in N), with its own backward (the forward keeps the masks for it when a gradient is asked). Decays inside a chunk are running
+The ``C x C`` decay masks of every head are formed a tile of chunks at a time (on a CPU a few MiB,
+in cache; on an accelerator every chunk at once: memory O(N C H), linear in N), again in the
+backward rather than kept; the state products run over every chunk at once. Decays inside a chunk are running
 products of the steps' decays (or sums of their logs), never differences of cumulative sums: a
 large decay, or a reset (-inf, what packed documents put at their starts), costs no digit of the
 others.
@@ -94,14 +95,12 @@ def _flush(factors: Tensor) -> Tensor:
 
 
 def _decays(a: Tensor):
-    """``a (R, m, Nc, C)`` log decays -> the chunk's decay masks ``L (R, m, Nc, C, C)`` (1 above the
-    diagonal, where the causal mask of the scores applies), the decay
-    from each chunk's start to each position ``E (R, m, Nc, C)``, from each position to the chunk's
-    end ``Wd (R, m, Nc, C)`` and over the whole chunk ``T (R, m, Nc)``."""
-    L = _flush(_segment_decays(a))
+    """``a (R, m, Nc, C)`` log decays -> the decay from each chunk's start to each position
+    ``E (R, m, Nc, C)``, from each position to the chunk's end ``Wd (R, m, Nc, C)`` and over the
+    whole chunk ``T (R, m, Nc)``."""
     E = a.cumsum(-1)
     T = _flush(E[..., -1].exp())
-    return L, _flush(E.exp_()), _flush(_suffix_sums(a).exp_()), T
+    return _flush(E.exp_()), _flush(_suffix_sums(a).exp_()), T
 
 
 def _transitions(T: Tensor, lay: _Layout) -> Tensor:
@@ -110,23 +109,69 @@ def _transitions(T: Tensor, lay: _Layout) -> Tensor:
     return T.permute(2, 0, 1)[..., None, None].expand(lay.Nc, lay.R, lay.m, lay.Dv, 1).reshape(lay.Nc, lay.R, lay.W, 1)
 
 
-def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, keep: bool):
-    """The outputs ``(B, H, N, Dv)``, the states before every chunk and after the last
-    ``(Nc + 1, R, W, D)`` (transposed: a row per value column), and with ``keep`` the decay masks
-    and masked scores ``L, M (R, m, Nc, C, C)`` for the backward (else None, None)."""
+# A CPU tile of the within-chunk stage holds about this many decay-mask entries (1 MiB in float32;
+# 1, 4 and 16 MiB measured at Mamba-2 1.3B width: the smallest fastest),
+# so that its several passes over the masks stay in cache instead of memory
+TILE_ENTRIES = 1 << 18
+
+
+def _tile(lay: _Layout, strategy: str) -> int:
+    """Chunks per tile of the within-chunk stage: every chunk at once on an accelerator (few large
+    launches); on a CPU about :data:`TILE_ENTRIES` mask entries (``R m C^2`` per chunk)."""
+    if strategy == "accelerator":
+        return lay.Nc
+    return max(1, min(lay.Nc, TILE_ENTRIES // (lay.R * lay.m * lay.C * lay.C)))
+
+
+def _masked_scores(G: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """A tile's decay masks ``L`` and masked scores ``M = L * tril(G)`` ``(R, m, t, C, C)`` from the
+    group's causal scores ``G (R, t, C, C)`` and the log decays ``a (R, m, t, C)``."""
+    L = _flush(_segment_decays(a))
+    return L, L * G.unsqueeze(1)
+
+
+def _within(G: Tensor, ac: Tensor, vh: Tensor, lay: _Layout, tile: int) -> Tensor:
+    """The outputs within the chunks, ``M @ vh`` ``(R, m, Nc, C, Dv)``, a tile of chunks at a time."""
+    y = vh.new_empty(vh.shape)
+    for c0 in range(0, lay.Nc, tile):
+        t = slice(c0, c0 + tile)
+        y[:, :, t] = _masked_scores(G[:, t], ac[:, :, t])[1] @ vh[:, :, t]
+    return y
+
+
+def _within_backward(G: Tensor, ac: Tensor, vh: Tensor, dyh: Tensor, lay: _Layout, tile: int):
+    """The within-chunk stage's gradients: by the values ``(R, m, Nc, C, Dv)``, by the group's
+    scores ``(R, Nc, C, C)`` and by the log decays ``(R, m, Nc, C)``, the masks formed again tile
+    by tile."""
+    dv, dG, da = torch.empty_like(vh), torch.empty_like(G), torch.empty_like(ac)
+    for c0 in range(0, lay.Nc, tile):
+        t = slice(c0, c0 + tile)
+        L, M = _masked_scores(G[:, t], ac[:, :, t])
+        dv[:, :, t] = M.transpose(-1, -2) @ dyh[:, :, t]
+        dM = dyh[:, :, t] @ vh[:, :, t].transpose(-1, -2)  # (R, m, t, C, C)
+        dG[:, t] = (dM * L).sum(1).tril_()
+        dL = dM.mul_(M).tril_(-1)  # d log L below the diagonal (log L is 0 on it, M is 0 above it)
+        # log L[i, j] = sum a(j, i]: a[s] is in it for j < s <= i, the rows i >= s less their columns j >= s
+        da[:, :, t] = dL.sum(-1).flip(-1).cumsum(-1).flip(-1) - dL.sum(-2).flip(-1).cumsum(-1).flip(-1)
+    return dv, dG, da
+
+
+def _forward(q, k, v, a, s0, lay: _Layout, strategy: str):
+    """The outputs ``(B, H, N, Dv)`` and the states before every chunk and after the last
+    ``(Nc + 1, R, W, D)`` (transposed: a row per value column)."""
     qc, kc = lay.chunks(q), lay.chunks(k)  # (R, Nc, C, D)
     vh = lay.head_chunks(v)  # (R, m, Nc, C, Dv)
-    L, E, Wd, T = _decays(lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C))
+    ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
+    E, Wd, T = _decays(ac)
     G = (qc @ kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
-    M = L * G.unsqueeze(1) if keep else L.mul_(G.unsqueeze(1))
-    y = M @ vh  # (R, m, Nc, C, Dv): within the chunks
+    y = _within(G, ac, vh, lay, _tile(lay, strategy))  # (R, m, Nc, C, Dv)
     # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, Nc, W, D)
     Ut = _columns_scaled(vh, Wd, lay).transpose(-1, -2) @ kc
     seed = q.new_zeros(lay.R, lay.W, lay.D) if s0 is None else _transposed_state(s0, lay)
     S = chunk_recurrence(_transitions(T, lay), Ut.transpose(0, 1), seed, strategy=strategy)  # (Nc + 1, R, W, D)
     Z = qc @ S[:-1].transpose(0, 1).transpose(-1, -2)  # (R, Nc, C, W): every chunk's state read at once
     y.addcmul_(lay.heads(Z), E.unsqueeze(-1))
-    return lay.output(y), S, (L, M) if keep else (None, None)
+    return lay.output(y), S
 
 
 def _columns_scaled(vh: Tensor, scale: Tensor, lay: _Layout) -> Tensor:
@@ -146,16 +191,13 @@ def _state(St: Tensor, lay: _Layout) -> Tensor:
     return St.reshape(lay.R, lay.m, lay.Dv, lay.D).transpose(-1, -2).reshape(lay.B, lay.Hk * lay.m, lay.D, lay.Dv)
 
 
-def _backward(q, k, v, a, s0, S, L, M, dy, ds, lay: _Layout, strategy: str):
+def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str):
     """Gradients of ``(q, k, v, a, s0)`` from those of the outputs ``dy (B, H, N, Dv)`` and the final
-    state ``ds (B, H, D, Dv)`` or None; ``S, L, M`` the forward's transposed states, decay masks
-    and masked scores."""
+    state ``ds (B, H, D, Dv)`` or None; ``S`` the forward's transposed states."""
     qc, kc = lay.chunks(q), lay.chunks(k)
     vh = lay.head_chunks(v)
     ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
-    E = ac.cumsum(-1)
-    T = _flush(E[..., -1].exp())
-    E, Wd = _flush(E.exp_()), _flush(_suffix_sums(ac).exp_())
+    E, Wd, T = _decays(ac)
     dyh = lay.head_chunks(dy)  # (R, m, Nc, C, Dv)
     # from the state read: y += heads(q S_c) * E
     Z = qc @ S[:-1].transpose(0, 1).transpose(-1, -2)  # (R, Nc, C, W)
@@ -176,15 +218,12 @@ def _backward(q, k, v, a, s0, S, L, M, dy, ds, lay: _Layout, strategy: str):
     dv = dvw * Wd.unsqueeze(-1)
     dWd = (dvw * vh).sum(-1) * Wd  # d log Wd, (R, m, Nc, C)
     # within the chunks: y += M @ vh, M = tril(G) * L
-    dv = dv + M.transpose(-1, -2) @ dyh
-    dM = dyh @ vh.transpose(-1, -2)  # (R, m, Nc, C, C)
-    dG = (dM * L).sum(1).tril_()  # (R, Nc, C, C)
+    G = (qc @ kc.transpose(-1, -2)).tril_()
+    dv_within, dG, da = _within_backward(G, ac, vh, dyh, lay, _tile(lay, strategy))
+    dv = dv + dv_within
     dq = dq + dG @ kc
     dk = dk + dG.transpose(-1, -2) @ qc
-    dL = (dM * M).tril_(-1)  # d log L below the diagonal (log L is 0 on it, L is 0 above it)
-    # the log decays: log L[i, j] = sum a(j, i], log E[i] = sum a[..i], log Wd[j] = sum a(j..], log T = sum a.
-    # a[t] is in log L[i, j] for j < t <= i: the rows i >= t, less their columns j >= t
-    da = dL.sum(-1).flip(-1).cumsum(-1).flip(-1) - dL.sum(-2).flip(-1).cumsum(-1).flip(-1)
+    # the other log decays: log E[i] = sum a[..i], log Wd[j] = sum a(j..], log T = sum a
     da = da + (dE * E).flip(-1).cumsum(-1).flip(-1)  # a[t] is in log E[i] for i >= t
     da = da + F.pad(dWd.cumsum(-1), (1, 0))[..., :-1]  # a[t] is in log Wd[j] for j < t
     da = da + dT.unsqueeze(-1)
@@ -201,17 +240,16 @@ class _GroupedDecayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, a, s0, chunk_size, strategy):
         lay = _Layout(q, v, chunk_size)
-        keep = any(ctx.needs_input_grad[:5])  # (forward runs with grad mode off: ask the inputs)
-        y, S, (L, M) = _forward(q, k, v, a, s0, lay, strategy, keep)
-        ctx.save_for_backward(q, k, v, a, s0, S, L, M)
+        y, S = _forward(q, k, v, a, s0, lay, strategy)
+        ctx.save_for_backward(q, k, v, a, s0, S)
         ctx.lay, ctx.strategy = lay, strategy
         return y, _state(S[-1], lay)
 
     @staticmethod
     def backward(ctx, dy, ds):
-        q, k, v, a, s0, S, L, M = ctx.saved_tensors
+        q, k, v, a, s0, S = ctx.saved_tensors
         dy = torch.zeros_like(v) if dy is None else dy.contiguous()
-        grads = _backward(q, k, v, a, s0, S, L, M, dy, ds, ctx.lay, ctx.strategy)
+        grads = _backward(q, k, v, a, s0, S, dy, ds, ctx.lay, ctx.strategy)
         return (*grads, None, None)
 
 
