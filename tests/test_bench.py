@@ -52,10 +52,13 @@ def test_demo_tiny(tmp_path, capsys):
     # part 4: transformers' models on linattn; packed documents, which transformers' own path gets wrong
     part = saved["transformers"]
     assert part["prefill"]["n"] == 64 and part["prefill"]["linattn_s"] > 0 and part["prefill"]["transformers_s"] > 0
-    for family in ("qwen3_5", "kimi_linear"):
+    assert part["ssd_prefill"]["linattn_s"] > 0 and part["ssd_prefill"]["transformers_s"] > 0
+    for family in ("qwen3_5", "kimi_linear", "bamba"):
         assert part["packed"][family]["linattn"]["rel_err"] < 1e-6
     assert "flash-linear-attention" in part["packed"]["qwen3_5"]["transformers"]["refused"]
     assert part["packed"]["kimi_linear"]["transformers"]["rel_err"] > 1e-3
+    assert part["packed"]["bamba"]["transformers"]["rel_err"] > 1e-4  # its mixers mix the documents
+    assert "A small Mamba-2" in md and "bamba: linattn: " in md
     assert "## transformers' models on linattn" in md and "kimi_linear: linattn: " in md
 
 

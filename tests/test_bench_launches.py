@@ -158,3 +158,12 @@ def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="n must be sequence lengths"):
         bench.run_launches(tmp_path, n=(0,))
     assert not list(tmp_path.iterdir())  # refused before any work
+
+
+def test_a_fused_op_counts_itself_and_the_copy_below_it():
+    """baddbmm copies its input into the output (a copy_ below it) and multiplies into it: two
+    kernels, not only the copy (what counting leaves alone saw)."""
+    a, b, c = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(2, 3, 5)
+    count = count_launches(lambda: torch.baddbmm(c, a, b))
+    assert count.by_op["aten::baddbmm"] == 1
+    assert count.total == sum(count.by_op.values()) >= 1

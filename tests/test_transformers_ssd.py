@@ -24,7 +24,7 @@ def _no_leftover_patch():
 
 def _rel(a, b, scale=None):
     scale = a.abs().max() if scale is None else scale
-    return float((a - b).abs().max() / scale)
+    return float((a - b).detach().abs().max() / scale)
 
 
 def _pair(name, config, *, form="chunked", **kwargs):

@@ -12,7 +12,10 @@ writes equality.json and equality.md beside this file. Per family:
   B = 2, N = 21: the same two figures, gradients relative to their own scale (or 1e-4 of the largest
   gradient below that);
 - packed documents (lengths 5, 1, 9, 4, 7 in one row, float64): linattn's largest difference from
-  the documents run one by one, and what transformers' own path does with the same batch.
+  the documents run one by one, and what transformers' own path does with the same batch (Mamba-2's
+  through its backbone, which passes the offsets on as its causal LM does not);
+- greedy generation (12 tokens after 11, B = 2, float32) on linattn with transformers' cache and
+  without a cache: whether the tokens are the same, and whether they are transformers' own path's.
 """
 
 import json
@@ -51,13 +54,21 @@ def family_row(name: str) -> dict:
     theirs, ours = T._pair(name, config=lt.small_config(name, layer_types=layers), **T.F64)
     docs, packed = T._packed_batch(T.PACKED_LENGTHS, torch.Generator().manual_seed(4))
     with torch.no_grad():
-        alone = torch.cat([ours(d, use_cache=False).logits[0] for d in docs])
-        row["packed_linattn"] = T._rel(alone, ours(torch.cat(docs, 1), **packed).logits[0])
+        alone = torch.cat([T._logits(ours, d, use_cache=False)[0] for d in docs])
+        row["packed_linattn"] = T._rel(alone, T._logits(ours, torch.cat(docs, 1), **packed)[0])
         try:
-            row["packed_transformers"] = T._rel(alone, theirs(torch.cat(docs, 1), **packed).logits[0])
+            row["packed_transformers"] = T._rel(alone, T._logits(theirs, torch.cat(docs, 1), **packed)[0])
         except ValueError as err:
             row["packed_transformers"] = "refused: " + str(err).split(".")[0]
     row["packed_layers"] = list(layers)
+    theirs, ours = T._pair(name)
+    prompt = torch.randint(3, 99, (2, 11), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
+    with torch.no_grad():
+        cached, uncached, want = ours.generate(prompt, **kw), ours.generate(prompt, use_cache=False, **kw), \
+            theirs.generate(prompt, **kw)
+    row["greedy_cached_equals_uncached"] = bool(torch.equal(cached, uncached))
+    row["greedy_equals_transformers"] = bool(torch.equal(cached, want))
     return row
 
 
@@ -73,16 +84,21 @@ def main() -> None:
              f"Written by `{result['command']}` (transformers {result['transformers']}, torch {result['torch']}); "
              "see its docstring for the settings.", "",
              "| family | f32 logits vs transformers | f32 worst gradient / largest | f64 logits vs reference | "
-             "f64 worst gradient / own scale | packed, linattn | packed, transformers' path |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "f64 worst gradient / own scale | packed, linattn | packed, transformers' path | greedy: cached = "
+             "uncached | greedy = transformers' |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for name, r in rows.items():
         a, b = r["float32_vs_transformers"], r["float64_vs_reference"]
         t = r["packed_transformers"]
         lines.append(f"| {name} | {a['logits']:.1e} | {a['worst_gradient']:.1e} ({a['worst_parameter']}) | "
                      f"{b['logits']:.1e} | {b['worst_gradient']:.1e} ({b['worst_parameter']}) | "
-                     f"{r['packed_linattn']:.1e} | {t if isinstance(t, str) else f'{t:.1e} (documents mixed)'} |")
-    lines += ["", "GLM5-Next's packed row runs linear-attention layers only: its full-attention layers (sparse "
-              "'indexed' attention) do not keep packed documents apart in transformers itself.", ""]
+                     f"{r['packed_linattn']:.1e} | {t if isinstance(t, str) else f'{t:.1e} (documents mixed)'} | "
+                     f"{'yes' if r['greedy_cached_equals_uncached'] else 'no'} | "
+                     f"{'yes' if r['greedy_equals_transformers'] else 'no'} |")
+    lines += ["", "GLM5-Next's and GraniteMoeHybrid's packed rows run linear-attention layers only: their "
+              "full-attention layers (GLM5's sparse 'indexed' attention, Granite's attention) do not keep packed "
+              "documents apart in transformers itself. GLM5-Next's greedy tokens change with the cache in "
+              "transformers itself (tests/test_transformers_integration.py, CACHE_CHANGES_TOKENS).", ""]
     (HERE / "equality.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -66,6 +66,14 @@ NON_COMPUTING = frozenset(f"aten::{name}" for name in (
 ))
 
 
+# aten ops that run a kernel of their own besides the computing ops they call, so that counting
+# leaves alone would miss them: baddbmm/addmm copy their input into the output (a copy_ below them)
+# and then multiply into it; the triangular solves copy or clone their right-hand side first.
+OWN_KERNEL = frozenset(f"aten::{name}" for name in (
+    "baddbmm", "addbmm", "addmm", "addmv", "addr", "linalg_solve_triangular", "triangular_solve",
+))
+
+
 class LaunchCount(NamedTuple):
     """``total`` computing leaf aten ops of a call, and ``by_op`` their count per op name."""
 
@@ -78,11 +86,13 @@ def _computes(name: str) -> bool:
 
 
 def count_launches(fn: Callable[[], object]) -> LaunchCount:
-    """Run ``fn()`` once under torch.profiler (CPU activity) and count its computing leaf aten ops.
+    """Run ``fn()`` once under torch.profiler (CPU activity) and count its computing leaf aten ops,
+    and the ops of :data:`OWN_KERNEL` whatever they call.
 
     Why leaves: a composite op calls others (``matmul`` calls ``bmm``; ``to`` calls ``copy_``); only
     the innermost that compute become kernels. ``to``/``contiguous`` count through the ``copy_``
-    below them, when there is one."""
+    below them, when there is one. A fused op that prepares its output with a copy and then
+    computes into it (``baddbmm``) is two kernels: its copy and itself."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -93,7 +103,7 @@ def count_launches(fn: Callable[[], object]) -> LaunchCount:
         return any(_computes(c.name) or computing_below(c) for c in ev.cpu_children)
 
     for ev in prof.events():
-        if _computes(ev.name) and not computing_below(ev):
+        if _computes(ev.name) and (ev.name in OWN_KERNEL or not computing_below(ev)):
             by_op[ev.name] += 1
     return LaunchCount(sum(by_op.values()), by_op)
 

@@ -589,10 +589,12 @@ DEMO_N = 2048
 
 def demo_part(*, n: int = DEMO_N, hidden_size: int = 512, heads: int = 8, head_dim: int = 64) -> dict:
     """A small Qwen3.5 hybrid (``hidden_size``, 3 Gated DeltaNet layers of ``heads`` heads of
-    ``head_dim`` and one full-attention layer): prefill of ``n`` tokens on transformers' own path and
-    on linattn, interleaved (2 calls each after a warm-up round); then packed documents in tiny float64 Qwen3.5 and Kimi Linear models:
-    linattn's packed output against the documents one by one, and what transformers' own path does
-    with the same packed batch (refuses, or mixes the documents)."""
+    ``head_dim`` and one full-attention layer) and a small Mamba-2 (4 mixers of ``2 hidden_size /
+    head_dim`` heads of ``head_dim``, one group, state ``2 head_dim``): prefill of ``n`` tokens on
+    transformers' own path and on linattn, interleaved (2 calls each after a warm-up round); then
+    packed documents in tiny float64 Qwen3.5, Kimi Linear and Bamba models: linattn's packed output
+    against the documents one by one, and what transformers' own path does with the same packed
+    batch (refuses, or mixes the documents)."""
     from ..integrations import transformers as lt
 
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
@@ -604,6 +606,14 @@ def demo_part(*, n: int = DEMO_N, hidden_size: int = 512, heads: int = 8, head_d
     prefill = {"n": n, "hidden_size": hidden_size, "heads": heads, "head_dim": head_dim,
                **{f"{p}_s": t["median_s"] for p, t in times.items()}}
     prefill["ratio"] = prefill["transformers_s"] / prefill["linattn_s"]
+    ssd_heads = max(2 * hidden_size // head_dim, 1)
+    ssd_config = lt.small_config("mamba2", hidden_size=hidden_size, heads=ssd_heads, key_heads=1, head_dim=head_dim,
+                                 state_size=2 * head_dim, vocab_size=1024)
+    torch.manual_seed(0)
+    times = _time_pass("ssd_model", lt.causal_lm(ssd_config), ssd_config, "prefill", n, repeats=2)
+    ssd_prefill = {"n": n, "hidden_size": hidden_size, "heads": ssd_heads, "head_dim": head_dim,
+                   "state_size": 2 * head_dim, **{f"{p}_s": t["median_s"] for p, t in times.items()}}
+    ssd_prefill["ratio"] = ssd_prefill["transformers_s"] / ssd_prefill["linattn_s"]
     packed = {}
     lengths = [7, 1, 12, 5]
     cu = torch.tensor([0, *lengths]).cumsum(0)
@@ -611,7 +621,7 @@ def demo_part(*, n: int = DEMO_N, hidden_size: int = 512, heads: int = 8, head_d
     docs = [torch.randint(3, 99, (1, n), generator=g) for n in lengths]
     kwargs = dict(position_ids=torch.cat([torch.arange(n) for n in lengths])[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                   max_length_q=max(lengths), max_length_k=max(lengths), use_cache=False)
-    for family in ("qwen3_5", "kimi_linear"):
+    for family in ("qwen3_5", "kimi_linear", "bamba"):
         torch.manual_seed(0)
         tiny = lt.causal_lm(lt.small_config(family), dtype=torch.float64, experts_implementation="eager")
         row = {}
@@ -625,7 +635,7 @@ def demo_part(*, n: int = DEMO_N, hidden_size: int = 512, heads: int = 8, head_d
                 except ValueError as err:
                     row[path] = {"refused": str(err).split(".")[0]}
         packed[family] = row
-    return {"prefill": prefill, "packed": packed, "documents": lengths}
+    return {"prefill": prefill, "ssd_prefill": ssd_prefill, "packed": packed, "documents": lengths}
 
 
 def format_demo_part(part: dict) -> list[str]:
@@ -634,9 +644,15 @@ def format_demo_part(part: dict) -> list[str]:
              f"A small Qwen3.5 hybrid (hidden {p['hidden_size']}, 3 Gated DeltaNet layers of {p['heads']} heads of "
              f"{p['head_dim']}, 1 full-attention layer), prefill of {p['n']} tokens, the same weights on both paths, interleaved: transformers' own "
              f"PyTorch path {format_seconds(p['transformers_s'])}, linattn {format_seconds(p['linattn_s'])}: "
-             f"{p['ratio']:.1f}x. Checkpoint widths: `linattn bench transformers`.", "",
-             f"Packed documents (lengths {part['documents']}, one batch row, `cu_seq_lens_q`), float64, largest "
-             "difference from running the documents one by one, relative to the logits' scale:", ""]
+             f"{p['ratio']:.1f}x. Checkpoint widths: `linattn bench transformers`.", ""]
+    q = part.get("ssd_prefill")
+    if q is not None:
+        lines += [f"A small Mamba-2 (hidden {q['hidden_size']}, 4 mixers of {q['heads']} heads of {q['head_dim']}, state "
+                  f"{q['state_size']}, one group), prefill of {q['n']} tokens, likewise: transformers' own PyTorch path "
+                  f"{format_seconds(q['transformers_s'])}, linattn {format_seconds(q['linattn_s'])}: {q['ratio']:.1f}x.",
+                  ""]
+    lines += [f"Packed documents (lengths {part['documents']}, one batch row, `cu_seq_lens_q`), float64, largest "
+              "difference from running the documents one by one, relative to the logits' scale:", ""]
     for family, row in part["packed"].items():
         cells = []
         for path in ("linattn", "transformers"):

@@ -11,12 +11,14 @@ single large products of width ``m Dv`` per chunk. A decay per head scales the s
 the recurrence across chunks is :func:`linattn.functional.recurrence.chunk_recurrence` on the
 transposed state, whose rows the decays scale (a "diagonal" transition), with its two strategies.
 
-The ``C x C`` decay masks of every head are formed a tile of chunks at a time (on a CPU a few MiB,
-in cache; on an accelerator every chunk at once: memory O(N C H), linear in N), again in the
-backward rather than kept; the state products run over every chunk at once. Decays inside a chunk are running
-products of the steps' decays (or sums of their logs), never differences of cumulative sums: a
-large decay, or a reset (-inf, what packed documents put at their starts), costs no digit of the
-others.
+The ``C x C`` decay masks of every head are formed a tile of chunks at a time (on a CPU about a
+MiB, in cache; on an accelerator every chunk at once: memory O(N C H), linear in N), again in the
+backward rather than kept; the state products run over every chunk at once. Decays inside a chunk
+are running products of the steps' decays (or sums of their logs), never differences of cumulative
+sums: a large decay, or a reset (-inf, what packed documents put at their starts), costs no digit
+of the others. Factors below 2**-40 are flushed to 0 in float32, as in the decayed engine.
+
+Not yet here: half operands for tensor cores (every product is float32 for half inputs).
 
 Dimension legend: B batch, Hk groups, m heads per group, H = Hk m heads, N positions (padded to Np,
 a multiple of C), D key width (SSD's state size), Dv value width (head_dim), R = B Hk rows,
