@@ -12,6 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")  # installed by `make setup`
 
 from linattn.integrations import transformers as lt  # noqa: E402
+from test_transformers_integration import _loss_and_grads  # noqa: E402  (the family tests' own helpers)
+from test_transformers_integration import _pair as _family_pair  # noqa: E402
 
 F64 = dict(dtype=torch.float64, experts_implementation="eager")
 
@@ -28,19 +30,7 @@ def _rel(a, b, scale=None):
 
 
 def _pair(name, config, *, form="chunked", **kwargs):
-    torch.manual_seed(0)
-    theirs = lt.causal_lm(config, **kwargs)
-    with lt.enabled(form=form):
-        ours = lt.causal_lm(config, **kwargs)
-    ours.load_state_dict(theirs.state_dict())
-    return theirs, ours
-
-
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(ids, labels=ids, use_cache=False)
-    out.loss.backward()
-    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return _family_pair(name, config=config, form=form, **kwargs)
 
 
 @pytest.mark.parametrize("limit", [(0.0, math.inf), (0.05, 0.3)])
