@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")  # installed by `make setup`
 
 from linattn.integrations import transformers as lt  # noqa: E402
+from linattn.integrations.transformers.route import check_layer  # noqa: E402
 
 FAMILIES = list(lt.FAMILIES)
 KDA = [name for name, f in lt.FAMILIES.items() if f.rule == "kda"]
@@ -422,7 +423,7 @@ def test_the_layer_still_has_what_the_forward_reads(name):
         assert hasattr(layer, attribute), attribute
     delattr(layer, family.needs[0])
     with pytest.raises(TypeError, match=f"{family.layer} has no {family.needs[0]}"):
-        lt._check_layer(layer)
+        check_layer(layer)
 
 
 def test_import_linattn_does_not_import_transformers():

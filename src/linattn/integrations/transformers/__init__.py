@@ -66,8 +66,7 @@ configs for tests, the README, the demo and the benchmarks).
 
 from .delta import delta_rule
 from .layers import FORMS, PACKED_CACHE_WARNING, Family, Form
-from .route import (FAMILIES, attach, detach, disable, enable, enabled, is_enabled, replacement_class,
-                    _check_layer)
+from .route import FAMILIES, attach, detach, disable, enable, enabled, is_enabled, replacement_class
 from .small import SMALL_LAYER_TYPES, causal_lm, small_config
 from .mamba2 import ssd
 

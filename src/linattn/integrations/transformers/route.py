@@ -28,7 +28,7 @@ _classes: dict[tuple[str, str], type] = {}  # (model_type, form) -> replacement 
 _registered: dict[str, type] = {}  # layer class name -> the replacement this module registered
 
 
-def _require_transformers(what: str):
+def require_transformers(what: str):
     if importlib.util.find_spec("transformers") is None:
         raise ModuleNotFoundError(f"linattn.integrations.transformers.{what} needs transformers, which is not "
                                   "installed; install the optional extra: pip install 'linattn[transformers]'",
@@ -38,7 +38,7 @@ def _require_transformers(what: str):
     return transformers
 
 
-def _check_family(name: str) -> Family:
+def check_family(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"linattn.integrations.transformers: unsupported model type {name!r}; supported: "
                          f"{', '.join(FAMILIES)}")
@@ -78,10 +78,10 @@ def _original(family: Family, name: str | None = None) -> type:
 
 def _init(self, *args, **kwargs):
     type(self).__mro__[1].__init__(self, *args, **kwargs)  # the original layer's __init__, as it is
-    _check_layer(self)
+    check_layer(self)
 
 
-def _check_layer(layer: nn.Module) -> None:
+def check_layer(layer: nn.Module) -> None:
     missing = [name for name in layer._linattn_family.needs if not hasattr(layer, name)]
     if missing:
         raise TypeError(f"linattn.integrations.transformers: {type(layer).__mro__[1].__name__} has no "
@@ -94,9 +94,9 @@ def replacement_class(model_type: str, form: Form = "chunked") -> type:
     only overrides ``forward`` (no parameters or buffers of its own). ``form``: ``"chunked"`` (the
     fast engine) or ``"reference"`` (linattn's float64 reference recurrence, a loop over positions:
     for checking, never for speed)."""
-    family = _check_family(model_type)
+    family = check_family(model_type)
     _check_form(form)
-    _require_transformers("replacement_class")
+    require_transformers("replacement_class")
     with _lock:
         key = (model_type, form)
         if key not in _classes:
@@ -116,7 +116,7 @@ def _holder_init(self, *args, **kwargs):
     replacement = replacement_class(family.model_type, form)
     if type(layer) is replacement.__mro__[1]:  # this block holds the family's layer (not attention, an MLP, ...)
         layer.__class__ = replacement
-        _check_layer(layer)
+        check_layer(layer)
 
 
 def _holder_class(family: Family, form: Form) -> type:
@@ -146,8 +146,8 @@ def enable(*, form: Form = "chunked", model_types: tuple[str, ...] | None = None
     another library registered a patch for one of these layer classes (this one never overwrites it)."""
     _check_form(form)
     names = tuple(FAMILIES) if model_types is None else _check_model_types(model_types)
-    families = [_check_family(name) for name in names]
-    _require_transformers("enable")
+    families = [check_family(name) for name in names]
+    require_transformers("enable")
     from transformers.monkey_patching import get_patch_mapping, register_patch_mapping
 
     with _lock:
@@ -189,7 +189,7 @@ def is_enabled(model_type: str | None = None) -> bool:
     from transformers.monkey_patching import get_patch_mapping
 
     current = get_patch_mapping()
-    names = [_check_family(model_type).layer] if model_type is not None else list(_registered)
+    names = [check_family(model_type).layer] if model_type is not None else list(_registered)
     return any(name in _registered and current.get(name) is _registered[name] for name in names)
 
 
@@ -231,7 +231,7 @@ def attach(model: nn.Module, *, form: Form = "chunked") -> int:
         if not isinstance(module, cls.__mro__[1]):
             continue
         module.__class__ = cls
-        _check_layer(module)
+        check_layer(module)
         count += 1
     if count == 0:
         raise ValueError(f"linattn.integrations.transformers.attach: {type(model).__name__} has no linear-attention "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .route import _check_family, _require_transformers
+from .route import check_family, require_transformers
 
 #: Linear-attention and full-attention layers mixed, as the hybrids do (1 in 4 full).
 SMALL_LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
@@ -29,8 +29,8 @@ def small_config(model_type: str, *, hidden_size: int = 64, heads: int = 4, key_
     layer; Zamba2's ``"full_attention"`` layers are its hybrid layers (the shared attention block,
     then a mixer). ``options`` go to the config class as they are (``time_step_limit``,
     ``mamba_rms_norm``, ...)."""
-    family = _check_family(model_type)
-    transformers = _require_transformers("small_config")
+    family = check_family(model_type)
+    transformers = require_transformers("small_config")
     layers = list(layer_types)
     if family.rule == "ssd":
         return _small_ssd_config(transformers, model_type, layers, hidden_size=hidden_size, heads=heads,
@@ -134,7 +134,7 @@ def causal_lm(config, **kwargs) -> nn.Module:
     """The family's causal language model built from ``config`` with transformers' ``from_config``
     (so :func:`enable` applies): ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for
     GLM5-Next, whose causal LM is multimodal. ``kwargs`` go to ``from_config`` (``dtype``, ...)."""
-    transformers = _require_transformers("causal_lm")
+    transformers = require_transformers("causal_lm")
     if config.model_type == "glm5_next":
         return transformers.AutoModelForImageTextToText.from_config(config, **kwargs)
     return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
