@@ -190,6 +190,16 @@ def expand_key_heads(fn: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, 
     """
     if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)) or q.shape[1] == v.shape[1]:
         return q, k
+    G = check_key_groups(fn, q, k, v)
+    return q.repeat_interleave(G, dim=1), k.repeat_interleave(G, dim=1)  # (B, H, N, D)
+
+
+def check_key_groups(fn: str, q: Tensor, k: Tensor, v: Tensor) -> int:
+    """The heads per group ``H / Hk`` of grouped value heads ``q, k (B, Hk, N, D)``, ``v (B, H, N, Dv)``.
+
+    Raises:
+        ValueError: q and k differ in their number of heads, or H is not a multiple of Hk.
+    """
     Hk, H = q.shape[1], v.shape[1]
     if k.shape[1] != Hk:
         raise ValueError(f"{fn}: q and k must have the same number of heads (grouped value heads: q, k "
@@ -197,8 +207,7 @@ def expand_key_heads(fn: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, 
     if Hk == 0 or H % Hk:
         raise ValueError(f"{fn}: v's number of heads H must be a multiple of q's and k's Hk (value head h reads "
                          f"query/key head h // (H / Hk)), got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
-    G = H // Hk
-    return q.repeat_interleave(G, dim=1), k.repeat_interleave(G, dim=1)  # (B, H, N, D)
+    return H // Hk
 
 
 def engine_op(name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = ()):

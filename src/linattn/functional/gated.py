@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .checks import (
+    check_key_groups,
     check_key_padding_mask,
     check_positive_int,
     check_qkv,
@@ -189,13 +190,10 @@ def _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_s
     head of each group), then the engine -> ``(out (B, H, N, Dv), state (B, H, D, Dv))``."""
     B, Hk, N, D = q.shape
     H, Dv = v.shape[1], v.shape[-1]
-    if H % Hk:
-        raise ValueError(f"{fn}: v's number of heads H must be a multiple of q's and k's Hk (value head h reads "
-                         f"query/key head h // (H / Hk)), got q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}")
-    if isinstance(k, Tensor) and k.dim() == 4 and k.shape[1] != Hk:
-        raise ValueError(f"{fn}: q and k must have the same number of heads (grouped value heads: q, k "
-                         f"(B, Hk, N, D), v (B, H, N, Dv)), got q {shape_str(q)} and k {shape_str(k)}")
-    check_qkv(fn, q, k, v[:, :: H // Hk], causal=True)  # one value head per group: the shapes, dtypes, devices
+    if not (isinstance(k, Tensor) and k.dim() == 4):
+        check_qkv(fn, q, k, v, causal=True)  # names what k is
+    m = check_key_groups(fn, q, k, v)
+    check_qkv(fn, q, k, v[:, ::m], causal=True)  # one value head per group: the shapes, dtypes, devices
     if cu_seqlens is not None:
         cu_seqlens = int64_offsets(check_cu_seqlens(fn, cu_seqlens, q))
     scale = check_scale(fn, scale, D)
