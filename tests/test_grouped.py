@@ -91,6 +91,29 @@ def test_resets_and_no_initial_state(strategy):
         assert _rel(x, y) < 1e-11, name
 
 
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+@pytest.mark.parametrize("per_tile", [1, 2, 3])
+def test_tiles_equal_the_reference(strategy, per_tile):
+    """Tiles of 1, 2 and 3 chunks (5 chunks, the last short; resets inside and at tile edges): the
+    state and its gradient carried from tile to tile, with gradients and without (one tile's states)."""
+    inputs = _inputs(2, 2, 3, 37, 5, 4, resets=(8, 20))
+    fn = lambda *x: grouped_decayed_product(*x, chunk_size=8, strategy=strategy, chunks_per_tile=per_tile)  # noqa: E731
+    got, want = _grads(fn, inputs), _grads(_reference, inputs)
+    assert _rel(got[0], want[0]) < 1e-12 and _rel(got[1], want[1]) < 1e-12
+    for name, a, b in zip("q k v log_decay s0".split(), got[2], want[2]):
+        assert _rel(a, b) < 1e-11, name
+    with torch.no_grad():
+        out, s = fn(*inputs)
+    assert _rel(out, want[0]) < 1e-12 and _rel(s, want[1]) < 1e-12
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_chunks_per_tile_is_named(bad):
+    q, k, v, a, s0 = _inputs(1, 1, 2, 9, 3, 2)
+    with pytest.raises(ValueError, match="chunks_per_tile"):
+        grouped_decayed_product(q, k, v, a, s0, chunk_size=4, strategy="cpu", chunks_per_tile=bad)
+
+
 def test_float32_within_1e5_of_the_float64_reference():
     inputs = _inputs(1, 2, 4, 150, 16, 8, dtype=torch.float64, strong=True)
     want = _grads(_reference, inputs)

@@ -11,18 +11,23 @@ single large products of width ``m Dv`` per chunk. A decay per head scales the s
 the recurrence across chunks is :func:`linattn.functional.recurrence.chunk_recurrence` on the
 transposed state, whose rows the decays scale (a "diagonal" transition), with its two strategies.
 
-The ``C x C`` decay masks of every head are formed a tile of chunks at a time (on a CPU about a
-MiB, in cache; on an accelerator every chunk at once: memory O(N C H), linear in N), again in the
-backward rather than kept; the state products run over every chunk at once. Decays inside a chunk
-are running products of the steps' decays (or sums of their logs), never differences of cumulative
-sums: a large decay, or a reset (-inf, what packed documents put at their starts), costs no digit
-of the others. Factors below 2**-40 are flushed to 0 in float32, as in the decayed engine.
+The work goes a tile of chunks at a time: the tile's outputs within its chunks (the ``C x C``
+decay masks of every head formed there, again in the backward rather than kept), what its chunks
+add to the state, the state carried across them, and the tile's states read by its queries. On a
+CPU a tile holds about a MiB of masks or states, so that every pass over them and every state
+product runs in cache: a chunk's state products at Mamba-2 1.3B's width run several times faster
+than the same products batched over the whole sequence, whose operands stream from memory. On an
+accelerator the tile is the whole sequence (memory O(N C H), linear in N): few large launches, the
+recurrence a log-depth scan. Decays inside a chunk are running products of the steps' decays (or
+sums of their logs), never differences of cumulative sums: a large decay, or a reset (-inf, what
+packed documents put at their starts), costs no digit of the others. Factors below 2**-40 are
+flushed to 0 in float32, as in the decayed engine.
 
 Not yet here: half operands for tensor cores (every product is float32 for half inputs).
 
 Dimension legend: B batch, Hk groups, m heads per group, H = Hk m heads, N positions (padded to Np,
 a multiple of C), D key width (SSD's state size), Dv value width (head_dim), R = B Hk rows,
-Nc chunks, C chunk length, W = m Dv a row's value columns.
+Nc chunks, n a tile's chunks, C chunk length, W = m Dv a row's value columns.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def _suffix_sums(a: Tensor) -> Tensor:
 
 
 class _Layout:
-    """A call's shapes and the views between the engine's layouts."""
+    """A call's shapes and the views between the engine's layouts; ``n`` a tile's number of chunks."""
 
     def __init__(self, q: Tensor, v: Tensor, chunk_size: int):
         B, Hk, N, D = q.shape
@@ -75,13 +80,32 @@ class _Layout:
         """``v (B, H, N, Dv)`` -> ``(R, m, Nc, C, Dv)``."""
         return self.chunks(v).view(self.R, self.m, self.Nc, self.C, self.Dv)
 
-    def columns(self, x: Tensor) -> Tensor:
-        """``(R, m, Nc, C, Dv)`` -> ``(R, Nc, C, W)``: the group's heads side by side (a copy)."""
-        return x.permute(0, 2, 3, 1, 4).reshape(self.R, self.Nc, self.C, self.W)
-
     def heads(self, x: Tensor) -> Tensor:
-        """``(R, Nc, C, W)`` -> ``(R, m, Nc, C, Dv)`` (a view)."""
-        return x.view(self.R, self.Nc, self.C, self.m, self.Dv).permute(0, 3, 1, 2, 4)
+        """``(R, n, C, W)`` -> ``(R, m, n, C, Dv)`` (a view)."""
+        return x.view(self.R, x.shape[1], self.C, self.m, self.Dv).permute(0, 3, 1, 2, 4)
+
+    def columns_scaled(self, vh: Tensor, scale: Tensor) -> Tensor:
+        """``vh (R, m, n, C, Dv)`` times ``scale (R, m, n, C)`` with the group's heads side by side,
+        ``(R, n, C, W)``, in one pass."""
+        n = vh.shape[2]
+        out = vh.new_empty(self.R, n, self.C, self.m, self.Dv)
+        torch.mul(vh.permute(0, 2, 3, 1, 4), scale.permute(0, 2, 3, 1).unsqueeze(-1), out=out)
+        return out.view(self.R, n, self.C, self.W)
+
+    def transitions(self, T: Tensor) -> Tensor:
+        """``T (R, m, n)`` chunk decays -> the recurrence's diagonal transitions ``(n, R, W, 1)`` on
+        the transposed state (one decay per head, repeated over its Dv columns)."""
+        n = T.shape[-1]
+        return T.permute(2, 0, 1)[..., None, None].expand(n, self.R, self.m, self.Dv, 1).reshape(n, self.R, self.W, 1)
+
+    def transposed_state(self, s: Tensor) -> Tensor:
+        """``s (B, H, D, Dv)`` -> ``(R, W, D)``."""
+        return s.reshape(self.R, self.m, self.D, self.Dv).permute(0, 1, 3, 2).reshape(self.R, self.W, self.D)
+
+    def state(self, St: Tensor) -> Tensor:
+        """``(R, W, D)`` -> ``s (B, H, D, Dv)``."""
+        return St.reshape(self.R, self.m, self.Dv, self.D).transpose(-1, -2).reshape(
+            self.B, self.Hk * self.m, self.D, self.Dv)
 
     def output(self, y: Tensor) -> Tensor:
         """``(R, m, Nc, C, Dv)`` -> ``(B, H, N, Dv)``."""
@@ -105,158 +129,162 @@ def _decays(a: Tensor):
     return _flush(E.exp_()), _flush(_suffix_sums(a).exp_()), T
 
 
-def _transitions(T: Tensor, lay: _Layout) -> Tensor:
-    """``T (R, m, Nc)`` -> the recurrence's diagonal transitions ``(Nc, R, W, 1)`` on the
-    transposed state (one decay per head, repeated over its Dv columns)."""
-    return T.permute(2, 0, 1)[..., None, None].expand(lay.Nc, lay.R, lay.m, lay.Dv, 1).reshape(lay.Nc, lay.R, lay.W, 1)
-
-
-# A CPU tile of the within-chunk stage holds about this many decay-mask entries (1 MiB in float32;
-# 1, 4 and 16 MiB measured at Mamba-2 1.3B width: the smallest fastest),
-# so that its several passes over the masks stay in cache instead of memory
+# A CPU tile holds about this many entries of its largest per-chunk temporaries (the heads' C x C
+# decay masks, the chunks' (W, D) states: 1 MiB in float32; why: docs/benchmarks/README.md, History),
+# so that its passes over them, and the state products, run in cache instead of memory
 TILE_ENTRIES = 1 << 18
 
 
-def _tile(lay: _Layout, strategy: str) -> int:
-    """Chunks per tile of the within-chunk stage: every chunk at once on an accelerator (few large
-    launches); on a CPU about :data:`TILE_ENTRIES` mask entries (``R m C^2`` per chunk)."""
-    if strategy == "accelerator":
-        return lay.Nc
-    return max(1, min(lay.Nc, TILE_ENTRIES // (lay.R * lay.m * lay.C * lay.C)))
+def _tiles(lay: _Layout, strategy: str, chunks_per_tile: int | None) -> list[slice]:
+    """The tiles of chunks, in order: every chunk at once on an accelerator (few large launches); on a
+    CPU about :data:`TILE_ENTRIES` entries of masks (``R m C^2`` a chunk) or states (``R W D``)."""
+    if chunks_per_tile is None:
+        per_chunk = lay.R * max(lay.m * lay.C * lay.C, lay.W * lay.D)
+        chunks_per_tile = lay.Nc if strategy == "accelerator" else max(1, TILE_ENTRIES // per_chunk)
+    t = max(1, min(lay.Nc, chunks_per_tile))
+    return [slice(c0, min(c0 + t, lay.Nc)) for c0 in range(0, lay.Nc, t)]
 
 
 def _masked_scores(G: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
-    """A tile's decay masks ``L`` and masked scores ``M = L * tril(G)`` ``(R, m, t, C, C)`` from the
-    group's causal scores ``G (R, t, C, C)`` and the log decays ``a (R, m, t, C)``."""
+    """A tile's decay masks ``L`` and masked scores ``M = L * tril(G)`` ``(R, m, n, C, C)`` from the
+    group's causal scores ``G (R, n, C, C)`` and the log decays ``a (R, m, n, C)``."""
     L = _flush(_segment_decays(a))
     return L, L * G.unsqueeze(1)
 
 
-def _within(G: Tensor, ac: Tensor, vh: Tensor, lay: _Layout, tile: int) -> Tensor:
-    """The outputs within the chunks, ``M @ vh`` ``(R, m, Nc, C, Dv)``, a tile of chunks at a time."""
-    y = vh.new_empty(vh.shape)
-    for c0 in range(0, lay.Nc, tile):
-        t = slice(c0, c0 + tile)
-        y[:, :, t] = _masked_scores(G[:, t], ac[:, :, t])[1] @ vh[:, :, t]
-    return y
-
-
-def _within_backward(G: Tensor, ac: Tensor, vh: Tensor, dyh: Tensor, lay: _Layout, tile: int):
-    """The within-chunk stage's gradients: by the values ``(R, m, Nc, C, Dv)``, by the group's
-    scores ``(R, Nc, C, C)`` and by the log decays ``(R, m, Nc, C)``, the masks formed again tile
-    by tile."""
-    dv, dG, da = torch.empty_like(vh), torch.empty_like(G), torch.empty_like(ac)
-    for c0 in range(0, lay.Nc, tile):
-        t = slice(c0, c0 + tile)
-        L, M = _masked_scores(G[:, t], ac[:, :, t])
-        dv[:, :, t] = M.transpose(-1, -2) @ dyh[:, :, t]
-        dM = dyh[:, :, t] @ vh[:, :, t].transpose(-1, -2)  # (R, m, t, C, C)
-        dG[:, t] = (dM * L).sum(1).tril_()
-        dL = dM.mul_(M).tril_(-1)  # d log L below the diagonal (log L is 0 on it, M is 0 above it)
-        # log L[i, j] = sum a(j, i]: a[s] is in it for j < s <= i, the rows i >= s less their columns j >= s
-        da[:, :, t] = dL.sum(-1).flip(-1).cumsum(-1).flip(-1) - dL.sum(-2).flip(-1).cumsum(-1).flip(-1)
+def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor):
+    """A tile's within-chunk gradients (``y = M @ vh``): by the values ``(R, m, n, C, Dv)``, by the
+    group's scores ``(R, n, C, C)`` and by the log decays ``(R, m, n, C)``, the masks formed again."""
+    L, M = _masked_scores(G, a)
+    dv = M.transpose(-1, -2) @ dyh
+    dM = dyh @ vh.transpose(-1, -2)  # (R, m, n, C, C)
+    dG = (dM * L).sum(1).tril_()
+    dL = dM.mul_(M).tril_(-1)  # d log L below the diagonal (log L is 0 on it, M is 0 above it)
+    # log L[i, j] = sum a(j, i]: a[s] is in it for j < s <= i, the rows i >= s less their columns j >= s
+    da = dL.sum(-1).flip(-1).cumsum(-1).flip(-1) - dL.sum(-2).flip(-1).cumsum(-1).flip(-1)
     return dv, dG, da
 
 
-def _forward(q, k, v, a, s0, lay: _Layout, strategy: str):
-    """The outputs ``(B, H, N, Dv)`` and the states before every chunk and after the last
-    ``(Nc + 1, R, W, D)`` (transposed: a row per value column)."""
-    qc, kc = lay.chunks(q), lay.chunks(k)  # (R, Nc, C, D)
-    vh = lay.head_chunks(v)  # (R, m, Nc, C, Dv)
-    ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
-    E, Wd, T = _decays(ac)
-    G = (qc @ kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
-    y = _within(G, ac, vh, lay, _tile(lay, strategy))  # (R, m, Nc, C, Dv)
-    # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, Nc, W, D)
-    Ut = _columns_scaled(vh, Wd, lay).transpose(-1, -2) @ kc
-    seed = q.new_zeros(lay.R, lay.W, lay.D) if s0 is None else _transposed_state(s0, lay)
-    S = chunk_recurrence(_transitions(T, lay), Ut.transpose(0, 1), seed, strategy=strategy)  # (Nc + 1, R, W, D)
-    Z = qc @ S[:-1].transpose(0, 1).transpose(-1, -2)  # (R, Nc, C, W): every chunk's state read at once
-    y.addcmul_(lay.heads(Z), E.unsqueeze(-1))
-    return lay.output(y), S
+class _Prepared:
+    """The chunked views and per-chunk decays both passes start from."""
+
+    def __init__(self, q, k, v, a, lay: _Layout):
+        self.qc, self.kc = lay.chunks(q), lay.chunks(k)  # (R, Nc, C, D)
+        self.vh = lay.head_chunks(v)  # (R, m, Nc, C, Dv)
+        self.ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
+        self.E, self.Wd, self.T = _decays(self.ac)
+        self.G = (self.qc @ self.kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
 
 
-def _columns_scaled(vh: Tensor, scale: Tensor, lay: _Layout) -> Tensor:
-    """``lay.columns(vh * scale[..., None])`` in one pass: ``vh (R, m, Nc, C, Dv)``, ``scale (R, m, Nc, C)``."""
-    out = vh.new_empty(lay.R, lay.Nc, lay.C, lay.m, lay.Dv)
-    torch.mul(vh.permute(0, 2, 3, 1, 4), scale.permute(0, 2, 3, 1).unsqueeze(-1), out=out)
-    return out.view(lay.R, lay.Nc, lay.C, lay.W)
+def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], keep: bool):
+    """The outputs ``(B, H, N, Dv)`` and the transposed states ``(R, W, D)``: with ``keep`` those
+    before every chunk and after the last ``(Nc + 1, R, W, D)`` (what the backward reads), else
+    the final one.
+
+    A tile at a time: its outputs within the chunks, what its chunks add to the state, the state
+    carried across them (:func:`chunk_recurrence`), and every state of the tile read by the queries.
+    On a CPU a tile's states are about a MiB, so the state products run in cache."""
+    p = _Prepared(q, k, v, a, lay)
+    t = tiles[0].stop
+    S = q.new_empty(lay.Nc + 1 if keep else t + 1, lay.R, lay.W, lay.D)
+    if s0 is None:
+        S[0].zero_()
+    else:
+        S[0] = lay.transposed_state(s0)
+    y = None if len(tiles) == 1 else p.vh.new_empty(p.vh.shape)
+    for i, tt in enumerate(tiles):
+        n = tt.stop - tt.start
+        states = S[tt.start: tt.stop + 1] if keep else S[: n + 1]
+        if not keep and i:
+            states[0] = S[t]  # the last tile's final state (every tile but the last is full)
+        yt = _masked_scores(p.G[:, tt], p.ac[:, :, tt])[1] @ p.vh[:, :, tt]  # (R, m, n, C, Dv)
+        # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, n, W, D)
+        Ut = lay.columns_scaled(p.vh[:, :, tt], p.Wd[:, :, tt]).transpose(-1, -2) @ p.kc[:, tt]
+        chunk_recurrence(lay.transitions(p.T[:, :, tt]), Ut.transpose(0, 1), states[0], strategy=strategy,
+                         out=states)
+        Z = p.qc[:, tt] @ states[:-1].transpose(0, 1).transpose(-1, -2)  # (R, n, C, W): the states read
+        yt.addcmul_(lay.heads(Z), p.E[:, :, tt].unsqueeze(-1))
+        if y is None:
+            y = yt
+        else:
+            y[:, :, tt] = yt
+    return lay.output(y), (S if keep else S[tiles[-1].stop - tiles[-1].start])
 
 
-def _transposed_state(s: Tensor, lay: _Layout) -> Tensor:
-    """``s (B, H, D, Dv)`` -> ``(R, W, D)``."""
-    return s.reshape(lay.R, lay.m, lay.D, lay.Dv).permute(0, 1, 3, 2).reshape(lay.R, lay.W, lay.D)
-
-
-def _state(St: Tensor, lay: _Layout) -> Tensor:
-    """``(R, W, D)`` -> ``s (B, H, D, Dv)``."""
-    return St.reshape(lay.R, lay.m, lay.Dv, lay.D).transpose(-1, -2).reshape(lay.B, lay.Hk * lay.m, lay.D, lay.Dv)
-
-
-def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str):
+def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: list[slice]):
     """Gradients of ``(q, k, v, a, s0)`` from those of the outputs ``dy (B, H, N, Dv)`` and the final
-    state ``ds (B, H, D, Dv)`` or None; ``S`` the forward's transposed states."""
-    qc, kc = lay.chunks(q), lay.chunks(k)
-    vh = lay.head_chunks(v)
-    ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
-    E, Wd, T = _decays(ac)
+    state ``ds (B, H, D, Dv)`` or None; ``S`` the forward's transposed states. The tiles in reverse,
+    the state's gradient carried back across them (the reverse recurrence)."""
+    p = _Prepared(q, k, v, a, lay)
     dyh = lay.head_chunks(dy)  # (R, m, Nc, C, Dv)
-    # from the state read: y += heads(q S_c) * E
-    Z = qc @ S[:-1].transpose(0, 1).transpose(-1, -2)  # (R, Nc, C, W)
-    dE = (lay.heads(Z) * dyh).sum(-1)  # (R, m, Nc, C)
-    dZ = _columns_scaled(dyh, E, lay)  # (R, Nc, C, W)
-    dq = dZ @ S[:-1].transpose(0, 1)  # (R, Nc, C, D)
-    dSt_read = dZ.transpose(-1, -2) @ qc  # (R, Nc, W, D): the loss's gradient by each S_c, transposed
-    seed = q.new_zeros(lay.R, lay.W, lay.D) if ds is None else _transposed_state(ds, lay)
-    A = _transitions(T, lay)
-    # g_c: the gradient by the state before chunk c; g_Nc the final state's
-    g = chunk_recurrence(A, dSt_read.transpose(0, 1), seed, strategy=strategy, reverse=True)  # (Nc + 1, R, W, D)
-    dU = g[1:].transpose(0, 1)  # (R, Nc, W, D): what chunk c added reaches the state after it
-    dT = (g[1:] * S[:-1]).sum(-1).view(lay.Nc, lay.R, lay.m, lay.Dv).sum(-1).permute(1, 2, 0) * T  # d log T
-    # the chunk's additions: Ut = (vh * Wd)^T k
-    vw = _columns_scaled(vh, Wd, lay)  # (R, Nc, C, W)
-    dk = vw @ dU  # (R, Nc, C, D)
-    dvw = lay.heads(kc @ dU.transpose(-1, -2))  # (R, m, Nc, C, Dv)
-    dv = dvw * Wd.unsqueeze(-1)
-    dWd = (dvw * vh).sum(-1) * Wd  # d log Wd, (R, m, Nc, C)
-    # within the chunks: y += M @ vh, M = tril(G) * L
-    G = (qc @ kc.transpose(-1, -2)).tril_()
-    dv_within, dG, da = _within_backward(G, ac, vh, dyh, lay, _tile(lay, strategy))
-    dv = dv + dv_within
-    dq = dq + dG @ kc
-    dk = dk + dG.transpose(-1, -2) @ qc
+    dq, dk = torch.empty_like(p.qc), torch.empty_like(p.kc)
+    dv = torch.empty_like(p.vh)
+    da, dE, dWd = torch.empty_like(p.ac), torch.empty_like(p.ac), torch.empty_like(p.ac)
+    dT = torch.empty_like(p.T)
+    t = tiles[0].stop
+    g = q.new_empty(t + 1, lay.R, lay.W, lay.D)  # the tile's state gradients; entry n the seed
+    seed = g[t]
+    if ds is None:
+        seed.zero_()
+    else:
+        seed.copy_(lay.transposed_state(ds))
+    for tt in reversed(tiles):
+        n = tt.stop - tt.start
+        St = S[tt].transpose(0, 1)  # (R, n, W, D): the states before the tile's chunks
+        qc, kc, vh, dyt = p.qc[:, tt], p.kc[:, tt], p.vh[:, :, tt], dyh[:, :, tt]
+        E, Wd, T = p.E[:, :, tt], p.Wd[:, :, tt], p.T[:, :, tt]
+        # from the state read: y += heads(q S_c) * E
+        dE[:, :, tt] = (lay.heads(qc @ St.transpose(-1, -2)) * dyt).sum(-1)
+        dZ = lay.columns_scaled(dyt, E)  # (R, n, C, W)
+        dqt = dZ @ St  # (R, n, C, D)
+        dSt_read = dZ.transpose(-1, -2) @ qc  # (R, n, W, D): the loss's gradient by each S_c, transposed
+        gs = g[: n + 1]
+        # gs[c]: the gradient by the state before chunk c of the tile; gs[n] after its last
+        chunk_recurrence(lay.transitions(T), dSt_read.transpose(0, 1), seed, strategy=strategy, reverse=True, out=gs)
+        dU = gs[1:].transpose(0, 1)  # (R, n, W, D): what chunk c added reaches the state after it
+        dT[:, :, tt] = (dU * St).sum(-1).view(lay.R, n, lay.m, lay.Dv).sum(-1).transpose(1, 2) * T  # d log T
+        # the chunks' additions: Ut = (vh * Wd)^T k
+        dkt = lay.columns_scaled(vh, Wd) @ dU  # (R, n, C, D)
+        dvw = lay.heads(kc @ dU.transpose(-1, -2))  # (R, m, n, C, Dv)
+        dWd[:, :, tt] = (dvw * vh).sum(-1) * Wd  # d log Wd
+        # within the chunks: y += M @ vh, M = tril(G) * L
+        dv_within, dG, da[:, :, tt] = _within_backward(p.G[:, tt], p.ac[:, :, tt], vh, dyt)
+        dv[:, :, tt] = torch.addcmul(dv_within, dvw, Wd.unsqueeze(-1))
+        dq[:, tt] = dqt.add_(dG @ kc)
+        dk[:, tt] = dkt.add_(dG.transpose(-1, -2) @ qc)
+        seed = gs[0]  # copied into the next tile's last entry before anything overwrites it
+    ds0 = None if s0 is None else lay.state(seed)
     # the other log decays: log E[i] = sum a[..i], log Wd[j] = sum a(j..], log T = sum a
-    da = da + (dE * E).flip(-1).cumsum(-1).flip(-1)  # a[t] is in log E[i] for i >= t
-    da = da + F.pad(dWd.cumsum(-1), (1, 0))[..., :-1]  # a[t] is in log Wd[j] for j < t
-    da = da + dT.unsqueeze(-1)
-    ds0 = None if s0 is None else _state(g[0], lay)
+    da += (dE * p.E).flip(-1).cumsum(-1).flip(-1)  # a[t] is in log E[i] for i >= t
+    da += F.pad(dWd.cumsum(-1), (1, 0))[..., :-1]  # a[t] is in log Wd[j] for j < t
+    da += dT.unsqueeze(-1)
     unchunk = lambda x, heads: x.reshape(lay.B, heads, lay.Nc * lay.C, *x.shape[3:])[:, :, : lay.N]  # noqa: E731
-    dqo = unchunk(dq, lay.Hk)
-    dko = unchunk(dk, lay.Hk)
-    dvo = lay.output(dv)
-    dao = da.reshape(lay.B, lay.Hk * lay.m, lay.Nc * lay.C)[:, :, : lay.N]
-    return dqo, dko, dvo, dao, ds0
+    return (unchunk(dq, lay.Hk), unchunk(dk, lay.Hk), lay.output(dv),
+            da.reshape(lay.B, lay.Hk * lay.m, lay.Nc * lay.C)[:, :, : lay.N], ds0)
 
 
 class _GroupedDecayed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, s0, chunk_size, strategy):
+    def forward(ctx, q, k, v, a, s0, chunk_size, strategy, chunks_per_tile, keep):
         lay = _Layout(q, v, chunk_size)
-        y, S = _forward(q, k, v, a, s0, lay, strategy)
-        ctx.save_for_backward(q, k, v, a, s0, S)
-        ctx.lay, ctx.strategy = lay, strategy
-        return y, _state(S[-1], lay)
+        tiles = _tiles(lay, strategy, chunks_per_tile)
+        y, S = _forward(q, k, v, a, s0, lay, strategy, tiles, keep)
+        if keep:
+            ctx.save_for_backward(q, k, v, a, s0, S)
+        ctx.lay, ctx.strategy, ctx.tiles = lay, strategy, tiles
+        return y, lay.state(S[-1] if keep else S)
 
     @staticmethod
     def backward(ctx, dy, ds):
         q, k, v, a, s0, S = ctx.saved_tensors
         dy = torch.zeros_like(v) if dy is None else dy.contiguous()
-        grads = _backward(q, k, v, a, s0, S, dy, ds, ctx.lay, ctx.strategy)
-        return (*grads, None, None)
+        grads = _backward(q, k, v, a, s0, S, dy, ds, ctx.lay, ctx.strategy, ctx.tiles)
+        return (*grads, None, None, None, None)
 
 
 def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor | None, *,
-                            chunk_size: int, strategy: str) -> tuple[Tensor, Tensor]:
+                            chunk_size: int, strategy: str,
+                            chunks_per_tile: int | None = None) -> tuple[Tensor, Tensor]:
     """``S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t`` per head, the m heads of
     a group sharing q and k. Prepared inputs (checked, the compute dtype, q scaled):
 
@@ -264,9 +292,18 @@ def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, 
         q, k: ``(B, Hk, N, D)``; v: ``(B, H, N, Dv)``, H a multiple of Hk (head h in group h // m).
         log_decay: ``(B, H, N)``, <= 0 (-inf a reset).
         s0: ``(B, H, D, Dv)`` or None (zeros).
-        chunk_size: C; strategy: ``"cpu"`` or ``"accelerator"`` (resolved), the recurrence's.
+        chunk_size: C; strategy: ``"cpu"`` or ``"accelerator"`` (resolved), the recurrence's and the
+            tiles'.
+        chunks_per_tile: None (the strategy's tile: about a MiB on a CPU, everything on an
+            accelerator) or the chunks a tile holds (>= 1).
 
-    Returns ``(o (B, H, N, Dv), final state (B, H, D, Dv))``, differentiable in every input.
+    Returns ``(o (B, H, N, Dv), final state (B, H, D, Dv))``, differentiable in every input. Without
+    gradients (none asked, or grad mode off) only the states of one tile are held, not every chunk's.
     """
+    if chunks_per_tile is not None and (isinstance(chunks_per_tile, bool) or not isinstance(chunks_per_tile, int)
+                                        or chunks_per_tile < 1):
+        raise ValueError(f"grouped_decayed_product: chunks_per_tile must be None or an int >= 1, got {chunks_per_tile!r}")
+    inputs = (q, k, v, log_decay, s0)
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     return _GroupedDecayed.apply(q.contiguous(), k.contiguous(), v.contiguous(), log_decay.contiguous(),
-                                 None if s0 is None else s0.contiguous(), chunk_size, strategy)
+                                 None if s0 is None else s0.contiguous(), chunk_size, strategy, chunks_per_tile, keep)
