@@ -32,6 +32,8 @@ Nc chunks, n a tile's chunks, C chunk length, W = m Dv a row's value columns.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,14 +44,15 @@ from .recurrence import chunk_recurrence
 __all__ = ["grouped_decayed_product"]
 
 
-def _segment_decays(a: Tensor) -> Tensor:
-    """``(.., C) -> (.., C, C)``: entry ``[i, j]`` the decay from position j to i,
-    ``exp(a[j+1] + .. + a[i])`` for j <= i (1 on the diagonal), and 1 above it (the caller's causal
-    mask zeroes those: one pass fewer here): a running product of the steps' decays (factors in
-    [0, 1]: no digit lost to a large decay, none to a difference)."""
+def _segment_decays(a: Tensor, out: Tensor | None = None) -> Tensor:
+    """``(.., C) -> (.., C, C)`` (into ``out`` when given): entry ``[i, j]`` the decay from position
+    j to i, ``exp(a[j+1] + .. + a[i])`` for j <= i (1 on the diagonal), and 1 above it (the caller's
+    causal mask zeroes those: one pass fewer here): a running product of the steps' decays (factors
+    in [0, 1]: no digit lost to a large decay, none to a difference)."""
     C = a.shape[-1]
     strict = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(-1)
-    x = a.exp().unsqueeze(-1).expand(*a.shape, C).masked_fill(~strict, 1.0)  # [i, j] = exp(a[i]) for i > j
+    steps = a.exp().unsqueeze(-1).expand(*a.shape, C)
+    x = torch.where(strict, steps, steps.new_ones(()), out=out)  # [i, j] = exp(a[i]) for i > j
     return x.cumprod_(-2)
 
 
@@ -84,11 +87,11 @@ class _Layout:
         """``(R, n, C, W)`` -> ``(R, m, n, C, Dv)`` (a view)."""
         return x.view(self.R, x.shape[1], self.C, self.m, self.Dv).permute(0, 3, 1, 2, 4)
 
-    def columns_scaled(self, vh: Tensor, scale: Tensor) -> Tensor:
+    def columns_scaled(self, vh: Tensor, scale: Tensor, ws: "_Workspace", name: str) -> Tensor:
         """``vh (R, m, n, C, Dv)`` times ``scale (R, m, n, C)`` with the group's heads side by side,
-        ``(R, n, C, W)``, in one pass."""
+        ``(R, n, C, W)``, in one pass (into the workspace's buffer ``name``)."""
         n = vh.shape[2]
-        out = vh.new_empty(self.R, n, self.C, self.m, self.Dv)
+        out = ws(name, self.R, n, self.C, self.m, self.Dv)
         torch.mul(vh.permute(0, 2, 3, 1, 4), scale.permute(0, 2, 3, 1).unsqueeze(-1), out=out)
         return out.view(self.R, n, self.C, self.W)
 
@@ -107,9 +110,18 @@ class _Layout:
         return St.reshape(self.R, self.m, self.Dv, self.D).transpose(-1, -2).reshape(
             self.B, self.Hk * self.m, self.D, self.Dv)
 
-    def output(self, y: Tensor) -> Tensor:
-        """``(R, m, Nc, C, Dv)`` -> ``(B, H, N, Dv)``."""
-        return y.reshape(self.B, self.Hk * self.m, self.Nc * self.C, self.Dv)[:, :, : self.N]
+    def values_like(self, v: Tensor) -> tuple[Tensor, Tensor]:
+        """A new ``(B, H, Nc C, Dv)`` tensor for outputs or values' gradients in ``v``'s layout, and
+        its ``(R, m, Nc, C, Dv)`` view: position-major (the ``(B, N, H, Dv)`` memory of transformers'
+        and mamba_ssm's layers) when v is so and B is 1 (their rows then still fold into one
+        dimension), else contiguous. A caller that hands over such values gets its outputs and
+        gradients back without a transposing copy of either."""
+        H, Np = self.Hk * self.m, self.Nc * self.C
+        if self.B == 1 and v.stride(1) == self.Dv and v.stride(2) == H * self.Dv and v.stride(3) == 1:
+            full = v.new_empty(self.B, Np, H, self.Dv).transpose(1, 2)
+        else:
+            full = v.new_empty(self.B, H, Np, self.Dv)
+        return full, full.view(self.R, self.m, self.Nc, self.C, self.Dv)
 
 
 def _flush(factors: Tensor) -> Tensor:
@@ -145,20 +157,37 @@ def _tiles(lay: _Layout, strategy: str, chunks_per_tile: int | None) -> list[sli
     return [slice(c0, min(c0 + t, lay.Nc)) for c0 in range(0, lay.Nc, t)]
 
 
-def _masked_scores(G: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+class _Workspace:
+    """A call's temporaries, reused from tile to tile: on a CPU a fresh allocation per tile costs a
+    page fault per 4 KiB touched (glibc returns large blocks to the system when they are freed), about
+    as much as the pass that fills it. One tile (the accelerator's) allocates each once, as before."""
+
+    def __init__(self, like: Tensor):
+        self.like, self.buffers = like, {}
+
+    def __call__(self, name: str, *shape: int) -> Tensor:
+        size = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self.buffers[name] = self.like.new_empty(size)
+        return buf[:size].view(shape)
+
+
+def _masked_scores(G: Tensor, a: Tensor, ws: _Workspace) -> tuple[Tensor, Tensor]:
     """A tile's decay masks ``L`` and masked scores ``M = L * tril(G)`` ``(R, m, n, C, C)`` from the
     group's causal scores ``G (R, n, C, C)`` and the log decays ``a (R, m, n, C)``."""
-    L = _flush(_segment_decays(a))
-    return L, L * G.unsqueeze(1)
+    shape = (*a.shape, a.shape[-1])
+    L = _flush(_segment_decays(a, out=ws("L", *shape)))
+    return L, torch.mul(L, G.unsqueeze(1), out=ws("M", *shape))
 
 
-def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor):
+def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: _Workspace):
     """A tile's within-chunk gradients (``y = M @ vh``): by the values ``(R, m, n, C, Dv)``, by the
     group's scores ``(R, n, C, C)`` and by the log decays ``(R, m, n, C)``, the masks formed again."""
-    L, M = _masked_scores(G, a)
-    dv = M.transpose(-1, -2) @ dyh
-    dM = dyh @ vh.transpose(-1, -2)  # (R, m, n, C, C)
-    dG = (dM * L).sum(1).tril_()
+    L, M = _masked_scores(G, a, ws)
+    dv = torch.matmul(M.transpose(-1, -2), dyh, out=ws("dv", *vh.shape))
+    dM = torch.matmul(dyh, vh.transpose(-1, -2), out=ws("dM", *M.shape))  # (R, m, n, C, C)
+    dG = L.mul_(dM).sum(1).tril_()
     dL = dM.mul_(M).tril_(-1)  # d log L below the diagonal (log L is 0 on it, M is 0 above it)
     # log L[i, j] = sum a(j, i]: a[s] is in it for j < s <= i, the rows i >= s less their columns j >= s
     da = dL.sum(-1).flip(-1).cumsum(-1).flip(-1) - dL.sum(-2).flip(-1).cumsum(-1).flip(-1)
@@ -191,24 +220,25 @@ def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], ke
         S[0].zero_()
     else:
         S[0] = lay.transposed_state(s0)
-    y = None if len(tiles) == 1 else p.vh.new_empty(p.vh.shape)
+    y, yh = lay.values_like(v)
+    ws = _Workspace(q)
     for i, tt in enumerate(tiles):
         n = tt.stop - tt.start
         states = S[tt.start: tt.stop + 1] if keep else S[: n + 1]
         if not keep and i:
             states[0] = S[t]  # the last tile's final state (every tile but the last is full)
-        yt = _masked_scores(p.G[:, tt], p.ac[:, :, tt])[1] @ p.vh[:, :, tt]  # (R, m, n, C, Dv)
+        vh = p.vh[:, :, tt]
+        yt = torch.matmul(_masked_scores(p.G[:, tt], p.ac[:, :, tt], ws)[1], vh, out=ws("y", *vh.shape))
         # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, n, W, D)
-        Ut = lay.columns_scaled(p.vh[:, :, tt], p.Wd[:, :, tt]).transpose(-1, -2) @ p.kc[:, tt]
+        vw = lay.columns_scaled(vh, p.Wd[:, :, tt], ws, "vw")
+        Ut = torch.matmul(vw.transpose(-1, -2), p.kc[:, tt], out=ws("U", lay.R, n, lay.W, lay.D))
         chunk_recurrence(lay.transitions(p.T[:, :, tt]), Ut.transpose(0, 1), states[0], strategy=strategy,
                          out=states)
-        Z = p.qc[:, tt] @ states[:-1].transpose(0, 1).transpose(-1, -2)  # (R, n, C, W): the states read
+        # the states read, (R, n, C, W)
+        Z = torch.matmul(p.qc[:, tt], states[:-1].transpose(0, 1).transpose(-1, -2), out=ws("Z", lay.R, n, lay.C, lay.W))
         yt.addcmul_(lay.heads(Z), p.E[:, :, tt].unsqueeze(-1))
-        if y is None:
-            y = yt
-        else:
-            y[:, :, tt] = yt
-    return lay.output(y), (S if keep else S[tiles[-1].stop - tiles[-1].start])
+        yh[:, :, tt] = yt
+    return y[:, :, : lay.N], (S if keep else S[tiles[-1].stop - tiles[-1].start])
 
 
 def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: list[slice]):
@@ -218,7 +248,7 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: lis
     p = _Prepared(q, k, v, a, lay)
     dyh = lay.head_chunks(dy)  # (R, m, Nc, C, Dv)
     dq, dk = torch.empty_like(p.qc), torch.empty_like(p.kc)
-    dv = torch.empty_like(p.vh)
+    dv, dvh = lay.values_like(v)
     da, dE, dWd = torch.empty_like(p.ac), torch.empty_like(p.ac), torch.empty_like(p.ac)
     dT = torch.empty_like(p.T)
     t = tiles[0].stop
@@ -228,30 +258,34 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: lis
         seed.zero_()
     else:
         seed.copy_(lay.transposed_state(ds))
+    ws = _Workspace(q)
     for tt in reversed(tiles):
         n = tt.stop - tt.start
         St = S[tt].transpose(0, 1)  # (R, n, W, D): the states before the tile's chunks
         qc, kc, vh, dyt = p.qc[:, tt], p.kc[:, tt], p.vh[:, :, tt], dyh[:, :, tt]
         E, Wd, T = p.E[:, :, tt], p.Wd[:, :, tt], p.T[:, :, tt]
+        wide, narrow = (lay.R, n, lay.C, lay.W), (lay.R, n, lay.C, lay.D)
         # from the state read: y += heads(q S_c) * E
-        dE[:, :, tt] = (lay.heads(qc @ St.transpose(-1, -2)) * dyt).sum(-1)
-        dZ = lay.columns_scaled(dyt, E)  # (R, n, C, W)
-        dqt = dZ @ St  # (R, n, C, D)
-        dSt_read = dZ.transpose(-1, -2) @ qc  # (R, n, W, D): the loss's gradient by each S_c, transposed
+        Z = torch.matmul(qc, St.transpose(-1, -2), out=ws("Z", *wide))
+        dE[:, :, tt] = lay.heads(Z).mul_(dyt).sum(-1)
+        dZ = lay.columns_scaled(dyt, E, ws, "dZ")  # (R, n, C, W)
+        dqt = torch.matmul(dZ, St, out=ws("dq", *narrow))
+        # the loss's gradient by each S_c from its read, transposed, (R, n, W, D)
+        dSt_read = torch.matmul(dZ.transpose(-1, -2), qc, out=ws("dS", lay.R, n, lay.W, lay.D))
         gs = g[: n + 1]
         # gs[c]: the gradient by the state before chunk c of the tile; gs[n] after its last
         chunk_recurrence(lay.transitions(T), dSt_read.transpose(0, 1), seed, strategy=strategy, reverse=True, out=gs)
         dU = gs[1:].transpose(0, 1)  # (R, n, W, D): what chunk c added reaches the state after it
-        dT[:, :, tt] = (dU * St).sum(-1).view(lay.R, n, lay.m, lay.Dv).sum(-1).transpose(1, 2) * T  # d log T
+        dSt_read.copy_(dU).mul_(St)  # the buffer is free again: the products of the tile's states and gradients
+        dT[:, :, tt] = dSt_read.sum(-1).view(lay.R, n, lay.m, lay.Dv).sum(-1).transpose(1, 2) * T  # d log T
         # the chunks' additions: Ut = (vh * Wd)^T k
-        dkt = lay.columns_scaled(vh, Wd) @ dU  # (R, n, C, D)
-        dvw = lay.heads(kc @ dU.transpose(-1, -2))  # (R, m, n, C, Dv)
-        dWd[:, :, tt] = (dvw * vh).sum(-1) * Wd  # d log Wd
-        # within the chunks: y += M @ vh, M = tril(G) * L
-        dv_within, dG, da[:, :, tt] = _within_backward(p.G[:, tt], p.ac[:, :, tt], vh, dyt)
-        dv[:, :, tt] = torch.addcmul(dv_within, dvw, Wd.unsqueeze(-1))
-        dq[:, tt] = dqt.add_(dG @ kc)
-        dk[:, tt] = dkt.add_(dG.transpose(-1, -2) @ qc)
+        dkt = torch.matmul(lay.columns_scaled(vh, Wd, ws, "vw"), dU, out=ws("dk", *narrow))
+        dvw = lay.heads(torch.matmul(kc, dU.transpose(-1, -2), out=ws("Z", *wide)))  # (R, m, n, C, Dv)
+        dv_within, dG, da[:, :, tt] = _within_backward(p.G[:, tt], p.ac[:, :, tt], vh, dyt, ws)
+        torch.addcmul(dv_within, dvw, Wd.unsqueeze(-1), out=dvh[:, :, tt])
+        dWd[:, :, tt] = dvw.mul_(vh).sum(-1) * Wd  # d log Wd
+        torch.add(dqt, torch.matmul(dG, kc), out=dq[:, tt])
+        torch.add(dkt, torch.matmul(dG.transpose(-1, -2), qc), out=dk[:, tt])
         seed = gs[0]  # copied into the next tile's last entry before anything overwrites it
     ds0 = None if s0 is None else lay.state(seed)
     # the other log decays: log E[i] = sum a[..i], log Wd[j] = sum a(j..], log T = sum a
@@ -259,7 +293,7 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: lis
     da += F.pad(dWd.cumsum(-1), (1, 0))[..., :-1]  # a[t] is in log Wd[j] for j < t
     da += dT.unsqueeze(-1)
     unchunk = lambda x, heads: x.reshape(lay.B, heads, lay.Nc * lay.C, *x.shape[3:])[:, :, : lay.N]  # noqa: E731
-    return (unchunk(dq, lay.Hk), unchunk(dk, lay.Hk), lay.output(dv),
+    return (unchunk(dq, lay.Hk), unchunk(dk, lay.Hk), dv[:, :, : lay.N],
             da.reshape(lay.B, lay.Hk * lay.m, lay.Nc * lay.C)[:, :, : lay.N], ds0)
 
 
@@ -277,7 +311,7 @@ class _GroupedDecayed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds):
         q, k, v, a, s0, S = ctx.saved_tensors
-        dy = torch.zeros_like(v) if dy is None else dy.contiguous()
+        dy = torch.zeros_like(v) if dy is None else dy
         grads = _backward(q, k, v, a, s0, S, dy, ds, ctx.lay, ctx.strategy, ctx.tiles)
         return (*grads, None, None, None, None)
 
@@ -305,5 +339,6 @@ def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, 
         raise ValueError(f"grouped_decayed_product: chunks_per_tile must be None or an int >= 1, got {chunks_per_tile!r}")
     inputs = (q, k, v, log_decay, s0)
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    return _GroupedDecayed.apply(q.contiguous(), k.contiguous(), v.contiguous(), log_decay.contiguous(),
+    # v as it is: its chunks are a view where its layout allows (values_like)
+    return _GroupedDecayed.apply(q.contiguous(), k.contiguous(), v, log_decay.contiguous(),
                                  None if s0 is None else s0.contiguous(), chunk_size, strategy, chunks_per_tile, keep)
