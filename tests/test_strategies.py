@@ -280,6 +280,8 @@ def _half_case(form: str, N: int = 256, H: int = 2, D: int = 64):
                 return LF.gated_linear_attention(qq, kk, vv, hh, strategy=strategy)
             if form == "gla_channel":
                 return LF.gated_linear_attention(qq, kk, vv, cc, strategy=strategy)
+            if form == "gla_grouped":  # one query/key head for both value heads: the grouped route (SSD)
+                return LF.gated_linear_attention(qq[:, :1], kk[:, :1], vv, hh, strategy=strategy)
             if form == "linear_elu":
                 return LF.linear_attention(qq, kk, vv, causal=True, strategy=strategy)
             return LF.favor_attention(qq, kk, vv, P.to(qq.dtype), causal=True, strategy=strategy)
@@ -287,7 +289,7 @@ def _half_case(form: str, N: int = 256, H: int = 2, D: int = 64):
     return call
 
 
-HALF_FORMS = ["delta_head", "delta_channel", "gla_head", "gla_channel", "linear_elu", "favor_softmax"]
+HALF_FORMS = ["delta_head", "delta_channel", "gla_head", "gla_channel", "gla_grouped", "linear_elu", "favor_softmax"]
 
 
 @pytest.mark.parametrize("form", HALF_FORMS)

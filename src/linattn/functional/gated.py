@@ -37,7 +37,7 @@ from .checks import (
 )
 from .decayed import decayed_product
 from .grouped import grouped_decayed_product
-from .strategy import check_strategy, resolve_strategy
+from .strategy import HALF_DTYPES, check_strategy, operand_dtype, resolve_strategy
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .sharding import ShardForm, ShardPart, cumulative_decay
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
@@ -201,13 +201,15 @@ def _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_s
     if initial_state is not None:
         check_decayed_state(fn, initial_state, B, H, D, Dv, q.device)
     dt = compute_dtype(q.dtype)
+    strategy = resolve_strategy(strategy, q.device)
+    operand = HALF_DTYPES.get(operand_dtype(strategy, q.dtype))
     q, k, v = (q * scale).to(dt), k.to(dt), v.to(dt)
     s0 = None if initial_state is None else initial_state.s.to(dt)
     if cu_seqlens is not None:  # every document starts from zeros: a reset at its first position
         starts = torch.zeros(N + 1, dtype=torch.bool, device=q.device).index_fill_(0, cu_seqlens[:-1], True)[:N]
         g = torch.where(starts, g.new_full((), float("-inf")), g)
     return grouped_decayed_product(q, k, v, g, s0, chunk_size=GROUPED_CHUNK_SIZE if chunk_size is None else chunk_size,
-                                   strategy=resolve_strategy(strategy, q.device))
+                                   strategy=strategy, operand=operand)
 
 
 # The grouped route's chunk length (why: docs/benchmarks/README.md, History)

@@ -23,7 +23,10 @@ sums of their logs), never differences of cumulative sums: a large decay, or a r
 packed documents put at their starts), costs no digit of the others. Factors below 2**-40 are
 flushed to 0 in float32, as in the decayed engine.
 
-Not yet here: half operands for tensor cores (every product is float32 for half inputs).
+With half inputs on the accelerator the forward's products take half operands with float32
+accumulation (tensor cores: :func:`linattn.functional.strategy.mixed_bmm`), the state read from two
+half parts (:func:`~linattn.functional.strategy.split_bmm`, as the decayed engine reads it); masks,
+decays, states and the backward stay float32.
 
 Dimension legend: B batch, Hk groups, m heads per group, H = Hk m heads, N positions (padded to Np,
 a multiple of C), D key width (SSD's state size), Dv value width (head_dim), R = B Hk rows,
@@ -40,6 +43,7 @@ from torch import Tensor
 
 from .log_decays import flush_negligible
 from .recurrence import chunk_recurrence
+from .strategy import mixed_bmm, split_bmm
 
 __all__ = ["grouped_decayed_product"]
 
@@ -157,6 +161,19 @@ def _tiles(lay: _Layout, strategy: str, chunks_per_tile: int | None) -> list[sli
     return [slice(c0, min(c0 + t, lay.Nc)) for c0 in range(0, lay.Nc, t)]
 
 
+def _product(a: Tensor, b: Tensor, out: Tensor, operand: torch.dtype | None = None, *, split: bool = False) -> Tensor:
+    """``a @ b`` over leading batch dimensions into ``out`` (contiguous); with a half ``operand``
+    the product takes half operands and accumulates in float32 (:func:`mixed_bmm`; with ``split``
+    b in two half parts, :func:`split_bmm`)."""
+    if operand is None:
+        return torch.matmul(a, b, out=out)
+    lead = out.shape[:-2]
+    a3 = a.expand(*lead, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.expand(*lead, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    (split_bmm if split else mixed_bmm)(a3, b3, operand, out=out.view(-1, *out.shape[-2:]))
+    return out
+
+
 class _Workspace:
     """A call's temporaries, reused from tile to tile: on a CPU a fresh allocation per tile costs a
     page fault per 4 KiB touched (glibc returns large blocks to the system when they are freed), about
@@ -205,10 +222,11 @@ class _Prepared:
         self.G = (self.qc @ self.kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
 
 
-def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], keep: bool):
+def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], keep: bool,
+             operand: torch.dtype | None):
     """The outputs ``(B, H, N, Dv)`` and the transposed states ``(R, W, D)``: with ``keep`` those
     before every chunk and after the last ``(Nc + 1, R, W, D)`` (what the backward reads), else
-    the final one.
+    the final one. ``operand``: None, or the half dtype of the products' operands.
 
     A tile at a time: its outputs within the chunks, what its chunks add to the state, the state
     carried across them (:func:`chunk_recurrence`), and every state of the tile read by the queries.
@@ -228,14 +246,15 @@ def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], ke
         if not keep and i:
             states[0] = S[t]  # the last tile's final state (every tile but the last is full)
         vh = p.vh[:, :, tt]
-        yt = torch.matmul(_masked_scores(p.G[:, tt], p.ac[:, :, tt], ws)[1], vh, out=ws("y", *vh.shape))
+        yt = _product(_masked_scores(p.G[:, tt], p.ac[:, :, tt], ws)[1], vh, ws("y", *vh.shape), operand)
         # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, n, W, D)
         vw = lay.columns_scaled(vh, p.Wd[:, :, tt], ws, "vw")
-        Ut = torch.matmul(vw.transpose(-1, -2), p.kc[:, tt], out=ws("U", lay.R, n, lay.W, lay.D))
+        Ut = _product(vw.transpose(-1, -2), p.kc[:, tt], ws("U", lay.R, n, lay.W, lay.D), operand)
         chunk_recurrence(lay.transitions(p.T[:, :, tt]), Ut.transpose(0, 1), states[0], strategy=strategy,
                          out=states)
         # the states read, (R, n, C, W)
-        Z = torch.matmul(p.qc[:, tt], states[:-1].transpose(0, 1).transpose(-1, -2), out=ws("Z", lay.R, n, lay.C, lay.W))
+        Z = _product(p.qc[:, tt], states[:-1].transpose(0, 1).transpose(-1, -2), ws("Z", lay.R, n, lay.C, lay.W),
+                     operand, split=True)
         yt.addcmul_(lay.heads(Z), p.E[:, :, tt].unsqueeze(-1))
         yh[:, :, tt] = yt
     return y[:, :, : lay.N], (S if keep else S[tiles[-1].stop - tiles[-1].start])
@@ -299,10 +318,10 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: lis
 
 class _GroupedDecayed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, s0, chunk_size, strategy, chunks_per_tile, keep):
+    def forward(ctx, q, k, v, a, s0, chunk_size, strategy, chunks_per_tile, keep, operand):
         lay = _Layout(q, v, chunk_size)
         tiles = _tiles(lay, strategy, chunks_per_tile)
-        y, S = _forward(q, k, v, a, s0, lay, strategy, tiles, keep)
+        y, S = _forward(q, k, v, a, s0, lay, strategy, tiles, keep, operand)
         if keep:
             ctx.save_for_backward(q, k, v, a, s0, S)
         ctx.lay, ctx.strategy, ctx.tiles = lay, strategy, tiles
@@ -313,12 +332,13 @@ class _GroupedDecayed(torch.autograd.Function):
         q, k, v, a, s0, S = ctx.saved_tensors
         dy = torch.zeros_like(v) if dy is None else dy
         grads = _backward(q, k, v, a, s0, S, dy, ds, ctx.lay, ctx.strategy, ctx.tiles)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor | None, *,
                             chunk_size: int, strategy: str,
-                            chunks_per_tile: int | None = None) -> tuple[Tensor, Tensor]:
+                            chunks_per_tile: int | None = None,
+                            operand: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """``S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t`` per head, the m heads of
     a group sharing q and k. Prepared inputs (checked, the compute dtype, q scaled):
 
@@ -330,6 +350,8 @@ def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, 
             tiles'.
         chunks_per_tile: None (the strategy's tile: about a MiB on a CPU, everything on an
             accelerator) or the chunks a tile holds (>= 1).
+        operand: None, or a half dtype for the forward products' operands (float32 accumulation;
+            the accelerator's half inputs: :func:`linattn.functional.strategy.operand_dtype`).
 
     Returns ``(o (B, H, N, Dv), final state (B, H, D, Dv))``, differentiable in every input. Without
     gradients (none asked, or grad mode off) only the states of one tile are held, not every chunk's.
@@ -341,4 +363,5 @@ def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, 
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     # v as it is: its chunks are a view where its layout allows (values_like)
     return _GroupedDecayed.apply(q.contiguous(), k.contiguous(), v, log_decay.contiguous(),
-                                 None if s0 is None else s0.contiguous(), chunk_size, strategy, chunks_per_tile, keep)
+                                 None if s0 is None else s0.contiguous(), chunk_size, strategy, chunks_per_tile, keep,
+                                 operand)
