@@ -107,6 +107,38 @@ def test_tiles_equal_the_reference(strategy, per_tile):
     assert _rel(out, want[0]) < 1e-12 and _rel(s, want[1]) < 1e-12
 
 
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+@pytest.mark.parametrize("per_tile", [None, 2])
+@pytest.mark.parametrize("parts", ["scale", "skip", "both"])
+def test_value_scale_and_skip_equal_the_reference(strategy, per_tile, parts):
+    """Values times a scale per head and position and a skip per head (Mamba-2's dt and D), formed
+    chunk by chunk: the reference on ``v * scale`` plus ``skip * v``; every gradient, the scale's and
+    the skip's included, with resets and an initial state."""
+    q, k, v, a, s0 = _inputs(2, 2, 3, 37, 5, 4, resets=(8,))
+    g = torch.Generator().manual_seed(7)
+    c = torch.rand(2, 6, 37, generator=g, dtype=torch.float64) + 0.1 if parts != "skip" else None
+    d = torch.randn(6, generator=g, dtype=torch.float64) if parts != "scale" else None
+    extra = [t for t in (c, d) if t is not None]
+
+    def fused(q, k, v, a, s0, *cd):
+        it = iter(cd)
+        cc, dd = (next(it) if c is not None else None), (next(it) if d is not None else None)
+        return grouped_decayed_product(q, k, v, a, s0, chunk_size=8, strategy=strategy, chunks_per_tile=per_tile,
+                                       value_scale=cc, skip=dd)
+
+    def reference(q, k, v, a, s0, *cd):
+        it = iter(cd)
+        cc, dd = (next(it) if c is not None else None), (next(it) if d is not None else None)
+        out, s = _reference(q, k, v if cc is None else v * cc[..., None], a, s0)
+        return (out if dd is None else out + dd[:, None, None] * v), s
+
+    got, want = _grads(fused, [q, k, v, a, s0, *extra]), _grads(reference, [q, k, v, a, s0, *extra])
+    assert _rel(got[0], want[0]) < 1e-12 and _rel(got[1], want[1]) < 1e-12
+    names = "q k v log_decay s0".split() + [n for n, t in (("value_scale", c), ("skip", d)) if t is not None]
+    for name, x, y in zip(names, got[2], want[2]):
+        assert _rel(x, y) < 1e-11, name
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_chunks_per_tile_is_named(bad):
     q, k, v, a, s0 = _inputs(1, 1, 2, 9, 3, 2)
@@ -186,3 +218,75 @@ def test_bad_grouping_is_named():
         gated_linear_attention(q, k, v, a.abs() + 0.1)
     with pytest.raises(ValueError, match=r"log_decay must have shape \(B, H, N\)"):
         gated_linear_attention(q, k, v, a[:, :, :5])
+
+
+# --- gated_linear_attention's value_scale and skip (Mamba-2's dt and D), on every route ---------
+
+
+def _ssd_inputs(Hk, m, N, *, seed=5, dtype=torch.float64):
+    q, k, v, a, s0 = _inputs(1, Hk, m, N, 4, 3, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    c = (torch.rand(1, Hk * m, N, generator=g, dtype=torch.float64) + 0.1).to(dtype)
+    d = torch.randn(Hk * m, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, a, s0, c, d
+
+
+ROUTES = {  # name: (Hk, m, N, options)
+    "grouped": (1, 3, 37, {}),
+    "grouped, packed": (1, 3, 37, {"cu_seqlens": torch.tensor([0, 9, 9, 30, 37])}),
+    "per head": (3, 1, 37, {}),
+    "padded": (1, 3, 37, {"key_padding_mask": torch.arange(37) >= 5}),  # the general route
+    "packed, states": (1, 2, 20, {"cu_seqlens": torch.tensor([0, 7, 20]), "return_state": True}),
+    "one step": (1, 2, 1, {"initial_state": True, "return_state": True}),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_value_scale_and_skip_on_every_route_equal_the_reference(route):
+    """Each route of gated_linear_attention (the grouped one, the general one with a padding mask,
+    per-head keys, packed documents with states, the one-step recurrent form) against the reference
+    recurrence, outputs and every gradient, value_scale's and skip's included, in float64."""
+    Hk, m, N, opts = ROUTES[route]
+    q, k, v, a, s0, c, d = _ssd_inputs(Hk, m, N)
+    opts = dict(opts)
+    if opts.get("key_padding_mask") is not None:
+        opts["key_padding_mask"] = opts["key_padding_mask"][None]
+    cu = opts.pop("cu_seqlens", None)
+    want_state = opts.pop("return_state", False)
+    use_s0 = opts.pop("initial_state", False)
+    n_states = 1 if cu is None else cu.numel() - 1
+    s0 = s0[:1].expand(n_states, -1, -1, -1).clone() if use_s0 else None
+
+    def call(fn, q, k, v, a, c, d, *maybe_s0):
+        kw = dict(opts, scale=1.0, value_scale=c, skip=d, return_state=want_state,
+                  initial_state=DecayedState(maybe_s0[0]) if maybe_s0 else None)
+        if fn is gated_linear_attention_reference and cu is not None:  # one document at a time
+            outs, states = [], []
+            for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+                kw_i = dict(kw, initial_state=DecayedState(maybe_s0[0][i:i + 1]) if maybe_s0 else None, return_state=True)
+                o, s = fn(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], a[:, :, lo:hi], **dict(kw_i, value_scale=c[:, :, lo:hi]))
+                outs.append(o)
+                states.append(s.s)
+            out = torch.cat(outs, dim=2)
+            return (out, torch.cat(states)) if want_state else (out, out.new_zeros(()))
+        result = fn(q, k, v, a, **(kw if cu is None else dict(kw, cu_seqlens=cu)))
+        return (result[0], result[1].s) if want_state else (result, result.new_zeros(()))
+
+    inputs = [q, k, v, a, c, d] + ([s0] if use_s0 else [])
+    got = _grads(lambda *x: call(gated_linear_attention, *x), inputs)
+    want = _grads(lambda *x: call(gated_linear_attention_reference, *x), inputs)
+    assert _rel(got[0], want[0]) < 1e-12 and (not want_state or _rel(got[1], want[1]) < 1e-12)
+    for name, x, y in zip("q k v log_decay value_scale skip s0".split(), got[2], want[2]):
+        assert _rel(x, y) < 1e-11, (route, name)
+    if "key_padding_mask" in opts:  # padded positions' outputs stay zeros, skip included
+        assert torch.equal(got[0][:, :, :5], torch.zeros_like(got[0][:, :, :5]))
+
+
+def test_value_scale_and_skip_are_checked_by_name():
+    q, k, v, a, _, c, d = _ssd_inputs(1, 2, 10, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"value_scale must be a floating tensor of shape \(1, 2, 10\)"):
+        gated_linear_attention(q, k, v, a, value_scale=c[:, :, :9])
+    with pytest.raises(ValueError, match=r"skip must be a floating tensor of shape \(2,\)"):
+        gated_linear_attention(q, k, v, a, skip=d[None])
+    with pytest.raises(TypeError, match="value_scale must be a Tensor or None"):
+        gated_linear_attention(q, k, v, a, value_scale=0.5)

@@ -80,6 +80,35 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
     return g
 
 
+def _check_value_terms(fn: str, value_scale, skip, v: Tensor) -> None:
+    """``value_scale``: None or a floating ``(B, H, N)`` tensor on v's device; ``skip``: None or a
+    floating ``(H,)`` one. ValueError naming the argument and the shapes otherwise."""
+    for name, t, want in (("value_scale", value_scale, tuple(v.shape[:3])), ("skip", skip, (v.shape[1],))):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a Tensor or None, got {type(t).__name__}")
+        if tuple(t.shape) != want or not t.is_floating_point() or t.device != v.device:
+            want_str = "(" + ", ".join(map(str, want)) + ("," if len(want) == 1 else "") + ")"
+            raise ValueError(f"{fn}: {name} must be a floating tensor of shape {want_str} on v's device "
+                             f"{v.device} (v {shape_str(v)}), got {t.dtype} {shape_str(t)} on {t.device}")
+
+
+def _scaled_values(v: Tensor, value_scale: Tensor | None) -> Tensor:
+    """``v * value_scale`` per head and position (the values the state takes)."""
+    return v if value_scale is None else v * value_scale.unsqueeze(-1)
+
+
+def _with_skip(out: Tensor, skip: Tensor | None, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """``out + skip_h v`` in out's dtype; a padded position's output stays zeros."""
+    if skip is None:
+        return out
+    term = skip.to(out.dtype)[:, None, None] * v.to(out.dtype)
+    if key_padding_mask is not None:
+        term = term * key_padding_mask[:, None, :, None]
+    return out + term
+
+
 def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state, *, scaled=True, cu_seqlens=None):
     """Checks, then ``q * scale`` (``q`` and the scale with ``scaled=False``), ``k, v (B, H, N, *)``, ``g (B, H, N, G)`` and ``s0 (B, H, D, Dv)``
     or None, all in the compute dtype, padded positions zeroed (q too: their output is zeros).
@@ -121,12 +150,18 @@ def gated_linear_attention_reference(
     key_padding_mask: Tensor | None = None,
     initial_state: DecayedState | None = None,
     return_state: bool = False,
+    value_scale: Tensor | None = None,
+    skip: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """The recurrence of :func:`gated_linear_attention` run position by position, straight from
     the formula. Same contract (minus ``chunk_size``); tests trust this one, in float64."""
     fn = "gated_linear_attention_reference"
     in_dtype = q.dtype
+    _check_value_terms(fn, value_scale, skip, v)
+    raw_v = v
     q, k, v, g, s0 = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state)
+    if value_scale is not None:
+        v = _scaled_values(v, value_scale.to(v.dtype))
     B, H, N, D = q.shape
     Dv = v.shape[-1]
     if B * H * N == 0:  # no step at all: as in gated_linear_attention
@@ -138,7 +173,7 @@ def gated_linear_attention_reference(
             s = torch.exp(g[:, :, t]).unsqueeze(-1) * s + k[:, :, t, :, None] * v[:, :, t, None, :]
             outs.append((q[:, :, t, None, :] @ s).squeeze(-2))  # (B, H, Dv)
         out = torch.stack(outs, dim=2)
-    out = out.to(in_dtype)
+    out = _with_skip(out, skip, raw_v, key_padding_mask).to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
 
 
@@ -185,7 +220,8 @@ def _grouped_route(q, v, log_decay, key_padding_mask, initial_state, return_stat
             and (cu_seqlens is None or (initial_state is None and not return_state)))
 
 
-def _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_size, strategy, cu_seqlens):
+def _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_size, strategy, cu_seqlens,
+             value_scale, skip):
     """:func:`gated_linear_attention` on the grouped route: checks (as the general route's, on one
     head of each group), then the engine -> ``(out (B, H, N, Dv), state (B, H, D, Dv))``."""
     B, Hk, N, D = q.shape
@@ -208,8 +244,9 @@ def _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_s
     if cu_seqlens is not None:  # every document starts from zeros: a reset at its first position
         starts = torch.zeros(N + 1, dtype=torch.bool, device=q.device).index_fill_(0, cu_seqlens[:-1], True)[:N]
         g = torch.where(starts, g.new_full((), float("-inf")), g)
+    value_scale, skip = (None if t is None else t.to(dt) for t in (value_scale, skip))
     return grouped_decayed_product(q, k, v, g, s0, chunk_size=GROUPED_CHUNK_SIZE if chunk_size is None else chunk_size,
-                                   strategy=strategy, operand=operand)
+                                   strategy=strategy, operand=operand, value_scale=value_scale, skip=skip)
 
 
 # The grouped route's chunk length (why: docs/benchmarks/README.md, History)
@@ -231,6 +268,8 @@ def gated_linear_attention(
     tile_positions: int = 4096,
     cu_seqlens: Tensor | None = None,
     strategy: str = "auto",
+    value_scale: Tensor | None = None,
+    skip: Tensor | None = None,
 ) -> Union[Tensor, tuple[Tensor, DecayedState]]:
     """Gated linear attention ``S_t = exp(log_decay_t) * S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``.
 
@@ -287,6 +326,13 @@ def gated_linear_attention(
             products and the recurrence across chunks as a log-depth scan, so the number of
             kernel launches grows with log N, not N (``linattn.functional.recurrence``);
             ``"auto"`` (default): ``"cpu"`` on a CPU, ``"accelerator"`` on CUDA, MPS, XPU, ...
+        value_scale: None, or ``(B, H, N)`` (``(1, H, T)`` packed): the values enter the state as
+            ``value_scale_t * v_t``, a number per head and position (Mamba-2's step sizes dt).
+        skip: None, or ``(H,)``: ``skip_h * v_t`` (the values before ``value_scale``) is added to
+            each output (Mamba-2's D); a padded position's output stays zeros. With both, Mamba-2's
+            SSD is ``gated_linear_attention(C, B, x, A * dt, scale=1.0, value_scale=dt, skip=D)``,
+            and on the grouped route (B and C shared by a group of heads) both are applied chunk by
+            chunk in cache instead of as passes of their own over the whole sequence.
 
     Causality and document isolation hold for finite q, k, v: a NaN or inf at a real position t
     can reach the outputs of earlier positions in t's chunk (blocked products: 0 * inf is NaN),
@@ -309,16 +355,21 @@ def gated_linear_attention(
     check_positive_int(fn, "tile_positions", tile_positions)
     check_strategy(fn, strategy)
     in_dtype = q.dtype
+    if isinstance(v, Tensor) and v.dim() == 4:
+        _check_value_terms(fn, value_scale, skip, v)
     if _grouped_route(q, v, log_decay, key_padding_mask, initial_state, return_state, cu_seqlens) and \
             q.shape[0] * v.shape[1] * q.shape[2] > 0 and not (q.shape[2] == 1 and initial_state is not None):
         with no_autocast(q.device.type):
             out, s = _grouped(fn, q, k, v, log_decay, scale, initial_state, return_state, chunk_size, strategy,
-                              cu_seqlens)
+                              cu_seqlens, value_scale, skip)
         out = out.to(in_dtype)
         return (out, DecayedState(s)) if return_state else out
+    raw_v = v
     with no_autocast(q.device.type):
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
                                          scaled=False, cu_seqlens=cu_seqlens)
+        if value_scale is not None:
+            v = _scaled_values(v, value_scale.to(v.dtype))
         cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
         B, H, N, D = q.shape
         Dv = v.shape[-1]
@@ -337,6 +388,7 @@ def gated_linear_attention(
             out, s = decayed_product(q, k, v, s0, log_decay=g, scale=scale, chunk_size=chunk_size,
                                      sub_chunk_size=sub_chunk_size, tile_positions=tile_positions,
                                      strategy=strategy, input_dtype=in_dtype)
+        out = _with_skip(out, skip, raw_v, key_padding_mask)
     out = out.to(in_dtype)
     return (out, DecayedState(s)) if return_state else out
 

@@ -214,15 +214,25 @@ def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: _Workspa
 class _Prepared:
     """The chunked views and per-chunk decays both passes start from."""
 
-    def __init__(self, q, k, v, a, lay: _Layout):
+    def __init__(self, q, k, v, a, lay: _Layout, value_scale: Tensor | None, skip: Tensor | None):
         self.qc, self.kc = lay.chunks(q), lay.chunks(k)  # (R, Nc, C, D)
-        self.vh = lay.head_chunks(v)  # (R, m, Nc, C, Dv)
+        self.xh = lay.head_chunks(v)  # (R, m, Nc, C, Dv): the values before value_scale
+        self.dt = None if value_scale is None else lay.chunks(value_scale).view(lay.R, lay.m, lay.Nc, lay.C, 1)
+        # (R, m, 1, 1, 1): each head's skip
+        self.skip = None if skip is None else skip.view(1, lay.Hk, lay.m).expand(lay.B, -1, -1).reshape(
+            lay.R, lay.m, 1, 1, 1)
         self.ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
         self.E, self.Wd, self.T = _decays(self.ac)
         self.G = (self.qc @ self.kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
 
+    def values(self, tt: slice, ws: "_Workspace") -> tuple[Tensor, Tensor]:
+        """A tile's values as given ``(R, m, n, C, Dv)`` and as the recurrence takes them (times
+        value_scale, formed in the workspace: in cache, not a pass over the whole sequence)."""
+        x = self.xh[:, :, tt]
+        return x, (x if self.dt is None else torch.mul(x, self.dt[:, :, tt], out=ws("v", *x.shape)))
 
-def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], keep: bool,
+
+def _forward(q, k, v, a, s0, value_scale, skip, lay: _Layout, strategy: str, tiles: list[slice], keep: bool,
              operand: torch.dtype | None):
     """The outputs ``(B, H, N, Dv)`` and the transposed states ``(R, W, D)``: with ``keep`` those
     before every chunk and after the last ``(Nc + 1, R, W, D)`` (what the backward reads), else
@@ -231,7 +241,7 @@ def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], ke
     A tile at a time: its outputs within the chunks, what its chunks add to the state, the state
     carried across them (:func:`chunk_recurrence`), and every state of the tile read by the queries.
     On a CPU a tile's states are about a MiB, so the state products run in cache."""
-    p = _Prepared(q, k, v, a, lay)
+    p = _Prepared(q, k, v, a, lay, value_scale, skip)
     t = tiles[0].stop
     S = q.new_empty(lay.Nc + 1 if keep else t + 1, lay.R, lay.W, lay.D)
     if s0 is None:
@@ -245,7 +255,7 @@ def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], ke
         states = S[tt.start: tt.stop + 1] if keep else S[: n + 1]
         if not keep and i:
             states[0] = S[t]  # the last tile's final state (every tile but the last is full)
-        vh = p.vh[:, :, tt]
+        x, vh = p.values(tt, ws)
         yt = _product(_masked_scores(p.G[:, tt], p.ac[:, :, tt], ws)[1], vh, ws("y", *vh.shape), operand)
         # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, n, W, D)
         vw = lay.columns_scaled(vh, p.Wd[:, :, tt], ws, "vw")
@@ -256,20 +266,25 @@ def _forward(q, k, v, a, s0, lay: _Layout, strategy: str, tiles: list[slice], ke
         Z = _product(p.qc[:, tt], states[:-1].transpose(0, 1).transpose(-1, -2), ws("Z", lay.R, n, lay.C, lay.W),
                      operand, split=True)
         yt.addcmul_(lay.heads(Z), p.E[:, :, tt].unsqueeze(-1))
+        if p.skip is not None:
+            yt.addcmul_(x, p.skip)
         yh[:, :, tt] = yt
     return y[:, :, : lay.N], (S if keep else S[tiles[-1].stop - tiles[-1].start])
 
 
-def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: list[slice]):
-    """Gradients of ``(q, k, v, a, s0)`` from those of the outputs ``dy (B, H, N, Dv)`` and the final
-    state ``ds (B, H, D, Dv)`` or None; ``S`` the forward's transposed states. The tiles in reverse,
-    the state's gradient carried back across them (the reverse recurrence)."""
-    p = _Prepared(q, k, v, a, lay)
+def _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, lay: _Layout, strategy: str, tiles: list[slice]):
+    """Gradients of ``(q, k, v, a, s0, value_scale, skip)`` from those of the outputs
+    ``dy (B, H, N, Dv)`` and the final state ``ds (B, H, D, Dv)`` or None; ``S`` the forward's
+    transposed states. The tiles in reverse, the state's gradient carried back across them (the
+    reverse recurrence)."""
+    p = _Prepared(q, k, v, a, lay, value_scale, skip)
     dyh = lay.head_chunks(dy)  # (R, m, Nc, C, Dv)
     dq, dk = torch.empty_like(p.qc), torch.empty_like(p.kc)
     dv, dvh = lay.values_like(v)
     da, dE, dWd = torch.empty_like(p.ac), torch.empty_like(p.ac), torch.empty_like(p.ac)
     dT = torch.empty_like(p.T)
+    dscale = None if p.dt is None else torch.empty_like(p.dt)
+    dskip = None if p.skip is None else q.new_zeros(lay.R, lay.m)
     t = tiles[0].stop
     g = q.new_empty(t + 1, lay.R, lay.W, lay.D)  # the tile's state gradients; entry n the seed
     seed = g[t]
@@ -281,7 +296,8 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: lis
     for tt in reversed(tiles):
         n = tt.stop - tt.start
         St = S[tt].transpose(0, 1)  # (R, n, W, D): the states before the tile's chunks
-        qc, kc, vh, dyt = p.qc[:, tt], p.kc[:, tt], p.vh[:, :, tt], dyh[:, :, tt]
+        qc, kc, dyt = p.qc[:, tt], p.kc[:, tt], dyh[:, :, tt]
+        x, vh = p.values(tt, ws)
         E, Wd, T = p.E[:, :, tt], p.Wd[:, :, tt], p.T[:, :, tt]
         wide, narrow = (lay.R, n, lay.C, lay.W), (lay.R, n, lay.C, lay.D)
         # from the state read: y += heads(q S_c) * E
@@ -301,7 +317,17 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: lis
         dkt = torch.matmul(lay.columns_scaled(vh, Wd, ws, "vw"), dU, out=ws("dk", *narrow))
         dvw = lay.heads(torch.matmul(kc, dU.transpose(-1, -2), out=ws("Z", *wide)))  # (R, m, n, C, Dv)
         dv_within, dG, da[:, :, tt] = _within_backward(p.G[:, tt], p.ac[:, :, tt], vh, dyt, ws)
-        torch.addcmul(dv_within, dvw, Wd.unsqueeze(-1), out=dvh[:, :, tt])
+        if p.dt is None and p.skip is None:
+            torch.addcmul(dv_within, dvw, Wd.unsqueeze(-1), out=dvh[:, :, tt])
+        else:  # the gradient by the scaled values, then by value_scale, the values and skip
+            dvs = dv_within.addcmul_(dvw, Wd.unsqueeze(-1))
+            if p.dt is not None:
+                dscale[:, :, tt] = torch.mul(dvs, x, out=ws("dv*x", *x.shape)).sum(-1, keepdim=True)
+                dvs.mul_(p.dt[:, :, tt])
+            if p.skip is not None:
+                dvs.addcmul_(dyt, p.skip)
+                dskip += torch.mul(dyt, x, out=ws("dv*x", *x.shape)).sum((2, 3, 4))
+            dvh[:, :, tt] = dvs
         dWd[:, :, tt] = dvw.mul_(vh).sum(-1) * Wd  # d log Wd
         torch.add(dqt, torch.matmul(dG, kc), out=dq[:, tt])
         torch.add(dkt, torch.matmul(dG.transpose(-1, -2), qc), out=dk[:, tt])
@@ -312,35 +338,40 @@ def _backward(q, k, v, a, s0, S, dy, ds, lay: _Layout, strategy: str, tiles: lis
     da += F.pad(dWd.cumsum(-1), (1, 0))[..., :-1]  # a[t] is in log Wd[j] for j < t
     da += dT.unsqueeze(-1)
     unchunk = lambda x, heads: x.reshape(lay.B, heads, lay.Nc * lay.C, *x.shape[3:])[:, :, : lay.N]  # noqa: E731
-    return (unchunk(dq, lay.Hk), unchunk(dk, lay.Hk), dv[:, :, : lay.N],
-            da.reshape(lay.B, lay.Hk * lay.m, lay.Nc * lay.C)[:, :, : lay.N], ds0)
+    by_position = lambda x: x.reshape(lay.B, lay.Hk * lay.m, lay.Nc * lay.C)[:, :, : lay.N]  # noqa: E731
+    return (unchunk(dq, lay.Hk), unchunk(dk, lay.Hk), dv[:, :, : lay.N], by_position(da), ds0,
+            None if dscale is None else by_position(dscale),
+            None if dskip is None else dskip.view(lay.B, lay.Hk * lay.m).sum(0))
 
 
 class _GroupedDecayed(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, s0, chunk_size, strategy, chunks_per_tile, keep, operand):
+    def forward(ctx, q, k, v, a, s0, value_scale, skip, chunk_size, strategy, chunks_per_tile, keep, operand):
         lay = _Layout(q, v, chunk_size)
         tiles = _tiles(lay, strategy, chunks_per_tile)
-        y, S = _forward(q, k, v, a, s0, lay, strategy, tiles, keep, operand)
+        y, S = _forward(q, k, v, a, s0, value_scale, skip, lay, strategy, tiles, keep, operand)
         if keep:
-            ctx.save_for_backward(q, k, v, a, s0, S)
+            ctx.save_for_backward(q, k, v, a, s0, value_scale, skip, S)
         ctx.lay, ctx.strategy, ctx.tiles = lay, strategy, tiles
         return y, lay.state(S[-1] if keep else S)
 
     @staticmethod
     def backward(ctx, dy, ds):
-        q, k, v, a, s0, S = ctx.saved_tensors
+        q, k, v, a, s0, value_scale, skip, S = ctx.saved_tensors
         dy = torch.zeros_like(v) if dy is None else dy
-        grads = _backward(q, k, v, a, s0, S, dy, ds, ctx.lay, ctx.strategy, ctx.tiles)
+        grads = _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, ctx.lay, ctx.strategy, ctx.tiles)
         return (*grads, None, None, None, None, None)
 
 
 def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, s0: Tensor | None, *,
                             chunk_size: int, strategy: str,
-                            chunks_per_tile: int | None = None,
-                            operand: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """``S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t`` per head, the m heads of
-    a group sharing q and k. Prepared inputs (checked, the compute dtype, q scaled):
+                            chunks_per_tile: int | None = None, operand: torch.dtype | None = None,
+                            value_scale: Tensor | None = None, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``S_t = exp(log_decay_t) S_{t-1} + k_t (c_t v_t)^T``, ``o_t = S_t^T q_t + d v_t`` per head,
+    the m heads of a group sharing q and k, ``c_t`` the value_scale (1 without) and ``d`` the skip (0
+    without): Mamba-2's step sizes dt and its D, applied chunk by chunk in cache rather than as
+    passes of their own over the values and the outputs. Prepared inputs (checked, the compute
+    dtype, q scaled):
 
     Args:
         q, k: ``(B, Hk, N, D)``; v: ``(B, H, N, Dv)``, H a multiple of Hk (head h in group h // m).
@@ -352,6 +383,7 @@ def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, 
             accelerator) or the chunks a tile holds (>= 1).
         operand: None, or a half dtype for the forward products' operands (float32 accumulation;
             the accelerator's half inputs: :func:`linattn.functional.strategy.operand_dtype`).
+        value_scale: None or ``(B, H, N)``; skip: None or ``(H,)``.
 
     Returns ``(o (B, H, N, Dv), final state (B, H, D, Dv))``, differentiable in every input. Without
     gradients (none asked, or grad mode off) only the states of one tile are held, not every chunk's.
@@ -359,9 +391,10 @@ def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, 
     if chunks_per_tile is not None and (isinstance(chunks_per_tile, bool) or not isinstance(chunks_per_tile, int)
                                         or chunks_per_tile < 1):
         raise ValueError(f"grouped_decayed_product: chunks_per_tile must be None or an int >= 1, got {chunks_per_tile!r}")
-    inputs = (q, k, v, log_decay, s0)
+    inputs = (q, k, v, log_decay, s0, value_scale, skip)
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731
     # v as it is: its chunks are a view where its layout allows (values_like)
-    return _GroupedDecayed.apply(q.contiguous(), k.contiguous(), v, log_decay.contiguous(),
-                                 None if s0 is None else s0.contiguous(), chunk_size, strategy, chunks_per_tile, keep,
-                                 operand)
+    return _GroupedDecayed.apply(q.contiguous(), k.contiguous(), v, log_decay.contiguous(), contiguous(s0),
+                                 contiguous(value_scale), contiguous(skip), chunk_size, strategy, chunks_per_tile,
+                                 keep, operand)

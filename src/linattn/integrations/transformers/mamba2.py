@@ -120,11 +120,11 @@ def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, D: Tensor | N
     dt = _time_steps(dt, dt_bias, dt_softplus, dt_limit, ct)  # (B, N, H)
     log_decay = (A.to(ct) * dt).transpose(1, 2)  # (B, H, N), <= 0
     xc = x.to(ct)
-    v = (xc * dt[..., None]).transpose(1, 2)  # (B, H, N, P)
     q, k = C.transpose(1, 2).to(ct), B.transpose(1, 2).to(ct)  # (B, G, N, Ds): grouped in the engine
     # linattn's states are (Ds, P) per head: keys' rows, values' columns
     initial = None if initial_state is None else DecayedState(initial_state.to(ct).transpose(-1, -2))
     if form == "reference":
+        v = (xc * dt[..., None]).transpose(1, 2)  # (B, H, N, P)
         if cu_seqlens is not None:
             cu_seqlens = check_cu_seqlens("ssd", cu_seqlens, v, q_name="x (as (B, H, N, P))")
             G = q.shape[1]
@@ -134,13 +134,18 @@ def ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, D: Tensor | N
         else:
             out, new = gated_linear_attention_reference(q, k, v, log_decay, scale=1.0, initial_state=initial,
                                                         return_state=True)
+        y = out.transpose(1, 2)  # (B, N, H, P)
+        if D is not None:
+            y = torch.addcmul(y, D.to(ct)[:, None], xc)
     else:
-        result = gated_linear_attention(q, k, v, log_decay, scale=1.0, initial_state=initial,
-                                        return_state=output_final_state, cu_seqlens=cu_seqlens)
+        # x and dt as the engine's values and value_scale, D as its skip: on the grouped route they
+        # are applied chunk by chunk in cache, and x in transformers' (B, N, H, P) memory is read as
+        # it is, the output given back in that memory
+        result = gated_linear_attention(q, k, xc.transpose(1, 2), log_decay, scale=1.0, initial_state=initial,
+                                        return_state=output_final_state, cu_seqlens=cu_seqlens,
+                                        value_scale=dt.transpose(1, 2), skip=None if D is None else D.to(ct))
         out, new = result if output_final_state else (result, None)
-    y = out.transpose(1, 2)  # (B, N, H, P)
-    if D is not None:
-        y = torch.addcmul(y, D.to(ct)[:, None], xc)
+        y = out.transpose(1, 2)  # (B, N, H, P)
     state = new.s.transpose(-1, -2) if (output_final_state and new is not None) else None
     return y, state
 
