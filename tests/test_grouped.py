@@ -280,6 +280,10 @@ def test_value_scale_and_skip_on_every_route_equal_the_reference(route):
         assert _rel(x, y) < 1e-11, (route, name)
     if "key_padding_mask" in opts:  # padded positions' outputs stay zeros, skip included
         assert torch.equal(got[0][:, :, :5], torch.zeros_like(got[0][:, :, :5]))
+        # and what they hold is never read, NaN included
+        v_nan, c_nan = v.clone(), c.clone()
+        v_nan[:, :, :5], c_nan[:, :, :5] = float("nan"), float("nan")
+        assert torch.equal(call(gated_linear_attention, q, k, v_nan, a, c_nan, d)[0], got[0])
 
 
 def test_value_scale_and_skip_are_checked_by_name():

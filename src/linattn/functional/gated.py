@@ -94,19 +94,23 @@ def _check_value_terms(fn: str, value_scale, skip, v: Tensor) -> None:
                              f"{v.device} (v {shape_str(v)}), got {t.dtype} {shape_str(t)} on {t.device}")
 
 
-def _scaled_values(v: Tensor, value_scale: Tensor | None) -> Tensor:
-    """``v * value_scale`` per head and position (the values the state takes)."""
-    return v if value_scale is None else v * value_scale.unsqueeze(-1)
+def _real(t: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """``t (B, H, N, *)`` with padded positions set to 0 (never read, even a NaN there)."""
+    if key_padding_mask is None:
+        return t
+    return torch.where(key_padding_mask[:, None, :, None], t, t.new_zeros(()))
+
+
+def _scaled_values(v: Tensor, value_scale: Tensor | None, key_padding_mask: Tensor | None) -> Tensor:
+    """``v * value_scale`` per head and position (the values the state takes), zeros at padding."""
+    return v if value_scale is None else _real(v * value_scale.to(v.dtype).unsqueeze(-1), key_padding_mask)
 
 
 def _with_skip(out: Tensor, skip: Tensor | None, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     """``out + skip_h v`` in out's dtype; a padded position's output stays zeros."""
     if skip is None:
         return out
-    term = skip.to(out.dtype)[:, None, None] * v.to(out.dtype)
-    if key_padding_mask is not None:
-        term = term * key_padding_mask[:, None, :, None]
-    return out + term
+    return out + _real(skip.to(out.dtype)[:, None, None] * v.to(out.dtype), key_padding_mask)
 
 
 def _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state, *, scaled=True, cu_seqlens=None):
@@ -160,8 +164,7 @@ def gated_linear_attention_reference(
     _check_value_terms(fn, value_scale, skip, v)
     raw_v = v
     q, k, v, g, s0 = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state)
-    if value_scale is not None:
-        v = _scaled_values(v, value_scale.to(v.dtype))
+    v = _scaled_values(v, value_scale, key_padding_mask)
     B, H, N, D = q.shape
     Dv = v.shape[-1]
     if B * H * N == 0:  # no step at all: as in gated_linear_attention
@@ -368,8 +371,7 @@ def gated_linear_attention(
     with no_autocast(q.device.type):
         q, k, v, g, s0, scale = _prepare(fn, q, k, v, log_decay, scale, key_padding_mask, initial_state,
                                          scaled=False, cu_seqlens=cu_seqlens)
-        if value_scale is not None:
-            v = _scaled_values(v, value_scale.to(v.dtype))
+        v = _scaled_values(v, value_scale, key_padding_mask)
         cu_seqlens = None if cu_seqlens is None else int64_offsets(cu_seqlens)  # the checked offsets, int64
         B, H, N, D = q.shape
         Dv = v.shape[-1]
