@@ -35,12 +35,12 @@ Nc chunks, n a tile's chunks, C chunk length, W = m Dv a row's value columns.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .checks import check_positive_int
+from .chunks import TileBuffers
 from .log_decays import flush_negligible
 from .recurrence import chunk_recurrence
 from .strategy import mixed_bmm, split_bmm
@@ -91,7 +91,7 @@ class _Layout:
         """``(R, n, C, W)`` -> ``(R, m, n, C, Dv)`` (a view)."""
         return x.view(self.R, x.shape[1], self.C, self.m, self.Dv).permute(0, 3, 1, 2, 4)
 
-    def columns_scaled(self, vh: Tensor, scale: Tensor, ws: "_Workspace", name: str) -> Tensor:
+    def columns_scaled(self, vh: Tensor, scale: Tensor, ws: TileBuffers, name: str) -> Tensor:
         """``vh (R, m, n, C, Dv)`` times ``scale (R, m, n, C)`` with the group's heads side by side,
         ``(R, n, C, W)``, in one pass (into the workspace's buffer ``name``)."""
         n = vh.shape[2]
@@ -174,23 +174,7 @@ def _product(a: Tensor, b: Tensor, out: Tensor, operand: torch.dtype | None = No
     return out
 
 
-class _Workspace:
-    """A call's temporaries, reused from tile to tile: on a CPU a fresh allocation per tile costs a
-    page fault per 4 KiB touched (glibc returns large blocks to the system when they are freed), about
-    as much as the pass that fills it. One tile (the accelerator's) allocates each once, as before."""
-
-    def __init__(self, like: Tensor):
-        self.like, self.buffers = like, {}
-
-    def __call__(self, name: str, *shape: int) -> Tensor:
-        size = math.prod(shape)
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() < size:
-            buf = self.buffers[name] = self.like.new_empty(size)
-        return buf[:size].view(shape)
-
-
-def _masked_scores(G: Tensor, a: Tensor, ws: _Workspace) -> tuple[Tensor, Tensor]:
+def _masked_scores(G: Tensor, a: Tensor, ws: TileBuffers) -> tuple[Tensor, Tensor]:
     """A tile's decay masks ``L`` and masked scores ``M = L * tril(G)`` ``(R, m, n, C, C)`` from the
     group's causal scores ``G (R, n, C, C)`` and the log decays ``a (R, m, n, C)``."""
     shape = (*a.shape, a.shape[-1])
@@ -198,7 +182,7 @@ def _masked_scores(G: Tensor, a: Tensor, ws: _Workspace) -> tuple[Tensor, Tensor
     return L, torch.mul(L, G.unsqueeze(1), out=ws("M", *shape))
 
 
-def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: _Workspace):
+def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: TileBuffers):
     """A tile's within-chunk gradients (``y = M @ vh``): by the values ``(R, m, n, C, Dv)``, by the
     group's scores ``(R, n, C, C)`` and by the log decays ``(R, m, n, C)``, the masks formed again."""
     L, M = _masked_scores(G, a, ws)
@@ -225,7 +209,7 @@ class _Prepared:
         self.E, self.Wd, self.T = _decays(self.ac)
         self.G = (self.qc @ self.kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
 
-    def values(self, tt: slice, ws: "_Workspace") -> tuple[Tensor, Tensor]:
+    def values(self, tt: slice, ws: TileBuffers) -> tuple[Tensor, Tensor]:
         """A tile's values as given ``(R, m, n, C, Dv)`` and as the recurrence takes them (times
         value_scale, formed in the workspace: in cache, not a pass over the whole sequence)."""
         x = self.xh[:, :, tt]
@@ -249,7 +233,7 @@ def _forward(q, k, v, a, s0, value_scale, skip, lay: _Layout, strategy: str, til
     else:
         S[0] = lay.transposed_state(s0)
     y, yh = lay.values_like(v)
-    ws = _Workspace(q)
+    ws = TileBuffers(q)  # the tiles' temporaries, reused tile after tile (page faults: chunks.TileBuffers)
     for i, tt in enumerate(tiles):
         n = tt.stop - tt.start
         states = S[tt.start: tt.stop + 1] if keep else S[: n + 1]
@@ -292,7 +276,7 @@ def _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, lay: _Layout, strate
         seed.zero_()
     else:
         seed.copy_(lay.transposed_state(ds))
-    ws = _Workspace(q)
+    ws = TileBuffers(q)  # the tiles' temporaries, reused tile after tile (page faults: chunks.TileBuffers)
     for tt in reversed(tiles):
         n = tt.stop - tt.start
         St = S[tt].transpose(0, 1)  # (R, n, W, D): the states before the tile's chunks
@@ -388,9 +372,8 @@ def grouped_decayed_product(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, 
     Returns ``(o (B, H, N, Dv), final state (B, H, D, Dv))``, differentiable in every input. Without
     gradients (none asked, or grad mode off) only the states of one tile are held, not every chunk's.
     """
-    if chunks_per_tile is not None and (isinstance(chunks_per_tile, bool) or not isinstance(chunks_per_tile, int)
-                                        or chunks_per_tile < 1):
-        raise ValueError(f"grouped_decayed_product: chunks_per_tile must be None or an int >= 1, got {chunks_per_tile!r}")
+    if chunks_per_tile is not None:
+        check_positive_int("grouped_decayed_product", "chunks_per_tile", chunks_per_tile)
     inputs = (q, k, v, log_decay, s0, value_scale, skip)
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731
