@@ -49,7 +49,7 @@ def test_bench_gpu_quick_on_the_cpu(tmp_path, capsys):
             assert row["status"] == "not installed" and "fla" in row["detail"]
     if HAS_TRANSFORMERS:
         # transformers' torch path computes the same function: its prefill agrees with linattn's
-        for form in ("gated_delta", "kda", bench.MODEL_FORM):
+        for form in ("gated_delta", "kda", "ssd", bench.MODEL_FORM):
             row = rows[form, 64, "prefill", "transformers"]
             assert row["status"] == "ok" and row["difference_to_linattn"] < 0.05, row
             assert rows[form, 64, "train", "transformers"]["status"] == "ok"

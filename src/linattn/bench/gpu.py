@@ -9,6 +9,9 @@ heads of 16 everywhere, for a CPU check of the script), each a :class:`Form`:
 - ``kda``: Kimi Delta Attention, ``delta_rule_attention`` with a log decay per key channel, 32 heads;
 - ``gla_channel``: GLA, ``gated_linear_attention`` with a log decay per key channel;
 - ``gla_head``: GLA with one gate per head (RetNet, Mamba-2, simple GLA);
+- ``ssd``: Mamba-2's scan at Mamba-2 1.3B's width (64 heads of 64, state 128, one group of B and C),
+  ``linattn.integrations.transformers.ssd``: the grouped route of ``gated_linear_attention`` with
+  Mamba-2's dt (softplus, dt_bias) and D in the engine, what the Mamba-2 family's layers run;
 - ``linear``: causal ``linear_attention`` with its elu+1 feature map;
 - ``favor``: causal ``favor_attention``, FAVOR+ with 256 positive random features (the registry's);
 - ``qwen3_5_model``: the transformers backend: a Qwen3.5-0.8B-width model (hidden 1024, 16 query/key
@@ -18,8 +21,8 @@ heads of 16 everywhere, for a CPU check of the script), each a :class:`Form`:
 Contenders, where they exist for a form: ``linattn``; ``fla``, flash-linear-attention's chunked
 kernel when ``fla`` imports (left out with ``fla=False``: it autotunes for minutes on its first
 call of each shape); ``transformers``, its pure-PyTorch function (``torch_chunk_gated_delta_rule``,
-``chunk_kimi_delta_attention``, unwrapped from the decorator that would hand the call to FLA); and
-``sdpa``, exact causal softmax attention (``scaled_dot_product_attention(is_causal=True)``) at the
+``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, unwrapped from the decorator that would hand
+the call to FLA or mamba_ssm); and ``sdpa``, exact causal softmax attention (``scaled_dot_product_attention(is_causal=True)``) at the
 form's heads and width, the quadratic reference. A contender that does not import is reported as not
 installed, one that raises as its error's first line (FLA's backward raises on Hopper with some
 Triton versions): a row of the table either way, never the end of the run.
@@ -27,7 +30,11 @@ Triton versions): a row of the table either way, never the end of the run.
 Inputs: q, v N(0, 1); k N(0, 1), rows L2-normalised for the delta rule (its contract); beta
 sigmoid(N(0, 1)) in (0, 1); log decays log-sigmoid(N(0, 1) + 3) in float32, as transformers'
 layers compute them. Every contender reads the same values: FLA's and transformers' (B, N, H, D)
-copies are made before timing, so no transpose is timed.
+copies are made before timing, so no transpose is timed. SSD's inputs are a Mamba-2 mixer's, in
+transformers' layout: x ``(B, N, H, P)``, raw time steps dt ``(B, N, H)`` N(0, 0.5), B and C
+``(B, N, 1, Ds)`` N(0, 1), A = -1 .. -H, D ones, dt_bias as Mamba-2 initialises it; FLA has no SSD
+kernel: its simple GLA takes C and B repeated per head, x dt and A dt formed before timing, and D x
+is added to its output.
 
 Passes: ``prefill`` (forward without gradients) and ``train`` (forward+backward, the gradient of
 every input; the model's: of every parameter, from its loss). For each (form, N, pass): two warm-up
@@ -92,7 +99,7 @@ CONTENDERS = ("linattn", "fla", "transformers", "sdpa")
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_NS = (4096, 16384)
 QUICK_NS = (64, 128)
-QUICK_HEADS, QUICK_HEAD_DIM = 2, 16
+QUICK_HEADS, QUICK_HEAD_DIM = 2, 16  # the quick sizes' heads and widths (SSD's state too)
 HEAD_DIM = 128
 REPEATS = 5
 # FLA autotunes its Triton kernels in the first call of each shape; the second call is warm
@@ -106,7 +113,9 @@ class Form:
 
     ``decay``: None, ``"head"`` (a log decay ``(B, H, N)``) or ``"channel"`` (``(B, H, N, D)``);
     ``delta``: the delta rule (unit keys and a beta ``(B, H, N)``); ``fla`` / ``transformers``: the
-    dotted path of FLA's kernel / transformers' PyTorch function for it (None: none exists)."""
+    dotted path of FLA's kernel / transformers' PyTorch function for it (None: none exists);
+    ``head_dim``: the value width (and the key width but for SSD); ``state``: SSD's state size (its
+    key width), None for the other forms."""
 
     name: str
     title: str
@@ -115,6 +124,8 @@ class Form:
     delta: bool
     fla: str | None = None
     transformers: str | None = None
+    head_dim: int = HEAD_DIM
+    state: int | None = None
 
 
 _QWEN3_NEXT = "transformers.models.qwen3_next.modeling_qwen3_next"
@@ -131,6 +142,9 @@ KERNEL_FORMS: dict[str, Form] = {f.name: f for f in (
          fla="fla.ops.gla.chunk_gla"),
     Form("gla_head", "GLA per head / RetNet (gated_linear_attention, a log decay per head)", 16, "head", False,
          fla="fla.ops.simple_gla.chunk_simple_gla"),
+    Form("ssd", "Mamba-2 SSD (integrations.transformers.ssd: the grouped route of gated_linear_attention, dt and D "
+         "in the engine), one group of B and C", 64, "head", False, fla="fla.ops.simple_gla.chunk_simple_gla",
+         transformers="transformers.models.mamba2.modeling_mamba2.mamba2_chunk_scan", head_dim=64, state=128),
     Form("linear", "causal linear attention (linear_attention, elu+1)", 16, None, False),
     Form("favor", f"FAVOR+ causal (favor_attention, {FAVOR_FEATURES} positive features)", 16, None, False),
 )}
@@ -288,18 +302,44 @@ def _bnhd(x: Tensor) -> Tensor:
     return x.transpose(1, 2).contiguous()
 
 
+def widths(form: Form, quick: bool) -> tuple[int, int, int | None]:
+    """``(heads, head_dim, state)`` of ``form``: its checkpoint width, or the quick sizes (2 heads of
+    16, SSD's state 16); state None but for SSD."""
+    if quick:
+        return QUICK_HEADS, QUICK_HEAD_DIM, None if form.state is None else QUICK_HEAD_DIM
+    return form.heads, form.head_dim, form.state
+
+
+def width_record(form: Form, quick: bool) -> dict:
+    """``{"heads", "head_dim"[, "state"]}`` of ``form`` (:func:`widths`), as the result files record it."""
+    heads, head_dim, state = widths(form, quick)
+    return {"heads": heads, "head_dim": head_dim, **({} if state is None else {"state": state})}
+
+
 def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> list[Tensor]:
+                seed: int = 0, state: int | None = None) -> list[Tensor]:
     """``[q, k, v, beta?, log_decay?]`` for ``form`` in the SDPA layout: q, k, v ``(B, H, N, D)`` in
     ``dtype``, k L2-normalised for the delta rule; beta ``(B, H, N)`` in ``dtype``; the log decay
     ``(B, H, N)`` or ``(B, H, N, D)`` in float32. Drawn on ``device`` from a seeded generator (a
-    host-side draw and copy takes seconds at N = 16384, 32 heads), the same values for every seed."""
+    host-side draw and copy takes seconds at N = 16384, 32 heads), the same values for every seed.
+
+    SSD (``form.state``; ``state`` its width): ``[q, k, v, log_decay, value_scale, skip]`` as
+    ``gated_linear_attention`` takes Mamba-2's scan: one group of queries (C) and keys (B)
+    ``(B, 1, N, state)``, values x ``(B, H, N, D)``, time steps dt ``(B, H, N)`` in [1e-3, 0.1]
+    (Mamba-2's initial range) as the value scale, the log decay A dt with A = -1 .. -H, and the skip
+    D ``(H,)`` ones; dt, the log decay and D in float32."""
     g = torch.Generator(device=device).manual_seed(seed)
     shape = (1, heads, n, head_dim)  # (B, H, N, D)
 
     def normal(*size: int) -> Tensor:
         return torch.randn(size, generator=g, device=device, dtype=torch.float32)
 
+    if form.state is not None:
+        width = state or form.state
+        dt = 1e-3 + torch.rand(1, heads, n, generator=g, device=device) * (0.1 - 1e-3)  # (B, H, N)
+        A = -torch.arange(1, heads + 1, dtype=torch.float32, device=device)[:, None]  # (H, 1)
+        return [normal(1, 1, n, width).to(dtype), normal(1, 1, n, width).to(dtype), normal(*shape).to(dtype),
+                A * dt, dt, torch.ones(heads, device=device)]
     q, k, v = normal(*shape), normal(*shape), normal(*shape)
     if form.delta:
         k = F.normalize(k, dim=-1)
@@ -322,6 +362,8 @@ def _linattn_fn(form: Form, head_dim: int, dtype: torch.dtype, device: torch.dev
         if form.decay is None:
             return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta)
         return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g)
+    if form.state is not None:
+        return lambda q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D)
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g)
 
 
@@ -376,7 +418,9 @@ def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, devi
                     fla: bool) -> dict[str, Subject | Unavailable]:
     """Every contender of ``form`` at ``n`` (the ones that do not exist for it absent), each with
     inputs of its own holding the same values."""
-    heads, head_dim = (QUICK_HEADS, QUICK_HEAD_DIM) if quick else (form.heads, HEAD_DIM)
+    heads, head_dim, state = widths(form, quick)
+    if state is not None:
+        return ssd_subjects(form, n, heads, head_dim, state, dtype=dtype, device=device, train=train, fla=fla)
     base = make_inputs(form, n, heads, head_dim, dtype=dtype, device=device)
     out: dict[str, Subject | Unavailable] = {}
 
@@ -397,6 +441,76 @@ def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, devi
         except Unavailable as u:
             out["transformers"] = u
     out["sdpa"] = Subject(_runner(_sdpa, mine("bhnd")[:3], train))
+    return out
+
+
+def ssd_inputs(n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dtype, device: torch.device,
+               seed: int = 0) -> dict[str, Tensor]:
+    """A Mamba-2 mixer's scan inputs in transformers' layout (see the module docstring), x, dt, B, C
+    in ``dtype``, A, D and dt_bias in float32 as the mixer keeps them in its compute."""
+    import math
+
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*size: int) -> Tensor:
+        return torch.randn(size, generator=g, device=device, dtype=torch.float32)
+
+    # dt at Mamba-2's initialisation: softplus(dt_bias) log-uniform in [1e-3, 1e-1]
+    dt0 = torch.exp(torch.rand(heads, generator=g, device=device) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    return {"x": normal(1, n, heads, head_dim).to(dtype), "dt": (normal(1, n, heads) * 0.5).to(dtype),
+            "A": -torch.arange(1, heads + 1, dtype=torch.float32, device=device),
+            "B": normal(1, n, 1, state).to(dtype), "C": normal(1, n, 1, state).to(dtype),
+            "D": torch.ones(heads, device=device), "dt_bias": dt0 + torch.log(-torch.expm1(-dt0))}
+
+
+def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dtype,
+                 device: torch.device, train: bool, fla: bool) -> dict[str, Subject | Unavailable]:
+    """Every contender of the SSD form at ``n``: linattn's ``ssd``, transformers' ``mamba2_chunk_scan``
+    (its torch path), FLA's simple GLA on the same recurrence (inputs formed before timing) and SDPA
+    at the form's heads and width; outputs ``(B, N, H, P)`` each."""
+    import inspect
+
+    from ..integrations import transformers as lt
+
+    base = ssd_inputs(n, heads, head_dim, state, dtype=dtype, device=device)
+    names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+
+    def mine() -> list[Tensor]:
+        return [base[k].clone() for k in names]
+
+    out: dict[str, Subject | Unavailable] = {}
+
+    def ours(x, dt, A, B, C, D, dt_bias):
+        return lt.ssd(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)[0]
+
+    out["linattn"] = Subject(_runner(ours, mine(), train), lambda o: o)
+    try:
+        if not fla:
+            raise Unavailable("left out", "--no-fla")
+        kernel = _import(form.fla)
+        with torch.no_grad():  # Mamba-2's recurrence as simple GLA, every head its own copy of C and B
+            dt = F.softplus(base["dt"].float() + base["dt_bias"])  # (B, N, H)
+            inputs = [base["C"].expand(-1, -1, heads, -1).contiguous(), base["B"].expand(-1, -1, heads, -1).contiguous(),
+                      (base["x"].float() * dt[..., None]).to(dtype), base["A"] * dt, base["x"].clone(), base["D"]]
+
+        def theirs(q, k, v, g, x, D):
+            return kernel(q, k, v, g=g, scale=1.0)[0] + x * D[:, None]
+
+        out["fla"] = Subject(_runner(theirs, [t.detach() for t in inputs], train), lambda o: o)
+    except Unavailable as u:
+        out["fla"] = u
+    try:
+        scan = inspect.unwrap(_import(form.transformers))
+
+        def torch_path(x, dt, A, B, C, D, dt_bias):
+            y = scan(x, dt, A, B, C, chunk_size=256, D=D, dt_bias=dt_bias, dt_softplus=True)
+            return y[0] if isinstance(y, tuple) else y
+
+        out["transformers"] = Subject(_runner(torch_path, mine(), train), lambda o: o)
+    except Unavailable as u:
+        out["transformers"] = u
+    qkv = [base["x"].transpose(1, 2).clone() for _ in range(3)]  # (B, H, N, P)
+    out["sdpa"] = Subject(_runner(_sdpa, qkv, train))
     return out
 
 
@@ -645,9 +759,7 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
         "transformers_kernels": kernels,
         "config": {"forms": list(forms), "n": list(ns), "dtype": dtype, "batch_size": 1, "runs": runs,
                    "repeats": repeats, "warmup": WARMUP, "fla": fla, "quick": quick, "profile": profile,
-                   "widths": {name: {"heads": QUICK_HEADS if quick else f.heads,
-                                     "head_dim": QUICK_HEAD_DIM if quick else HEAD_DIM}
-                              for name, f in KERNEL_FORMS.items() if name in forms},
+                   "widths": {name: width_record(f, quick) for name, f in KERNEL_FORMS.items() if name in forms},
                    "model": MODEL_DIMS[quick] if MODEL_FORM in forms else None},
         "machine": machine_info(),
         "rows": [],
@@ -763,7 +875,8 @@ def format_gpu(result: dict) -> str:
                      f"{m['vocab_size']})")
         else:
             w = cfg["widths"][form]
-            title = f"{KERNEL_FORMS[form].title}, {w['heads']} heads of {w['head_dim']}"
+            title = f"{KERNEL_FORMS[form].title}, {w['heads']} heads of {w['head_dim']}" + (
+                f" (state {w['state']})" if "state" in w else "")
         lines += ["", f"## `{form}`: {title}", "",
                   "| N | pass | contender | time | spread (min – max) | vs linattn | peak memory | agreement | note |",
                   "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]

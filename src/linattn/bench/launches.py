@@ -8,8 +8,9 @@ composite op such as ``linalg.vecdot`` counts as the ops it is made of). On the 
 was within a few percent of the CUDA kernels launched (../shared/gpu/README.md).
 
 :func:`run_launches` (``linattn bench launches``, issue 44) counts them for every chunked form of
-``linattn bench gpu`` (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, causal linear
-attention, FAVOR+; B = 1, float32, the checkpoint widths) at each N, prefill (a forward without
+``linattn bench gpu`` (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, Mamba-2's SSD
+(the grouped route, with its dt and D), causal linear attention, FAVOR+; B = 1, float32, the
+checkpoint widths) at each N, prefill (a forward without
 gradients) and train (forward+backward), with the engines' ``strategy`` forced to ``"cpu"`` and to
 ``"accelerator"``: the accelerator strategy batches every chunk and scans the recurrence across
 chunks, so its count should stay flat in N (issue 44: at most 200 launches for a forward and 600
@@ -46,7 +47,7 @@ from ..functional import (
     linear_attention,
 )
 from ..processes import run_process
-from .gpu import FAVOR_FEATURES, HEAD_DIM, KERNEL_FORMS, QUICK_HEAD_DIM, QUICK_HEADS, Form, make_inputs
+from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, make_inputs, width_record, widths
 from .harness import git_state, machine_info, output_folder, peak_rss_bytes, release_free_heap, write_atomically
 
 __all__ = ["DEFAULT_NS", "FORMS", "GROWTH", "LIMITS", "NON_COMPUTING", "PASSES", "QUICK_NS", "STRATEGIES", "TARGETS",
@@ -116,7 +117,7 @@ def count_launches(fn: Callable[[], object]) -> LaunchCount:
 
 PASSES = ("prefill", "train")
 STRATEGIES = ("cpu", "accelerator")
-FORMS = tuple(KERNEL_FORMS)  # gated_delta, delta, kda, gla_channel, gla_head, linear, favor: bench gpu's forms
+FORMS = tuple(KERNEL_FORMS)  # bench gpu's forms: gated_delta, delta, kda, gla_channel, gla_head, ssd, linear, favor
 DEFAULT_NS = (4096, 16384)
 QUICK_NS = (256, 1024)
 # Issue 44's targets, with the accelerator strategy forced: at the largest N at most this many launches
@@ -138,6 +139,9 @@ def _form_fn(form: Form, head_dim: int, strategy: str) -> Callable[..., Tensor]:
         if form.decay is None:
             return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta, strategy=strategy)
         return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, strategy=strategy)
+    if form.state is not None:  # SSD: Mamba-2's dt and D in the engine
+        return lambda q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D,
+                                                               strategy=strategy)
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g, strategy=strategy)
 
 
@@ -147,8 +151,8 @@ def form_call(form: str, n: int, pass_: str, strategy: str, *, quick: bool = Fal
     ``train`` a forward and a backward into every input's gradient (reset to None first: no
     accumulation) from a cotangent of ones made here, outside the call."""
     spec = KERNEL_FORMS[form]
-    heads, head_dim = (QUICK_HEADS, QUICK_HEAD_DIM) if quick else (spec.heads, HEAD_DIM)
-    tensors = make_inputs(spec, n, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"))
+    heads, head_dim, state = widths(spec, quick)
+    tensors = make_inputs(spec, n, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"), state=state)
     fn = _form_fn(spec, head_dim, strategy)
     if pass_ == "prefill":
         def prefill() -> None:
@@ -266,8 +270,7 @@ def run_launches(out: str | Path = "docs/benchmarks/launches", *, n: Sequence[in
         "machine": {**machine_info(), "memory_bytes": _memory_bytes()},
         "config": {"forms": list(forms), "n": list(ns), "passes": list(PASSES), "strategies": list(STRATEGIES),
                    "quick": quick, "fresh_processes": fresh_processes, "dtype": "float32", "batch_size": 1,
-                   "warmup": 1, "widths": {f: {"heads": QUICK_HEADS if quick else KERNEL_FORMS[f].heads,
-                                               "head_dim": QUICK_HEAD_DIM if quick else HEAD_DIM} for f in forms},
+                   "warmup": 1, "widths": {f: width_record(KERNEL_FORMS[f], quick) for f in forms},
                    "limits": {"launches": LIMITS, "growth": GROWTH, "targets": list(TARGETS)}},
         "rows": [],
     }
@@ -334,7 +337,8 @@ def format_launches(result: dict) -> str:
     lo, hi = min(ns), max(ns)
     head = commit["head"][:12] if commit["head"] else "unknown (not a git checkout)"
     dirty = commit.get("uncommitted")
-    widths = "; ".join(f"{f} {w['heads']} x {w['head_dim']}" for f, w in cfg["widths"].items())
+    width_text = "; ".join(f"{f} {w['heads']} x {w['head_dim']}" + (f" (state {w['state']})" if "state" in w else "")
+                           for f, w in cfg["widths"].items())
     names = {"gated_delta": "Gated DeltaNet", "kda": "KDA", "gla_channel": "per-channel GLA",
              "linear": "causal linear attention"}
     lines = ["# Kernel launches of the chunked forms: the CPU strategy against the accelerator strategy", "",
@@ -349,7 +353,7 @@ def format_launches(result: dict) -> str:
              "`linattn.bench.launches.OWN_KERNEL`), counted besides that copy. On a GPU each launches a kernel; "
              "on an H200 the count of leaves was within a few percent of the CUDA kernels torch.profiler saw "
              "there (1497 against 1409 for one Gated DeltaNet forward at N = 4096, 16 heads of 128). "
-             f"B = 1, float32, heads x head width: {widths}. prefill: a forward without gradients; train: a "
+             f"B = 1, float32, heads x head width: {width_text}. prefill: a forward without gradients; train: a "
              "forward and a backward into every input's gradient. cpu / accelerator: the engines' `strategy=` "
              "forced. Peak memory: one call's resident set above its inputs, after the warm-up"
              + (", each count in a fresh process." if cfg.get("fresh_processes") else "."), "",

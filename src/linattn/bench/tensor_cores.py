@@ -8,8 +8,8 @@ under the ``linattn::half_operands`` label (elsewhere ``mixed_bmm`` multiplies t
 operands in float32: the same numbers, labelled); every other product counts as *full*.
 
 :func:`run_tensor_cores` (``linattn bench tensor-cores``, issue 44) measures, for every chunked
-form of ``linattn bench gpu`` (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, causal
-linear attention, FAVOR+; B = 1, bfloat16 inputs, the checkpoint widths), a forward's half share
+form of ``linattn bench gpu`` (Gated DeltaNet, DeltaNet, KDA, GLA per channel and per head, Mamba-2's
+SSD, causal linear attention, FAVOR+; B = 1, bfloat16 inputs, the checkpoint widths), a forward's half share
 with the engines' ``strategy`` forced to ``"accelerator"`` and to ``"cpu"``, and what the half
 operands cost in accuracy: the bf16 output's error against float64 on the same input values,
 beside the error of float32 products and of a float32 output cast to bf16, and beside FLA's
@@ -36,7 +36,8 @@ from torch import Tensor
 from .. import progress
 from ..functional import delta_rule_attention, favor_attention, favor_projection, gated_linear_attention, linear_attention
 from ..functional.strategy import HALF_OPERANDS
-from .gpu import FAVOR_FEATURES, HEAD_DIM, KERNEL_FORMS, QUICK_HEAD_DIM, QUICK_HEADS, Form
+from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, width_record, widths
+from .gpu import make_inputs as scan_inputs
 from .harness import git_state, machine_info, output_folder, write_atomically
 
 __all__ = ["DEFAULT_N", "FLA_RESULTS", "FORMS", "QUICK_N", "STRATEGIES", "ProductFlops", "fla_recorded", "form_fn",
@@ -93,18 +94,23 @@ def product_flops(fn: Callable[[], object]) -> ProductFlops:
 # the H200 run that measured FLA's Gated DeltaNet prefill against float64 (section F of check.py)
 FLA_RESULTS = Path(__file__).resolve().parents[4] / "shared" / "gpu" / "results-run2.jsonl"
 STRATEGIES = ("accelerator", "cpu")
-FORMS = tuple(KERNEL_FORMS)  # gated_delta, delta, kda, gla_channel, gla_head, linear, favor: bench gpu's forms
+FORMS = tuple(KERNEL_FORMS)  # bench gpu's forms: gated_delta, delta, kda, gla_channel, gla_head, ssd, linear, favor
 DEFAULT_N = 4096
 QUICK_N = 256
 HALF_SHARE_TARGET = 0.5  # issue 44: at least half of a forward's product FLOPs take half operands
 INPUT_DTYPE = torch.bfloat16
 
 
-def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, seed: int = 0) -> list[Tensor]:
+def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, seed: int = 0, state: int | None = None) -> list[Tensor]:
     """``[q, k, v, beta?, log_decay?]`` for ``form``, every one bfloat16 (the log decay too), drawn as
     the H200 run drew FLA's Gated DeltaNet inputs (check.py's section F): q, v N(0, 1); k N(0, 1),
     rows L2-normalised for the delta rule; beta U(0, 1) ``(B, H, N)``; log decays
-    log-sigmoid(N(0, 1) + 3), ``(B, H, N)`` per head or ``(B, H, N, D)`` per key channel."""
+    log-sigmoid(N(0, 1) + 3), ``(B, H, N)`` per head or ``(B, H, N, D)`` per key channel. SSD
+    (``form.state``): ``linattn.bench.gpu.make_inputs``'s Mamba-2 scan inputs of width ``state``, in
+    bfloat16."""
+    if form.state is not None:
+        return [t.to(INPUT_DTYPE) for t in scan_inputs(form, n, heads, head_dim, dtype=torch.float32,
+                                                        device=torch.device("cpu"), seed=seed, state=state)]
     g = torch.Generator().manual_seed(seed)
     shape = (1, heads, n, head_dim)  # (B, H, N, D)
     q, k, v = (torch.randn(shape, generator=g) for _ in range(3))
@@ -132,6 +138,9 @@ def form_fn(form: Form, projection: Tensor | None = None) -> Callable[..., Tenso
         if form.decay is None:
             return lambda s, q, k, v, beta: delta_rule_attention(q, k, v, beta, strategy=s)
         return lambda s, q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, strategy=s)
+    if form.state is not None:  # SSD: Mamba-2's dt and D in the engine
+        return lambda s, q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D,
+                                                                  strategy=s)
     return lambda s, q, k, v, g: gated_linear_attention(q, k, v, g, strategy=s)
 
 
@@ -149,8 +158,8 @@ def measure_form(form: str, n: int, *, quick: bool = False) -> dict:
     float32 output of the accelerator strategy on the same values (float32 inputs: no half operands)
     and of that output cast to bf16."""
     spec = KERNEL_FORMS[form]
-    heads, head_dim = (QUICK_HEADS, QUICK_HEAD_DIM) if quick else (spec.heads, HEAD_DIM)
-    inputs = make_inputs(spec, n, heads, head_dim)
+    heads, head_dim, state = widths(spec, quick)
+    inputs = make_inputs(spec, n, heads, head_dim, state=state)
     projection = None
     if spec.name == "favor":  # (m, D), rounded to bf16 like the other inputs
         projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0)).to(INPUT_DTYPE)
@@ -220,8 +229,7 @@ def run_tensor_cores(out: str | Path = "docs/benchmarks/tensor_cores", *, n: int
         "machine": machine_info(),
         "config": {"forms": list(FORMS), "n": n, "quick": quick, "batch_size": 1, "dtype": "bfloat16",
                    "strategies": list(STRATEGIES), "favor_features": FAVOR_FEATURES,
-                   "widths": {f: {"heads": QUICK_HEADS if quick else KERNEL_FORMS[f].heads,
-                                  "head_dim": QUICK_HEAD_DIM if quick else HEAD_DIM} for f in FORMS},
+                   "widths": {f: width_record(KERNEL_FORMS[f], quick) for f in FORMS},
                    "half_share_target": HALF_SHARE_TARGET},
         "fla": {"source": str(FLA_RESULTS), "rows": fla_recorded()},
         "rows": [],
