@@ -49,22 +49,22 @@ def test_bench_transformers_refuses_bad_values(tmp_path):
 
 
 def test_bench_transformers_subjects_tiny(tmp_path):
-    """``--subjects``: only those are timed (the Mamba-2 family here), into a folder of their own,
-    and the command line written says so."""
-    out = tmp_path / "ssd"
+    """``--subjects``: only those are timed (a Mamba-2 model and Kimi Linear's small model here: two
+    families, one decoded, one timed alone), into a folder of their own, and the command line written
+    says so. Subjects with memory children are left to the whole run above (each child a fresh
+    process: tens of seconds)."""
+    out = tmp_path / "some"
     assert main(["bench", "transformers", "--sizes", "tiny", "--runs", "1", "--repeats", "1", "--subjects",
-                 "ssd_model,ssd_core,ssd_layer", "--out", str(out)]) == 0
+                 "ssd_model,kda_small_model", "--out", str(out)]) == 0
     result = json.loads((out / "transformers.json").read_text())
-    subjects = ("ssd_core", "ssd_layer", "ssd_model")
-    assert "--subjects ssd_core,ssd_layer,ssd_model" in result["command"]
+    subjects = ("kda_small_model", "ssd_model")
+    assert "--subjects kda_small_model,ssd_model" in result["command"]
     want = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s in subjects for p, ns in bench.PLAN[s].items() for n in ns}
     assert set(result["ratios"]) == want
-    assert set(result["decode_ratios"]) == {f"{s}/{bench._position(p, 'tiny')}" for s in ("ssd_layer", "ssd_model")
-                                            for p in bench.DECODE_POSITIONS}
-    assert set(result["memory"]) == {f"{s}/{path}/{bench._n(n, 'tiny')}" for s in ("ssd_core", "ssd_layer")
-                                     for n in bench.MEMORY_PLAN[s][0] for path in bench.PATHS}
-    assert set(result["alone_ratios"]) == {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, p, n in bench.ALONE
-                                           if s in subjects}
+    assert set(result["decode_ratios"]) == {f"ssd_model/{bench._position(p, 'tiny')}" for p in bench.DECODE_POSITIONS}
+    assert result["memory"] == {} and not any(s in bench.MEMORY_PLAN for s in subjects)
+    alone = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, p, n in bench.ALONE if s in subjects}
+    assert set(result["alone_ratios"]) == alone == {"kda_small_model/prefill/128"}
 
 
 def test_bench_transformers_refuses_unknown_subjects(capsys):
