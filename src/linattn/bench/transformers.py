@@ -138,25 +138,29 @@ def _ssd_scan(path: str):
         x, dt, A, B, C, chunk_size=256, D=D, dt_bias=dt_bias, dt_softplus=True, return_final_states=final)
 
 
-def build(subject: str, sizes: str):
+def build(subject: str, sizes: str, paths: tuple[str, ...] = PATHS):
     """``(model, module timed, config)``: the subject's small model built by ``from_config`` (weights
-    initialised as transformers does), and the layer or the model itself."""
+    initialised as transformers does), and the layer or the model itself. A core subject's module is
+    ``{path: function}`` for ``paths`` only: a child that times or measures linattn's alone does not
+    import transformers' modeling code (seconds a process, and not what a user of linattn's runs)."""
     from ..integrations import transformers as lt
 
     family = _family(subject)
     if subject == "ssd_core":
         big = sizes == "checkpoint"
-        return None, {p: _ssd_scan(p) for p in PATHS}, {"heads": 64 if big else 4, "head_dim": 64 if big else 16,
+        return None, {p: _ssd_scan(p) for p in paths}, {"heads": 64 if big else 4, "head_dim": 64 if big else 16,
                                                          "state": 128 if big else 16, "groups": 1}
     if subject.endswith("core"):
         import importlib
 
-        module = importlib.import_module(lt.FAMILIES[family].module)
-        theirs = module.chunk_kimi_delta_attention if family == "kimi_linear" else module.torch_chunk_gated_delta_rule
+        fns = {"linattn": lt.delta_rule}
+        if "transformers" in paths:
+            module = importlib.import_module(lt.FAMILIES[family].module)
+            fns["transformers"] = (module.chunk_kimi_delta_attention if family == "kimi_linear"
+                                   else module.torch_chunk_gated_delta_rule)
         H = (16 if family == "qwen3_5" else 32) if sizes == "checkpoint" else 4
         D = 128 if sizes == "checkpoint" else 16
-        return None, {"transformers": theirs, "linattn": lt.delta_rule}, {"heads": H, "head_dim": D,
-                                                                           "kda": family == "kimi_linear"}
+        return None, {p: fns[p] for p in paths}, {"heads": H, "head_dim": D, "kda": family == "kimi_linear"}
     if sizes == "tiny":
         dims = dict(hidden_size=64, heads=4, head_dim=16)
     elif family == "mamba2":  # Mamba-2 1.3B's mixer
@@ -222,8 +226,6 @@ def _inputs(subject: str, module, config, n: int, *, grad: bool):
 
 
 def _call(subject: str, module, config, x, pass_: str, path: str = "linattn") -> None:
-    from transformers import DynamicCache
-
     if subject == "ssd_core":
         if pass_ == "prefill":
             with torch.no_grad():
@@ -251,6 +253,8 @@ def _call(subject: str, module, config, x, pass_: str, path: str = "linattn") ->
     if pass_ == "prefill":
         with torch.no_grad():
             if subject.endswith("layer"):
+                from transformers import DynamicCache  # here: a core subject's call needs none of transformers
+
                 module(x, cache_params=DynamicCache(config=config))
             else:  # a model without attention layers cannot have transformers' cache (docstring)
                 module(x, use_cache=subject != "kda_small_model")
@@ -284,7 +288,7 @@ def _alone_child(key: str, path: str, sizes: str, repeats: int) -> dict:
     this fresh process: a warm-up call where :func:`_warm` gives one, then ``repeats`` timed calls."""
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     subject, pass_, n = key.split("/")
-    model, module, config = build(subject, sizes)
+    model, module, config = build(subject, sizes, (path,))
     if model is not None:
         module.train(False)
     n = int(n)
@@ -378,7 +382,7 @@ def _memory_child(subject: str, path: str, n: int, sizes: str) -> dict:
     torch.set_num_threads(int(os.environ.get("LINATTN_BENCH_THREADS", "2")))
     from .harness import peak_rss_bytes, release_free_heap
 
-    model, module, config = build(subject, sizes)
+    model, module, config = build(subject, sizes, (path,))
     _switch(module, path)
     short = _inputs(subject, module, config, 64, grad=False)
     _call(subject, module, config, short, "prefill", path)  # lazy initialisation first
