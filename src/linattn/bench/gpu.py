@@ -90,7 +90,7 @@ from ..nn import FavorConfig
 from .harness import RUNS, machine_info, output_folder, spread, write_atomically
 
 __all__ = ["CONTENDERS", "DTYPES", "FORMS", "KERNEL_FORMS", "MODEL_FORM", "PASSES", "Form", "aggregate",
-           "check_device", "format_gpu", "run_gpu"]
+           "check_device", "form_function", "format_gpu", "run_gpu"]
 
 # Dimension legend: B batch (1), H heads, N positions, D head width (Dk = Dv).
 
@@ -351,20 +351,34 @@ def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, dtype: torch.d
     return out
 
 
-def _linattn_fn(form: Form, head_dim: int, dtype: torch.dtype, device: torch.device) -> Callable[..., Tensor]:
+def form_function(form: Form, *, strategy: str = "auto", projection: Tensor | None = None) -> Callable[..., Tensor]:
+    """linattn's function of ``form`` on :func:`make_inputs`' tensors, ``fn(q, k, v[, beta][, log_decay]
+    [, value_scale, skip])``, with the engines' ``strategy`` (``"auto"``: the device's); FAVOR+ takes
+    ``projection (m, D)``, converted to q's dtype. The one definition behind ``bench gpu``,
+    ``bench launches`` and ``bench tensor-cores``."""
     if form.name == "favor":
-        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0),
-                                      dtype=dtype, device=device)  # (m, D), drawn once, outside the timing
-        return lambda q, k, v: favor_attention(q, k, v, projection, causal=True)
+        if projection is None:
+            raise ValueError("form_function: FAVOR+ needs its projection (m, D)")
+        return lambda q, k, v: favor_attention(q, k, v, projection.to(q.dtype), causal=True, strategy=strategy)
     if form.name == "linear":
-        return lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map="elu")
+        return lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map="elu", strategy=strategy)
     if form.delta:
         if form.decay is None:
-            return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta)
-        return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g)
-    if form.state is not None:
-        return lambda q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D)
-    return lambda q, k, v, g: gated_linear_attention(q, k, v, g)
+            return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta, strategy=strategy)
+        return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, strategy=strategy)
+    if form.state is not None:  # SSD: Mamba-2's dt and D in the engine
+        return lambda q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D,
+                                                               strategy=strategy)
+    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, strategy=strategy)
+
+
+def _linattn_fn(form: Form, head_dim: int, dtype: torch.dtype, device: torch.device) -> Callable[..., Tensor]:
+    """:func:`form_function` on ``device``, FAVOR+'s projection drawn there once, outside the timing."""
+    projection = None
+    if form.name == "favor":
+        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0),
+                                      dtype=dtype, device=device)  # (m, D)
+    return form_function(form, projection=projection)
 
 
 def _fla_fn(form: Form, head_dim: int) -> Callable[..., Tensor]:

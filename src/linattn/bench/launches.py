@@ -36,18 +36,11 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import torch
-from torch import Tensor
 
 from .. import progress
-from ..functional import (
-    delta_rule_attention,
-    favor_attention,
-    favor_projection,
-    gated_linear_attention,
-    linear_attention,
-)
+from ..functional import favor_projection
 from ..processes import run_process
-from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, make_inputs, width_record, widths
+from .gpu import FAVOR_FEATURES, KERNEL_FORMS, form_function, make_inputs, width_record, widths
 from .harness import git_state, machine_info, output_folder, peak_rss_bytes, release_free_heap, write_atomically
 
 __all__ = ["DEFAULT_NS", "FORMS", "GROWTH", "LIMITS", "NON_COMPUTING", "PASSES", "QUICK_NS", "STRATEGIES", "TARGETS",
@@ -128,23 +121,6 @@ TARGETS = ("gated_delta", "kda", "gla_channel", "linear")
 TOP_OPS = 8  # the most frequent ops kept per row in launches.json
 
 
-def _form_fn(form: Form, head_dim: int, strategy: str) -> Callable[..., Tensor]:
-    """linattn's function of ``form`` with ``strategy`` forced: ``fn(q, k, v[, beta][, log_decay])``."""
-    if form.name == "favor":
-        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0))  # (m, D)
-        return lambda q, k, v: favor_attention(q, k, v, projection, causal=True, strategy=strategy)
-    if form.name == "linear":
-        return lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map="elu", strategy=strategy)
-    if form.delta:
-        if form.decay is None:
-            return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta, strategy=strategy)
-        return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, strategy=strategy)
-    if form.state is not None:  # SSD: Mamba-2's dt and D in the engine
-        return lambda q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D,
-                                                               strategy=strategy)
-    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, strategy=strategy)
-
-
 def form_call(form: str, n: int, pass_: str, strategy: str, *, quick: bool = False) -> Callable[[], None]:
     """One call of ``form`` at ``n`` (B = 1, float32, the form's checkpoint width; 2 heads of 16 with
     ``quick``) with ``strategy`` forced, on the CPU: ``prefill`` a forward without gradients,
@@ -153,7 +129,10 @@ def form_call(form: str, n: int, pass_: str, strategy: str, *, quick: bool = Fal
     spec = KERNEL_FORMS[form]
     heads, head_dim, state = widths(spec, quick)
     tensors = make_inputs(spec, n, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"), state=state)
-    fn = _form_fn(spec, head_dim, strategy)
+    projection = None
+    if spec.name == "favor":
+        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0))  # (m, D)
+    fn = form_function(spec, strategy=strategy, projection=projection)
     if pass_ == "prefill":
         def prefill() -> None:
             with torch.no_grad():

@@ -34,13 +34,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import progress
-from ..functional import delta_rule_attention, favor_attention, favor_projection, gated_linear_attention, linear_attention
+from ..functional import favor_projection
 from ..functional.strategy import HALF_OPERANDS
-from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, width_record, widths
+from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, form_function, width_record, widths
 from .gpu import make_inputs as scan_inputs
 from .harness import git_state, machine_info, output_folder, write_atomically
 
-__all__ = ["DEFAULT_N", "FLA_RESULTS", "FORMS", "QUICK_N", "STRATEGIES", "ProductFlops", "fla_recorded", "form_fn",
+__all__ = ["DEFAULT_N", "FLA_RESULTS", "FORMS", "QUICK_N", "STRATEGIES", "ProductFlops", "fla_recorded",
            "format_tensor_cores", "make_inputs", "measure_form", "product_flops", "relative_error", "run_tensor_cores"]
 
 _PRODUCTS = frozenset({"aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm", "aten::addbmm"})
@@ -125,25 +125,6 @@ def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, seed: int = 0,
     return [t.to(INPUT_DTYPE) for t in out]
 
 
-def form_fn(form: Form, projection: Tensor | None = None) -> Callable[..., Tensor]:
-    """linattn's function of ``form``: ``fn(strategy, q, k, v[, beta][, log_decay])``, computed in the
-    inputs' dtype; FAVOR+ takes ``projection (m, D)`` converted to it."""
-    if form.name == "favor":
-        if projection is None:
-            raise ValueError("form_fn: FAVOR+ needs its projection (m, D)")
-        return lambda s, q, k, v: favor_attention(q, k, v, projection.to(q.dtype), causal=True, strategy=s)
-    if form.name == "linear":
-        return lambda s, q, k, v: linear_attention(q, k, v, causal=True, feature_map="elu", strategy=s)
-    if form.delta:
-        if form.decay is None:
-            return lambda s, q, k, v, beta: delta_rule_attention(q, k, v, beta, strategy=s)
-        return lambda s, q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, strategy=s)
-    if form.state is not None:  # SSD: Mamba-2's dt and D in the engine
-        return lambda s, q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D,
-                                                                  strategy=s)
-    return lambda s, q, k, v, g: gated_linear_attention(q, k, v, g, strategy=s)
-
-
 def relative_error(out: Tensor, reference: Tensor) -> float:
     """``max |out - reference| / max |reference|``, in float64 (check.py's ``relerr``)."""
     out, reference = out.detach().double(), reference.detach().double()
@@ -163,7 +144,9 @@ def measure_form(form: str, n: int, *, quick: bool = False) -> dict:
     projection = None
     if spec.name == "favor":  # (m, D), rounded to bf16 like the other inputs
         projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0)).to(INPUT_DTYPE)
-    fn = form_fn(spec, projection)
+    def fn(strategy: str, *tensors: Tensor) -> Tensor:  # computed in the tensors' dtype
+        return form_function(spec, strategy=strategy, projection=projection)(*tensors)
+
     row: dict = {"form": form, "n": n, "heads": heads, "head_dim": head_dim}
     t0 = time.perf_counter()
     with torch.no_grad():
