@@ -63,6 +63,7 @@ import contextlib
 import functools
 import importlib
 import json
+import math
 import platform
 import statistics
 import sys
@@ -459,11 +460,10 @@ def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, devi
 
 
 def ssd_inputs(n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dtype, device: torch.device,
-               seed: int = 0) -> dict[str, Tensor]:
+               seed: int = 0, groups: int = 1) -> dict[str, Tensor]:
     """A Mamba-2 mixer's scan inputs in transformers' layout (see the module docstring), x, dt, B, C
-    in ``dtype``, A, D and dt_bias in float32 as the mixer keeps them in its compute."""
-    import math
-
+    in ``dtype``, A, D and dt_bias in float32 as the mixer keeps them in its compute; B and C
+    ``(1, n, groups, state)``. ``bench transformers``' ssd_core draws its inputs here too."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def normal(*size: int) -> Tensor:
@@ -473,7 +473,7 @@ def ssd_inputs(n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dt
     dt0 = torch.exp(torch.rand(heads, generator=g, device=device) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
     return {"x": normal(1, n, heads, head_dim).to(dtype), "dt": (normal(1, n, heads) * 0.5).to(dtype),
             "A": -torch.arange(1, heads + 1, dtype=torch.float32, device=device),
-            "B": normal(1, n, 1, state).to(dtype), "C": normal(1, n, 1, state).to(dtype),
+            "B": normal(1, n, groups, state).to(dtype), "C": normal(1, n, groups, state).to(dtype),
             "D": torch.ones(heads, device=device), "dt_bias": dt0 + torch.log(-torch.expm1(-dt0))}
 
 

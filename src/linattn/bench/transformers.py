@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -60,6 +59,7 @@ import torch
 
 from .. import progress
 from ..processes import run_process
+from .gpu import ssd_inputs
 from .harness import (
     INHERITED_ALLOCATOR,
     RUNS,
@@ -200,17 +200,13 @@ def _position(position: int, sizes: str) -> int:
 
 
 def _inputs(subject: str, module, config, n: int, *, grad: bool):
-    g = torch.Generator().manual_seed(1)
     if subject == "ssd_core":
         # transformers' layout; A and dt_bias initialised as Mamba-2 does (A = -1 .. -H, dt in
-        # [1e-3, 1e-1] log-uniform), the raw time steps around 0
-        H, P, Ds, G = config["heads"], config["head_dim"], config["state"], config["groups"]
-        dt0 = torch.exp(torch.rand(H, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-        x = {"x": torch.randn(1, n, H, P, generator=g), "dt": torch.randn(1, n, H, generator=g) * 0.5,
-             "A": -torch.arange(1, H + 1, dtype=torch.float32), "B": torch.randn(1, n, G, Ds, generator=g),
-             "C": torch.randn(1, n, G, Ds, generator=g), "D": torch.ones(H),
-             "dt_bias": dt0 + torch.log(-torch.expm1(-dt0))}
+        # [1e-3, 1e-1] log-uniform), the raw time steps around 0: bench gpu's ssd inputs, float32
+        x = ssd_inputs(n, config["heads"], config["head_dim"], config["state"], dtype=torch.float32,
+                       device=torch.device("cpu"), seed=1, groups=config["groups"])
         return {k: t.requires_grad_(grad) for k, t in x.items()}
+    g = torch.Generator().manual_seed(1)
     if subject.endswith("core"):
         # transformers' layout (B, N, heads, D); decays near 1 as trained models have, beta in (0, 1)
         H, D = config["heads"], config["head_dim"]
