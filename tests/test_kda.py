@@ -162,23 +162,27 @@ def test_context_parallel_over_two_ranks(tmp_path):
         torch.testing.assert_close(torch.cat([r["grads"][i] for r in results], 2), w, msg=f"gradient {i}")
 
 
-def test_strong_per_channel_decays_leave_no_subnormal_decay_factors_in_float32():
+@pytest.mark.parametrize("C", [16, 64])
+@pytest.mark.parametrize("batched", [False, True])
+def test_strong_per_channel_decays_leave_no_subnormal_decay_factors_in_float32(C, batched):
     """Per-channel decays as strong as a Qwen3.5 layer's at initialisation (A up to 16) made the
     products of decays subnormal in float32, where every product with them runs several times
     slower: the factors are flushed below log_decays.negligible_decay as they are formed (in
-    float32; float64's are kept). KDA in float32 still matches float64, and float64 the reference."""
+    float32; float64's are kept), in both forms of the decays (the CPU's row by row, the
+    accelerator's batched), over 4 and 16 sub-chunks. KDA in float32 still matches float64, and
+    float64 the reference."""
     from linattn.functional.decayed import channel_decays
 
     g = torch.Generator().manual_seed(3)
-    B, H, N, D = 1, 2, 200, 16
+    B, H, N, D = 1, 2, 192, 16
     log_decay = -torch.empty(H, 1, 1, dtype=torch.float64).uniform_(0.01, 16, generator=g) * \
         F.softplus(torch.randn(B, H, N, D, generator=g, dtype=torch.float64) + 1)
-    decays = channel_decays(log_decay.float().reshape(-1, 16, D), 4)
+    decays = channel_decays(log_decay.float().reshape(-1, C, D), 4, batched)
     before = decays.before()
     tiny = torch.finfo(torch.float32).tiny
     for name, t in (("runs", torch.cat([r.flatten() for r in decays.runs[1:]])), ("inner", decays.inner),
                     ("from_start", decays.from_start(before)), ("to_end", decays.to_end()),
-                    ("whole", decays.whole(before)), ("between", decays.between())):
+                    ("whole", decays.whole(before)), ("between", decays.between(batched))):
         assert not ((t != 0) & (t.abs() < tiny)).any(), name
     q, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(2))
     k = F.normalize(torch.randn(B, H, N, D, generator=g, dtype=torch.float64), dim=-1)
@@ -189,3 +193,33 @@ def test_strong_per_channel_decays_leave_no_subnormal_decay_factors_in_float32()
     scale = want.abs().max()
     assert float((got64 - want).abs().max() / scale) < 1e-12
     assert float((got32.double() - want).abs().max() / scale) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batched", [False, True])
+def test_channel_decays_against_the_exponentials_of_cumulative_sums(dtype, batched):
+    """Both forms of the per-channel decays (the CPU's products row by row, the accelerator's
+    cumulative products) against exp of differences of float64 cumulative sums, their definition
+    (mild decays, where the flush moves nothing), 16 sub-chunks of 4; and a reset (a log decay
+    below -40, -inf included) a decay of exactly 0 in both dtypes."""
+    from linattn.functional.decayed import channel_decays
+
+    gen = torch.Generator().manual_seed(5)
+    M, C, D, c = 6, 64, 8, 4
+    n = C // c
+    g = F.logsigmoid(torch.randn(M, C, D, generator=gen, dtype=torch.float64) + 3)
+    b = g.cumsum(1)  # b_t, from the chunk's start
+    r = b.view(M, n, c, D)[:, :, -1]  # r_i, at the end of sub-chunk i
+    start = torch.cat([torch.zeros(M, 1, D, dtype=g.dtype), r[:, :-1]], 1)  # r_{i-1}
+    decays = channel_decays(g.to(dtype), c, batched)
+    tol = {"rtol": 1e-5 if dtype == torch.float32 else 1e-12, "atol": 0.0}
+    torch.testing.assert_close(decays.inner.double(), (b.view(M, n, c, D) - start[:, :, None]).exp(), **tol)
+    torch.testing.assert_close(decays.rev.double(), (r[:, :, None] - b.view(M, n, c, D)).exp(), **tol)
+    torch.testing.assert_close(decays.total.double(), (r - start).exp(), **tol)
+    i, j = torch.arange(1, n)[:, None], torch.arange(n - 1)[None, :]
+    want = (r[:, i - 1] - r[:, j]).exp() * (j < i)[..., None]  # exp(r_{i-1} - r_j) for j < i, else 0
+    torch.testing.assert_close(decays.between(batched).double(), want, **tol)
+    g[0, 5, 1], g[1, 0, 0], g[2, 63, 7] = -float("inf"), -41.0, -1e4
+    a = channel_decays(g.to(dtype), c, batched).a.reshape(M, C, D)
+    assert a[0, 5, 1] == 0 and a[1, 0, 0] == 0 and a[2, 63, 7] == 0
+    assert (a[g > -40] > 0).all()

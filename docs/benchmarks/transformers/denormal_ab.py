@@ -2,7 +2,8 @@
 first written for the flush of negligible decay factors (functional/log_decays.py,
 NEGLIGIBLE_DECAY), with the decays Qwen3.5's layers have (set "denormal", the default), and used
 again for later engine work (set "engine": prefill and forward+backward at N = 1024 .. 16384 with
-the mild decays of `bench transformers`, and the layers' decays at two settings).
+the mild decays of `bench transformers`, and the layers' decays at two settings; set "kda": KDA, a
+decay per key channel, at kda_small_model's and Kimi Linear's widths).
 
     .venv/bin/python docs/benchmarks/transformers/denormal_ab.py OLD_REV [SET [NAME]]
 
@@ -34,12 +35,34 @@ SETS = {
                (("mild decays", "prefill", 1024), ("mild decays", "prefill", 4096), ("mild decays", "prefill", 16384),
                 ("mild decays", "train", 1024), ("mild decays", "train", 4096), ("layer decays", "prefill", 4096),
                 ("layer decays", "train", 1024))),
+    # KDA (a decay per key channel) at kda_small_model's width (8 heads of 64) and Kimi Linear's (32 of 128)
+    "kda": ("KDA's engine against an earlier revision",
+            (("kda 8x64 mild", "prefill", 2048), ("kda 8x64 mild", "train", 2048), ("kda 8x64 layer", "prefill", 2048),
+             ("kda 32x128 mild", "prefill", 4096), ("kda 32x128 mild", "train", 1024))),
 }
+
+
+def _inputs(decays: str, pass_: str, n: int, g):
+    """The inputs of one setting: Gated DeltaNet at 16 heads of 128 (a decay per head), or KDA at
+    the width its label names, ``kda HxD mild|layer`` (a decay per key channel)."""
+    import torch
+    import torch.nn.functional as F
+
+    kda = decays.startswith("kda")
+    H, D = (int(s) for s in decays.split()[1].split("x")) if kda else (16, 128)
+    x = {name: torch.randn(1, n, H, D, generator=g) for name in ("query", "key", "value")}
+    shape = (1, n, H, D) if kda else (1, n, H)
+    if "layer" in decays:
+        A = torch.empty(H, *((1,) if kda else ())).uniform_(0.01, 16, generator=g)
+        x["g"] = -A * F.softplus(torch.randn(*shape, generator=g) + 1.0)
+    else:
+        x["g"] = F.logsigmoid(torch.randn(*shape, generator=g) + 4)
+    x["beta"] = torch.sigmoid(torch.randn(1, n, H, generator=g))
+    return {k: t.requires_grad_(pass_ == "train") for k, t in x.items()}
 
 
 def child(old_src: str, name: str) -> dict:
     import torch
-    import torch.nn.functional as F
 
     sys.path.insert(0, old_src)
     sys.path.insert(0, str(ROOT / "docs" / "benchmarks"))
@@ -54,15 +77,7 @@ def child(old_src: str, name: str) -> dict:
     monitor = OtherLoad(reference=True)
     out = {}
     for decays, pass_, n in SETS[name][1]:
-        g = torch.Generator().manual_seed(0)
-        x = {name: torch.randn(1, n, 16, 128, generator=g) for name in ("query", "key", "value")}
-        if decays == "layer decays":
-            A = torch.empty(16).uniform_(0.01, 16, generator=g)
-            x["g"] = -A * F.softplus(torch.randn(1, n, 16, generator=g) + 1.0)
-        else:
-            x["g"] = F.logsigmoid(torch.randn(1, n, 16, generator=g) + 4)
-        x["beta"] = torch.sigmoid(torch.randn(1, n, 16, generator=g))
-        x = {k: t.requires_grad_(pass_ == "train") for k, t in x.items()}
+        x = _inputs(decays, pass_, n, torch.Generator().manual_seed(0))
 
         def f(package):
             args = (x["query"], x["key"], x["value"], x["g"], x["beta"])

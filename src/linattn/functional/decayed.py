@@ -559,15 +559,13 @@ class ChannelDecays(NamedTuple):
     see the comment above :func:`sub_chunk_length`). With b the cumulative log decay from the
     chunk's start and r_i its value at the end of sub-chunk i:
 
-    ``reset (M, C, D)``: ``g < RESET_LOG_DECAY``, a decay of exactly 0; ``a (M, n, c, D)``:
-    ``exp(g)``, 0 at a reset; ``runs``: ``runs[d] (M, n, c - d, D)`` = ``exp(b_{s+d} - b_s)``
-    within a sub-chunk (:func:`_sub_chunk_runs`); ``inner (M, n, c, D)``: ``exp(b_t - r_{i-1})``,
+    ``a (M, n, c, D)``: ``exp(g)``, 0 at a reset (``g < RESET_LOG_DECAY``); ``runs``:
+    ``runs[d] (M, n, c - d, D)`` = ``exp(b_{s+d} - b_s)`` within a sub-chunk (:func:`_sub_chunk_runs`); ``inner (M, n, c, D)``: ``exp(b_t - r_{i-1})``,
     the product from the start of t's sub-chunk to t; ``rev (M, n, c, D)``: ``exp(r_i - b_t)``, the
     product after t to the end of its sub-chunk; ``total (M, n, D)``: ``exp(r_i - r_{i-1})``, each
     sub-chunk's.
     """
 
-    reset: Tensor
     a: Tensor
     runs: list
     inner: Tensor
@@ -597,38 +595,61 @@ class ChannelDecays(NamedTuple):
         """``(M, D)``: ``exp(b_C)``, the decay over the whole chunk."""
         return _flush_low(before[:, -1, 0] * self.total[:, -1])
 
-    def between(self) -> Tensor:
+    def between(self, batched: bool = False) -> Tensor:
         """``(M, n-1 (i), n-1 (j), D)``: ``exp(r_{i-1} - r_j)`` for a query sub-chunk i >= 1 and a
-        key sub-chunk j < i, the product over the sub-chunks strictly between them; 0 for j >= i."""
+        key sub-chunk j < i, the product over the sub-chunks strictly between them; 0 for j >= i.
+        ``batched`` (the accelerator): all rows at once, a reverse cumulative product over a
+        masked (M, n-1, n-1, D) tensor, in a few launches; else row by row, each row the one
+        before times one sub-chunk's total (n - 2 products of (M, <= n-2, D)), which on a CPU
+        took a tenth of the time of the cumulative product's flips and masks."""
         M, n, _, D = self.inner.shape
-        i = torch.arange(n - 1, device=self.a.device)
-        # f[i - 1, u] = total_{u+1} for u < i - 1, else 1: the product of f[i - 1, j:] is that of
-        # the totals of sub-chunks j + 1 .. i - 1
-        f = torch.where((i[None, :] < i[:, None])[:, :, None], self.total[:, 1:].unsqueeze(1),
-                        self.total.new_ones(()))  # (M, n-1, n-1, D)
-        return _flush_low(f.flip(2).cumprod(2).flip(2).masked_fill_((i[None, :] > i[:, None])[:, :, None], 0))
+        if batched:
+            i = torch.arange(n - 1, device=self.a.device)
+            # f[i - 1, u] = total_{u+1} for u < i - 1, else 1: the product of f[i - 1, j:] is that of
+            # the totals of sub-chunks j + 1 .. i - 1
+            f = torch.where((i[None, :] < i[:, None])[:, :, None], self.total[:, 1:].unsqueeze(1),
+                            self.total.new_ones(()))  # (M, n-1, n-1, D)
+            return _flush_low(f.flip(2).cumprod(2).flip(2).masked_fill_((i[None, :] > i[:, None])[:, :, None], 0))
+        mid = self.total.new_zeros(M, n - 1, n - 1, D)
+        mid.diagonal(dim1=1, dim2=2).fill_(1)  # j = i - 1: no sub-chunk between
+        for i in range(2, n):  # row i - 1 = row i - 2 times total_{i-1}, for j < i - 1
+            # flushed row by row, so that no product of factors each above the threshold goes subnormal
+            _flush_low(torch.mul(mid[:, i - 2, : i - 1], self.total[:, i - 1 : i], out=mid[:, i - 1, : i - 1]))
+        return mid
 
 
-def channel_decays(g: Tensor, c: int, reset: Tensor | None = None) -> ChannelDecays:
+def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
     """:class:`ChannelDecays` of the log decays ``g (M, C, D)`` (<= 0, -inf allowed) in sub-chunks
-    of ``c`` positions (``reset``: ``g < RESET_LOG_DECAY`` when the caller has it already)."""
+    of ``c`` positions; ``batched`` (the accelerator): the cumulative products within sub-chunks
+    as one ``cumprod``, else from the sub-chunks' runs (c - 1 products of (M, n, D), which on a
+    CPU took a tenth of the time of a ``cumprod`` along a short inner dimension)."""
     M, C, D = g.shape
     n = C // c
-    reset = g < RESET_LOG_DECAY if reset is None else reset
     # a reset an exact 0 (log_decays.py); clamped first, as exp of far below its range takes a
     # slow path on CPUs. In float32 every factor below log_decays.negligible_decay (2**-40) is
     # flushed to 0 as it is formed (_flush_low): products of such factors fell into the subnormal
     # range, where every product with them runs several times slower (KDA with strong per-channel
-    # decays: docs/benchmarks/README.md, History)
-    a = _flush_low(g.clamp(min=RESET_LOG_DECAY).exp_().masked_fill_(reset, 0)).view(M, n, c, D)
+    # decays: docs/benchmarks/README.md, History). That flush also makes a reset's exp(-40) an
+    # exact 0; float64's factors are not flushed, so there it is masked
+    a = g.clamp(min=RESET_LOG_DECAY).exp_()
+    if a.dtype == torch.float64:
+        a.masked_fill_(g < RESET_LOG_DECAY, 0)
+    a = _flush_low(a).view(M, n, c, D)
     runs = _sub_chunk_runs(a)
-    inner = _flush_low(a.cumprod(2))
+    if batched:
+        inner = _flush_low(a.cumprod(2))
+    else:  # a_1 ... a_t = a_1 runs[t - 1] at s = 1 (products of two flushed factors: none subnormal)
+        inner = a.new_empty(M, n, c, D)
+        inner[:, :, 0] = a[:, :, 0]
+        for t in range(1, c):
+            torch.mul(a[:, :, 0], runs[t][:, :, 0], out=inner[:, :, t])
+        inner = _flush_low(inner)
     # the products to the end of the sub-chunk are runs already formed: a_{t+1} .. a_c = runs[c-1-t][t]
     rev = a.new_empty(M, n, c, D)
     rev[:, :, -1] = 1
     for t in range(c - 1):
         rev[:, :, t] = runs[c - 1 - t][:, :, t]
-    return ChannelDecays(reset, a, runs, inner, rev, inner[:, :, -1])
+    return ChannelDecays(a, runs, inner, rev, inner[:, :, -1])
 
 
 def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.dtype | None = None,
@@ -669,7 +690,7 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.d
         # the middle one per pair of sub-chunks, 0 for j >= i.
         eq = decays.inner[:, 1:]  # (M, n-1, c, D)
         ek = decays.rev[:, :-1]  # (M, n-1, c, D)
-        mid = decays.between()  # (M, n-1 (i), n-1 (j), D)
+        mid = decays.between(batched)  # (M, n-1 (i), n-1 (j), D)
         # the S sets' queries of sub-chunk i side by side, (M, n-1, S, c, D): one product per
         # sub-chunk for all sets
         qt = torch.mul(xs[:, :, 1:].transpose(1, 2), eq.unsqueeze(2),

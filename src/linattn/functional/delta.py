@@ -252,7 +252,7 @@ class _Scores(NamedTuple):
     P: Tensor
     Kd: Tensor
     GQ: Tensor
-    channel: tuple | None = None  # per key channel (KDA): (c, the saved parts of A's and P's scores)
+    channel: tuple | None = None  # per key channel (KDA): (c, q and k stacked, the scores' saved parts, g)
 
 
 class _Solved(NamedTuple):
@@ -365,7 +365,7 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None, operand=None, batched=Fals
     k stacked, when the caller took them so (:func:`_take_qk`; q and k are then its views)."""
     C = k.shape[1]
     c = sub_chunk_length(C, sub_chunk_size)
-    decays = channel_decays(g, c)
+    decays = channel_decays(g, c, batched)
     # q and k as two sets of queries against the keys k: the decayed keys are formed once
     if qk is None:
         qk = torch.stack([q, k], dim=1)  # (m, 2, C, D)
@@ -376,7 +376,7 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None, operand=None, batched=Fals
     gam = decays.from_start(before)  # (m, C, D): gamma_t
     delta = decays.to_end()  # (m, C, D): gamma_C / gamma_t
     gC = decays.whole(before)  # (m, D)
-    return _Scores(None, gam, delta, gC, KK, P, k * delta, q * gam, (c, qk, saved, decays.reset))
+    return _Scores(None, gam, delta, gC, KK, P, k * delta, q * gam, (c, qk, saved, g))
 
 
 def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: TileBuffers,
@@ -924,7 +924,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     case, channel by channel. ``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T, ``XU (m, 2C, C)``
     = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``, ``dgC (m, D)``: <S, dSn> row by row (None
     unless ``need_g``), as :func:`_block_backward` formed them."""
-    c, qk, saved, reset = x.channel
+    c, qk, saved, g = x.channel
     m, C, D = q.shape
     dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
     dRw = mdRw.neg_()  # dRw = -dRv S^T, as in _block_backward
@@ -956,7 +956,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
         ddel = k * t  # (d loss / d delta_td) delta_td
         dG[:, -1].add_(ddel.sum(1)).addcmul_(dgC, x.gC)  # the state's rows decay by gamma_C
         # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
-        dg = dG.flip(1).cumsum_(1).flip(1).masked_fill_(reset, 0)
+        dg = dG.flip(1).cumsum_(1).flip(1).masked_fill_(g < RESET_LOG_DECAY, 0)
     dk = dkey.add_(u).add_(t)
     return dq, dk, dv, db, dg
 
