@@ -356,6 +356,13 @@ def test_bad_inputs_raise_naming_the_argument(fn):
         fn(q, k, v, beta > 1)
     with pytest.raises(ValueError, match="log_decay"):
         fn(q, k, v, beta, log_decay=g + 1.5)
+    # one bad entry among good ones, per head and per key channel (KDA): positive, NaN, +inf
+    for gate in (g, g[..., None].expand(*g.shape, q.shape[-1])):
+        for bad in (0.25, float("nan"), float("inf")):
+            one = gate.clone()
+            one[0, 1, 7] = bad
+            with pytest.raises(ValueError, match=f"log_decay must be <= 0.* got {bad}"):
+                fn(q, k, v, beta, log_decay=one)
     with pytest.raises(ValueError, match="log_decay"):
         fn(q, k, v, beta, log_decay=g[..., None])
     with pytest.raises(ValueError, match="initial_state"):

@@ -560,10 +560,10 @@ class ChannelDecays(NamedTuple):
     chunk's start and r_i its value at the end of sub-chunk i:
 
     ``a (M, n, c, D)``: ``exp(g)``, 0 at a reset (``g < RESET_LOG_DECAY``); ``runs``:
-    ``runs[d] (M, n, c - d, D)`` = ``exp(b_{s+d} - b_s)`` within a sub-chunk (:func:`_sub_chunk_runs`); ``inner (M, n, c, D)``: ``exp(b_t - r_{i-1})``,
-    the product from the start of t's sub-chunk to t; ``rev (M, n, c, D)``: ``exp(r_i - b_t)``, the
-    product after t to the end of its sub-chunk; ``total (M, n, D)``: ``exp(r_i - r_{i-1})``, each
-    sub-chunk's.
+    ``runs[d] (M, n, c - d, D)`` = ``exp(b_{s+d} - b_s)`` within a sub-chunk
+    (:func:`_sub_chunk_runs`); ``inner (M, n, c, D)``: ``exp(b_t - r_{i-1})``, the product from the
+    start of t's sub-chunk to t; ``rev (M, n, c, D)``: ``exp(r_i - b_t)``, the product after t to
+    the end of its sub-chunk; ``total (M, n, D)``: ``exp(r_i - r_{i-1})``, each sub-chunk's.
     """
 
     a: Tensor

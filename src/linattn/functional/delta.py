@@ -90,6 +90,7 @@ import torch
 from torch import Tensor
 
 from .checks import (
+    at_most,
     check_key_padding_mask,
     check_positive_int,
     expand_key_heads,
@@ -213,9 +214,8 @@ def _prepare(fn, q, k, v, beta, log_decay, scale, key_padding_mask, initial_stat
             where = real if log_decay.dim() == 3 else real[..., None]  # (B, 1, N[, 1])
             log_decay = torch.where(where, log_decay, log_decay.new_zeros(()))
         with torch.no_grad():
-            ok = log_decay <= 0
-            check_values(ok, lambda: f"{fn}: log_decay must be <= 0 (a decay exp(g) in [0, 1]) at every real "
-                         f"position, got {log_decay[~ok][0].item()}")
+            check_values(at_most(log_decay, 0.0), lambda: f"{fn}: log_decay must be <= 0 (a decay exp(g) in [0, 1]) "
+                         f"at every real position, got {log_decay[~(log_decay <= 0)][0].item()}")
     k = sanitize_padded(k, key_padding_mask).to(dt)
     v = sanitize_padded(v, key_padding_mask).to(dt)
     return dt, scale, beta, log_decay, q, k, v

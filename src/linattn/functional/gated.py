@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .checks import (
+    at_most,
     check_key_groups,
     check_key_padding_mask,
     check_positive_int,
@@ -73,10 +74,9 @@ def _check_log_decay(fn: str, log_decay, q: Tensor, key_padding_mask: Tensor | N
     g = g.to(compute_dtype(q.dtype))
     if key_padding_mask is not None:
         g = torch.where(key_padding_mask[:, None, :, None], g, g.new_zeros(()))
-    with torch.no_grad():
-        ok = g <= 0  # False where positive or NaN
-        check_values(ok, lambda: f"{fn}: log_decay must be <= 0 (a decay exp(log_decay) in [0, 1]; -inf is a "
-                     f"decay of 0) at every real position, got {g[~ok][0].item():.6g}")
+    with torch.no_grad():  # at_most is False where positive or NaN
+        check_values(at_most(g, 0.0), lambda: f"{fn}: log_decay must be <= 0 (a decay exp(log_decay) in [0, 1]; "
+                     f"-inf is a decay of 0) at every real position, got {g[~(g <= 0)][0].item():.6g}")
     return g
 
 
