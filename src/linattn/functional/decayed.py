@@ -638,7 +638,7 @@ def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
     runs = _sub_chunk_runs(a)
     if batched:
         inner = _flush_low(a.cumprod(2))
-    else:  # a_1 ... a_t = a_1 runs[t - 1] at s = 1 (products of two flushed factors: none subnormal)
+    else:  # a_0 ... a_t = a_0 runs[t] at s = 0, within a sub-chunk (two flushed factors: none subnormal)
         inner = a.new_empty(M, n, c, D)
         inner[:, :, 0] = a[:, :, 0]
         for t in range(1, c):
