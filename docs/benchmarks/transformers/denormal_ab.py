@@ -98,6 +98,9 @@ def child(old_src: str, name: str) -> dict:
 
 def main(old_rev: str, name: str, out_name: str | None = None) -> None:
     out_name = out_name or f"{name}_ab"
+    # the revision by its hash, so that the command written below names it after HEAD has moved on
+    old_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", old_rev], capture_output=True, text=True,
+                             check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(f"git -C {ROOT} archive {old_rev} src/linattn | tar -x -C {tmp}", shell=True, check=True)
         old = Path(tmp) / "src" / "linattn_old"
