@@ -91,7 +91,7 @@ from ..nn import FavorConfig
 from .harness import RUNS, machine_info, output_folder, spread, write_atomically
 
 __all__ = ["CONTENDERS", "DTYPES", "FORMS", "KERNEL_FORMS", "MODEL_FORM", "PASSES", "Form", "aggregate",
-           "check_device", "form_function", "format_gpu", "run_gpu"]
+           "check_device", "form_function", "form_projection", "format_gpu", "run_gpu"]
 
 # Dimension legend: B batch (1), H heads, N positions, D head width (Dk = Dv).
 
@@ -373,13 +373,20 @@ def form_function(form: Form, *, strategy: str = "auto", projection: Tensor | No
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g, strategy=strategy)
 
 
+def form_projection(form: Form, head_dim: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | None = None) -> Tensor | None:
+    """FAVOR+'s projection ``(m, D)`` for ``form`` (None for every other form), from one seed: the
+    same draw in ``bench gpu``, ``bench launches`` and ``bench tensor-cores`` (``dtype``, ``device``:
+    :func:`~linattn.functional.favor_projection`'s)."""
+    if form.name != "favor":
+        return None
+    return favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0), dtype=dtype,
+                            device=device)
+
+
 def _linattn_fn(form: Form, head_dim: int, dtype: torch.dtype, device: torch.device) -> Callable[..., Tensor]:
     """:func:`form_function` on ``device``, FAVOR+'s projection drawn there once, outside the timing."""
-    projection = None
-    if form.name == "favor":
-        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0),
-                                      dtype=dtype, device=device)  # (m, D)
-    return form_function(form, projection=projection)
+    return form_function(form, projection=form_projection(form, head_dim, dtype=dtype, device=device))
 
 
 def _fla_fn(form: Form, head_dim: int) -> Callable[..., Tensor]:

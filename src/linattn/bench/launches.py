@@ -38,9 +38,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from .. import progress
-from ..functional import favor_projection
 from ..processes import run_process
-from .gpu import FAVOR_FEATURES, KERNEL_FORMS, form_function, make_inputs, width_record, widths
+from .gpu import KERNEL_FORMS, form_function, form_projection, make_inputs, width_record, widths
 from .harness import git_state, machine_info, output_folder, peak_rss_bytes, release_free_heap, write_atomically
 
 __all__ = ["DEFAULT_NS", "FORMS", "GROWTH", "LIMITS", "NON_COMPUTING", "PASSES", "QUICK_NS", "STRATEGIES", "TARGETS",
@@ -129,10 +128,7 @@ def form_call(form: str, n: int, pass_: str, strategy: str, *, quick: bool = Fal
     spec = KERNEL_FORMS[form]
     heads, head_dim, state = widths(spec, quick)
     tensors = make_inputs(spec, n, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"), state=state)
-    projection = None
-    if spec.name == "favor":
-        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0))  # (m, D)
-    fn = form_function(spec, strategy=strategy, projection=projection)
+    fn = form_function(spec, strategy=strategy, projection=form_projection(spec, head_dim))
     if pass_ == "prefill":
         def prefill() -> None:
             with torch.no_grad():

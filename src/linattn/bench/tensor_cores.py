@@ -34,9 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import progress
-from ..functional import favor_projection
 from ..functional.strategy import HALF_OPERANDS
-from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, form_function, width_record, widths
+from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, form_function, form_projection, width_record, widths
 from .gpu import make_inputs as scan_inputs
 from .harness import git_state, machine_info, output_folder, write_atomically
 
@@ -141,9 +140,9 @@ def measure_form(form: str, n: int, *, quick: bool = False) -> dict:
     spec = KERNEL_FORMS[form]
     heads, head_dim, state = widths(spec, quick)
     inputs = make_inputs(spec, n, heads, head_dim, state=state)
-    projection = None
-    if spec.name == "favor":  # (m, D), rounded to bf16 like the other inputs
-        projection = favor_projection(FAVOR_FEATURES, head_dim, generator=torch.Generator().manual_seed(0)).to(INPUT_DTYPE)
+    projection = form_projection(spec, head_dim)  # FAVOR+'s (m, D), rounded to bf16 like the other inputs
+    projection = None if projection is None else projection.to(INPUT_DTYPE)
+
     def fn(strategy: str, *tensors: Tensor) -> Tensor:  # computed in the tensors' dtype
         return form_function(spec, strategy=strategy, projection=projection)(*tensors)
 
