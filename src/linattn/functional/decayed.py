@@ -781,8 +781,8 @@ def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int, 
     if b.shape[-1] == 1:
         A, saved = _intra_head(q2, k2, b2, operand)
     else:  # one set of queries
-        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c), operand,
-                                  batched=opts is not None and opts.strategy == "accelerator")
+        batched = opts is not None and opts.strategy == "accelerator"
+        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c, batched), operand, batched=batched)
     return A.view(m, R, C, C), saved
 
 
