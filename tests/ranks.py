@@ -11,12 +11,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from linattn.train.dist import spawn_local
+from linattn.train.dist import join_group, spawn_local
 
 
 def _rank_main(body: Callable[[int, int], dict], out_dir: str) -> None:
     rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=60))
+    join_group("gloo", rank=rank, world_size=P, timeout=datetime.timedelta(seconds=60))
     try:
         torch.save(body(rank, P), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

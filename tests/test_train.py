@@ -166,6 +166,37 @@ def test_grad_accum_matches_one_big_batch(tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-10, atol=1e-12)
 
 
+# A fresh interpreter (this one imported torch._dynamo long ago): a one-rank gloo group made by
+# torch's init_process_group or by linattn's join_group, then torch._dynamo imported (as torch.optim's
+# first step and a custom op's first call do), then the group destroyed: is it still held?
+_GROUP_PROBE = """
+import gc, sys, weakref
+import torch.distributed as dist
+from linattn.train.dist import join_group
+assert "torch._dynamo" not in sys.modules and "torch.distributed.nn" not in sys.modules
+make = dist.init_process_group if sys.argv[1] == "torch" else join_group
+make("gloo", rank=0, world_size=1, store=dist.FileStore(sys.argv[2], 1))
+group = weakref.ref(dist.group.WORLD)
+import torch._dynamo
+dist.destroy_process_group()
+gc.collect()
+print("held" if group() is not None else "freed")
+"""
+
+
+@pytest.mark.parametrize("make, want", [("torch", "held"), ("join_group", "freed")])
+def test_torch_distributed_nn_imported_after_a_group_still_holds_it(tmp_path, make, want):
+    """torch.distributed.nn.functional's ``group=group.WORLD`` defaults hold the default group when
+    that module is first imported after it exists (through torch._dynamo): destroy_process_group
+    then frees nothing and gloo's threads outlive the interpreter's shutdown, where a two-rank run
+    aborted (SIGABRT) in 3-5 of 20-40 runs. join_group imports the module first. The torch row
+    fails the day torch stops holding it (join_group's import can go then)."""
+    out = subprocess.run([sys.executable, "-c", _GROUP_PROBE, make, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == want
+
+
 def test_ddp_two_processes_equal_one_process(tmp_path):
     kw = dict(model=TINY_MODEL, dtype="float64", max_steps=3, eval_every=3, device="cpu")
     single = _config(tmp_path, "single", **kw)

@@ -170,11 +170,12 @@ def _rank_main(spec: dict, out_dir: str) -> None:
     import torch.nn.functional as F
 
     from ..distributed import ContextParallel
+    from ..train.dist import join_group
 
     P = int(os.environ.get("WORLD_SIZE", "1"))
     counter = CommCounter().install() if P > 1 else None
     if P > 1:
-        dist.init_process_group("gloo")
+        join_group("gloo")
     rank = dist.get_rank() if P > 1 else 0
     torch.set_num_threads(spec["threads"])
     N = spec["n"]

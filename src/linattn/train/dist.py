@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CollectiveTimeout", "DistInfo", "World", "context_groups", "expected_world_size", "free_port",
-           "is_main_process", "setup", "spawn_local", "teardown", "timed_out"]
+           "is_main_process", "join_group", "setup", "spawn_local", "teardown", "timed_out"]
 
 
 @dataclass(frozen=True)
@@ -249,8 +249,7 @@ def setup(device: str, *, collective_timeout_s: float) -> DistInfo:
     timeout = collective_timeout(collective_timeout_s)
     if world > 1 and not dist.is_initialized():
         try:
-            dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                    timeout=timeout)
+            join_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world, timeout=timeout)
         except RuntimeError as e:
             if not timed_out(e):
                 raise
@@ -280,16 +279,35 @@ def context_groups(info: DistInfo, context_parallel: int):
     return mine
 
 
+def join_group(backend: str, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group(backend, **kwargs)``, with ``torch.distributed.nn``
+    imported first: every process group linattn makes is made here.
+
+    Why (a torch internal, torch 2.13): ``torch.distributed.nn.functional`` gives about ten
+    functions ``group=group.WORLD`` as a default, evaluated when that module is first imported.
+    Imported after the default group exists, those defaults hold it for good: torch._dynamo imports
+    the module, and torch.optim's first step and a ``torch.library`` custom op's first call import
+    torch._dynamo. ``destroy_process_group`` then frees nothing, gloo's worker threads run on into
+    interpreter shutdown, and one of them releasing a finished collective's state there (which
+    needs the GIL) aborts the process: "terminate called without an active exception", SIGABRT,
+    in 3-5 of 20-40 two-rank runs. Imported before, the defaults are None.
+    ``tests/test_train.py::test_torch_distributed_nn_imported_after_a_group_still_holds_it`` fails
+    the day torch stops doing this.
+    """
+    import torch.distributed.nn  # noqa: F401  (see above: before the group exists)
+
+    dist.init_process_group(backend, **kwargs)
+
+
 def teardown(info: DistInfo, *, barrier: bool = True) -> None:
     """Destroy the group :func:`setup` created, once every rank got here (``barrier``; False after a
     :class:`CollectiveTimeout`, when the other ranks are stuck or gone and waiting for them again
     would only double the wait).
 
     The DistributedDataParallel wrapper of the finished run may sit in a reference cycle that holds
-    the group; collecting it here rather than during interpreter shutdown is meant to keep gloo's
-    threads from being torn down with the interpreter. Without it a spawned rank aborted at exit
-    ("terminate called without an active exception", SIGABRT) in 1 of 11 test runs; with it, in
-    none of 15 (a likely cause, not a proven one).
+    the group; collecting it here rather than during interpreter shutdown keeps gloo's threads from
+    being torn down with the interpreter (:func:`join_group` has the abort that follows, and the
+    other reference it avoids).
     """
     if info.owns_group and dist.is_initialized():
         gc.collect()
