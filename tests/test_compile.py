@@ -108,3 +108,42 @@ def test_a_model_compiles_whole_and_matches_eager(name, packed):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+_FIRST_CALLS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from test_compile import _forms, _inputs, _run
+x = _inputs()
+for name, (args, fn) in _forms(x["W"]).items():
+    _run(fn, [x[a] for a in args])
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_the_engines_first_calls_do_not_import_dynamo():
+    """The engine operators are defined through torch.library's define/impl (checks.EngineOp), not
+    custom_op, whose kernel wrapper imports torch._dynamo on an operator's first call (0.6 s of a
+    process's first call, and the import that made torch hold a process group): every fast form's
+    forward and backward in a fresh process leaves it unimported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_CALLS, str(Path(__file__).parent)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False"
+
+
+@pytest.mark.parametrize("name", list(FORMS) + ["favor"])
+def test_a_second_backward_is_refused(name):
+    """Differentiable once: a gradient taken with create_graph=True cannot be differentiated again
+    (the engines' backward operators refuse, rather than leave the second-order terms out)."""
+    x = _inputs()
+    args, fn = _forms(x["W"])[name]
+    leaves = [x[a].clone().requires_grad_() for a in args]
+    (dq,) = torch.autograd.grad(fn(*leaves).square().sum(), leaves[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once|differentiate twice"):
+        dq.sum().backward()

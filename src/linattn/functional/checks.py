@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 
 import torch
 from torch import Tensor
@@ -221,19 +222,106 @@ def check_key_groups(fn: str, q: Tensor, k: Tensor, v: Tensor) -> int:
     return H // Hk
 
 
-def engine_op(name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = ()):
-    """``impl`` registered as the ``torch.library`` custom op ``name`` (``schema``: its arguments in
-    order, and its outputs), run with autocast off on the first tensor argument's device: the
-    chunked engines get inputs in the compute dtype their caller chose (float32 for half inputs),
-    and autocast would run their products in half precision and accumulate the states there.
-    Returns the op (register its fake, autograd, ... on it)."""
+class EngineOp:
+    """A chunked engine's entry as a ``torch.library`` operator ``name`` (``"linattn::..."``):
+    ``schema`` its arguments in order and its outputs, ``impl`` its kernel, run with autocast off on
+    the first tensor argument's device (the engines get inputs in the compute dtype their caller
+    chose, float32 for half inputs; autocast would run their products in half precision and
+    accumulate the states there). Called like a function; :meth:`register_fake` and
+    :meth:`register_autograd` as on ``torch.library.custom_op``'s operators.
 
-    def run(*args):
+    Defined through ``torch.library``'s ``define``/``impl``/``register_fake``/``register_autograd``
+    rather than ``custom_op``, whose kernel wrapper imports torch._dynamo on an operator's first
+    call: 0.6 s of a fresh process's first call, and an import that made torch keep a process group
+    alive (:func:`linattn.train.dist.join_group`). What that wrapper does, kept here: once
+    torch._dynamo is loaded (a compile may run), the kernel runs under ``torch.compiler.disable``,
+    so dynamo never traces into an engine called eagerly beside compiled code; and an operator
+    given no autograd formula refuses to be differentiated instead of leaving the gradient out:
+    ``backward=True`` (an engine's backward operator: no double backward), unless it mutates an
+    input (torch.library then takes no formula; torch's fallback for it warns).
+    """
+
+    def __init__(self, name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = (), backward: bool = False):
+        namespace, opname = name.split("::")
+        for arg in mutates_args:  # the schema declares each one (Tensor(a!) name)
+            if f"!) {arg}," not in schema and f"!) {arg})" not in schema:
+                raise ValueError(f"EngineOp {name}: mutates_args names {arg!r}, which the schema does not mark "
+                                 f"as mutated (Tensor(a!) {arg}): {schema}")
+        self.name, self._impl, self._no_dynamo = name, impl, None
+        self._lib = torch.library.Library(namespace, "FRAGMENT")
+        self._lib.define(opname + schema)
+        self._lib.impl(opname, self._kernel, "CompositeExplicitAutograd")
+        self._op = getattr(getattr(torch.ops, namespace), opname).default
+        if backward and not mutates_args:  # torch.library takes no autograd formula for one that mutates
+            torch.library.register_autograd(name, self._refuse, lib=self._lib)
+
+    def __call__(self, *args):
+        return self._op(*args)
+
+    def register_fake(self, fn):
+        """``fn`` as the operator's shape function (fake tensors in, fake tensors out)."""
+        torch.library.register_fake(self.name, fn, lib=self._lib)
+        return fn
+
+    def register_autograd(self, backward, *, setup_context) -> None:
+        """``backward(ctx, *grads)`` and ``setup_context(ctx, inputs, output)``, as
+        ``torch.library.register_autograd`` takes them."""
+        torch.library.register_autograd(self.name, backward, setup_context=setup_context, lib=self._lib)
+
+    def _kernel(self, *args):
+        if self._no_dynamo is None and "torch._dynamo" in sys.modules:
+            self._no_dynamo = torch.compiler.disable(self._run)
+        return (self._run if self._no_dynamo is None else self._no_dynamo)(*args)
+
+    def _run(self, *args):
         device = next(a.device for a in args if isinstance(a, Tensor))
-        with no_autocast(device.type):
-            return impl(*args)
+        # no_grad: nothing inside an engine is recorded (its operator's formula is its gradient), also
+        # where no autograd kernel put it below autograd (a backward operator that mutates, under
+        # create_graph=True), as custom_op's kernels are
+        with torch.no_grad(), no_autocast(device.type):
+            return self._impl(*args)
 
-    return torch.library.custom_op(name, run, mutates_args=mutates_args, schema=schema)
+    def _refuse(self, ctx, *grads):
+        raise RuntimeError(_second_backward(self.name))
+
+
+def _second_backward(name: str) -> str:
+    return (f"{name}: differentiable once; a second backward (create_graph=True, then backward through the "
+            "gradients) is not supported")
+
+
+class _Refused(torch.autograd.Function):
+    """``grads`` unchanged (views), with a backward that refuses (see :func:`once_differentiable`)."""
+
+    @staticmethod
+    def forward(ctx, name: str, n: int, *tensors: Tensor):
+        ctx.name = name
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(_second_backward(ctx.name))
+
+
+def once_differentiable(name: str, grads: tuple, inputs: tuple) -> tuple:
+    """An engine formula's ``grads`` as they are, but refusing a second backward where one could run
+    (create_graph=True): they then depend on ``inputs`` (the op's inputs and incoming gradients) through
+    a node that raises, instead of coming back detached from them, which would leave the second-order
+    terms out without a word. For a backward operator torch.library gives no formula (one that
+    mutates); :class:`EngineOp`'s ``backward=True`` refuses the same way."""
+    if not torch.is_grad_enabled():
+        return grads
+    tensors = [g for g in grads if isinstance(g, Tensor)]
+    linked = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    if not linked:
+        return grads
+    out = iter(_Refused.apply(name, len(tensors), *tensors, *linked))
+    return tuple(next(out) if isinstance(g, Tensor) else g for g in grads)
+
+
+def engine_op(name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = (), backward: bool = False) -> EngineOp:
+    """``impl`` as the engine operator ``name`` (:class:`EngineOp`)."""
+    return EngineOp(name, schema, impl, mutates_args=mutates_args, backward=backward)
 
 
 def sanitize_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:

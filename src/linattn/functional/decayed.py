@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .checks import engine_op
+from .checks import engine_op, once_differentiable
 from .chunks import ChunkLayout
 from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
@@ -412,7 +412,7 @@ _ungated_chunked_backward = engine_op(
     "(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor out, Tensor inv, Tensor active, "
     "Tensor(a!) fq, Tensor(b!) fk, Tensor ss, Tensor sz, Tensor dout, Tensor ds_final, "
     "bool[] need, bool normalise, str phi, str options) -> (Tensor, Tensor, Tensor, Tensor)",
-    _ungated_backward, mutates_args=("fq", "fk"))
+    _ungated_backward, mutates_args=("fq", "fk"), backward=True)
 
 
 @_ungated_chunked_backward.register_fake
@@ -451,7 +451,9 @@ def _ungated_autograd(ctx, dout, ds_final, *_):
                                            need, *ctx.knobs))
     if fq.numel():  # the kept features now hold the gradients of q and k
         grads[:2] = fq, fk
-    return (*(g if n else None for g, n in zip(grads, need)), None, None, None, None)
+    grads = once_differentiable("linattn::ungated_chunked", tuple(g if n else None for g, n in zip(grads, need)),
+                                (q, k, v, s0, dout, ds_final))
+    return (*grads, None, None, None, None)
 
 
 _ungated_chunked.register_autograd(_ungated_autograd, setup_context=_ungated_setup)
@@ -916,7 +918,7 @@ _gated_chunked_backward = engine_op(
     "linattn::gated_chunked_backward",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor states, Tensor do, Tensor ds_final, "
     "bool has_s0, float scale, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _gated_backward)
+    _gated_backward, backward=True)
 
 
 @_gated_chunked_backward.register_fake
@@ -1176,7 +1178,7 @@ _scaled_chunked_backward = engine_op(
     "linattn::scaled_chunked_backward",
     "(Tensor a, Tensor kf, Tensor w, Tensor mc, Tensor s_in, Tensor scores, Tensor do, "
     "Tensor ds_final, bool has_s0, str options) -> (Tensor, Tensor, Tensor, Tensor)",
-    _scale_backward)
+    _scale_backward, backward=True)
 
 
 @_scaled_chunked_backward.register_fake

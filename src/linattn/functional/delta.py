@@ -98,6 +98,7 @@ from .checks import (
     check_scale,
     check_values,
     compute_dtype,
+    engine_op,
     no_autocast,
     sanitize_padded,
     shape_str,
@@ -1011,11 +1012,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 # per key channel, its scores E, KK, P (_Solved; E an empty tensor without a decay, all three
 # empty with a gate per key channel), and the L2 normalisation's factors of q and k, and
 # recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
-@torch.library.custom_op("linattn::delta_rule_chunked", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, "
-                                "bool keep_states, float? qk_eps, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-                                "Tensor, Tensor)")
-def _delta_rule_chunked(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
+def _delta_rule_forward(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     """-> ``o (R, N, Dv)`` (laid out as v, see :meth:`ChunkLayout.new_chunked_like`), the final state
     ``(R, D, Dv)``, and what the backward reads: the states
     before every block and after the last ``(nb + 1, R, D, Dv)``, the chunks' ``T, U, W``
@@ -1023,13 +1020,19 @@ def _delta_rule_chunked(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     normalisation's factors of q and k ``(2, R, N)`` (each ``(0,)`` without ``keep_states``, a
     call no gradient flows through; E also without a decay, E, KK and P also with a gate per key
     channel, the factors also without ``qk_eps``)."""
-    with no_autocast(q.device.type):
-        opts = EngineOptions.decode(options)
-        lay = _layout(q, opts)
-        o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, opts, keep_states, qk_eps)
+    opts = EngineOptions.decode(options)
+    lay = _layout(q, opts)
+    o, states, kept, l2 = _chunked_forward(q, k, v, b, g, s0, scale, lay, opts, keep_states, qk_eps)
     if not keep_states:
         return o, states[-1].clone(), *(v.new_empty(0) for _ in range(8))
     return o, states[-1].clone(), states, *(v.new_empty(0) if t is None else t for t in (*kept, l2))
+
+
+_delta_rule_chunked = engine_op(
+    "linattn::delta_rule_chunked",
+    "(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, bool keep_states, float? qk_eps, "
+    "str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _delta_rule_forward)
 
 
 @_delta_rule_chunked.register_fake
@@ -1049,25 +1052,26 @@ def _(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
             v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D), E, KK, P, l2)
 
 
-@torch.library.custom_op("linattn::delta_rule_chunked_backward", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, "
-                                "Tensor U, Tensor W, Tensor E, Tensor KK, Tensor P, Tensor l2, Tensor do, "
-                                "Tensor ds_final, float scale, float? qk_eps, bool need_g, str options) "
-                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _delta_rule_chunked_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, qk_eps, need_g,
-                                 options):
+def _delta_rule_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, qk_eps, need_g, options):
     """-> ``dq, dk, dv, db, dg, ds0`` (dg ``(0,)`` unless ``need_g``)."""
-    with no_autocast(q.device.type):
-        opts = EngineOptions.decode(options)
-        lay = _layout(q, opts)
-        # do as it comes (an expanded or transposed gradient too): it is only read by the copies
-        # into each block's buffer
-        scores = g is None or g.dim() == 2  # E, KK, P kept by the forward (E only with a decay)
-        kept = _Solved(T, U, W, *((E if g is not None else None, KK, P) if scores else ()))
-        dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale,
-                                                    lay, need_g, None if qk_eps is None else l2, opts)
+    opts = EngineOptions.decode(options)
+    lay = _layout(q, opts)
+    # do as it comes (an expanded or transposed gradient too): it is only read by the copies
+    # into each block's buffer
+    scores = g is None or g.dim() == 2  # E, KK, P kept by the forward (E only with a decay)
+    kept = _Solved(T, U, W, *((E if g is not None else None, KK, P) if scores else ()))
+    dq, dk, dv, db, dg, ds0 = _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale,
+                                                lay, need_g, None if qk_eps is None else l2, opts)
     # each gradient in its input's layout (ChunkLayout.new_chunked_like), as the fake says
     return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
+
+
+_delta_rule_chunked_backward = engine_op(
+    "linattn::delta_rule_chunked_backward",
+    "(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, Tensor U, Tensor W, Tensor E, "
+    "Tensor KK, Tensor P, Tensor l2, Tensor do, Tensor ds_final, float scale, float? qk_eps, bool need_g, "
+    "str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _delta_rule_backward, backward=True)
 
 
 @_delta_rule_chunked_backward.register_fake

@@ -286,8 +286,8 @@ def join_group(backend: str, **kwargs: Any) -> None:
     Why (a torch internal, torch 2.13): ``torch.distributed.nn.functional`` gives about ten
     functions ``group=group.WORLD`` as a default, evaluated when that module is first imported.
     Imported after the default group exists, those defaults hold it for good: torch._dynamo imports
-    the module, and torch.optim's first step and a ``torch.library`` custom op's first call import
-    torch._dynamo. ``destroy_process_group`` then frees nothing, gloo's worker threads run on into
+    the module, and torch.optim's first step and a ``torch.library.custom_op`` operator's first call
+    import torch._dynamo (linattn's engine operators do not: ``functional.checks.EngineOp``). ``destroy_process_group`` then frees nothing, gloo's worker threads run on into
     interpreter shutdown, and one of them releasing a finished collective's state there (which
     needs the GIL) aborts the process: "terminate called without an active exception", SIGABRT,
     in 3-5 of 20-40 two-rank runs. Imported before, the defaults are None.
