@@ -3,6 +3,8 @@ subject and pass, decoding at both positions, peak memory in fresh processes, re
 by the command (claims only at checkpoint sizes)."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,12 @@ def test_bench_transformers_tiny(tmp_path, capsys):
     result = json.loads((out / "transformers.json").read_text())
     md = (out / "transformers.md").read_text()
     assert result["command"].startswith("linattn bench transformers --repeats 1 --runs 1 --sizes tiny")
+    # the code it timed: this checkout's commit (and any uncommitted change under src/)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert result["commit"]["head"] == head.stdout.strip() and f"Code: {head.stdout.strip()[:12]}" in md
+    else:
+        assert result["commit"]["head"] is None and "Code: not a git checkout" in md
     want = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, plan in bench.PLAN.items() for p, ns in plan.items() for n in ns}
     assert set(result["ratios"]) == want
     child = result["runs"][0]["allocators"]["inherited"]
@@ -26,7 +34,8 @@ def test_bench_transformers_tiny(tmp_path, capsys):
             assert child["times"][key][path]["median_s"] > 0
     assert set(result["decode_ratios"]) == {f"{s}/{bench._position(p, 'tiny')}" for s in bench.DECODED
                                             for p in bench.DECODE_POSITIONS}
-    assert len(result["memory"]) == sum(len(both) * 2 + len(alone) for both, alone in bench.MEMORY_PLAN.values())
+    assert len(result["memory"]) == sum(len(both) * 2 + len(alone) for both, alone in bench.memory_plan("tiny").values())
+    assert {key.split("/")[0] for key in result["memory"]} == set(bench.MEMORY_PLAN)
     assert all(b > 0 for b in result["memory"].values())
     assert result["claims"] == {}  # the targets are the checkpoint widths'
     # every target's setting timed with each path alone, in processes of their own

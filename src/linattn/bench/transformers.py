@@ -66,6 +66,7 @@ from .harness import (
     OtherLoad,
     format_run_loads,
     format_seconds,
+    git_state,
     machine_info,
     median,
     output_folder,
@@ -112,6 +113,15 @@ TARGETS = {
 # but the slowest (transformers' gdn_core train at 4096 and 16384 takes seconds to a minute a call)
 ALONE = tuple(key for key in TARGETS if not (key[1] == "train" and key[2] > 1024))
 KDA_MEMORY_TARGET = 10.0  # transformers' KDA prefill peak / linattn's at N = 4096, at least
+
+
+def memory_plan(sizes: str) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """:data:`MEMORY_PLAN` for ``sizes``: the tiny sizes (tests) measure each subject's first N on
+    both paths and linattn's own Ns, one fresh process each, instead of every N: the same children
+    and code, a third of the processes."""
+    if sizes == "tiny":
+        return {s: (both[:1], ours) for s, (both, ours) in MEMORY_PLAN.items()}
+    return MEMORY_PLAN
 
 
 def _warm(subject: str, n: int) -> bool:
@@ -431,6 +441,7 @@ def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeat
                     + (f" --sizes {sizes}" if sizes != "checkpoint" else "")
                     + ("" if measure_memory else " --no-measure-memory")
                     + ("" if subjects == SUBJECTS else f" --subjects {','.join(subjects)}") + f" --out {out}"),
+        "commit": git_state(),
         "machine": machine_info(),
         "config": {"sizes": sizes, "plan": {s: dict(p) for s, p in PLAN.items()}, "repeats": repeats, "runs": runs,
                    "decode_positions": list(DECODE_POSITIONS), "decode_steps": DECODE_STEPS,
@@ -452,7 +463,7 @@ def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeat
     if measure_memory:
         say("  peak memory of one prefill (fresh processes) ...")
         result["memory"] = {}
-        for subject, (both, ours_only) in MEMORY_PLAN.items():
+        for subject, (both, ours_only) in memory_plan(sizes).items():
             if subject not in subjects:
                 continue
             for n in (*both, *ours_only):
@@ -461,6 +472,9 @@ def run_transformers(*, out: str | Path = "docs/benchmarks/transformers", repeat
                     result["memory"][f"{subject}/{path}/{n_real}"] = memory(subject, path, n_real, sizes)["peak_bytes"]
     result["claims"] = claims(result)
     result["elapsed_seconds"] = time.perf_counter() - t0
+    end = git_state()
+    if end != result["commit"]:  # the times of a run whose code moved under it belong to no one commit
+        result["commit_at_end"] = end
     md = format_transformers(result)
     write_atomically(out, {"transformers.json": json.dumps(result, indent=2), "transformers.md": md})
     say(md)
@@ -530,10 +544,23 @@ def _ratio_table(ratios: dict, time_of: Callable[[str, str], float]) -> list[str
     return lines
 
 
+def _code_line(result: dict) -> list[str]:
+    """The code the run timed: its commit, any uncommitted change under src/, and whether it moved."""
+    commit = result.get("commit")
+    if commit is None:  # a result written before runs recorded it
+        return []
+    text = f"Code: {commit['head'][:12]}" if commit["head"] else "Code: not a git checkout"
+    if commit.get("uncommitted"):
+        text += f", with uncommitted changes in {', '.join(commit['uncommitted'])}"
+    if "commit_at_end" in result:
+        text += " (WARNING: the checkout changed during the run; its times belong to no one commit)"
+    return [text + ".", ""]
+
+
 def format_transformers(result: dict) -> str:
     cfg = result["config"]
     lines = ["# transformers' linear-attention layers: their PyTorch path against linattn", "",
-             f"Command: `{result['command']}`", "",
+             f"Command: `{result['command']}`", "", *_code_line(result),
              f"transformers {cfg['transformers']}, {cfg['sizes']} sizes (see the module docstring of "
              "linattn/bench/transformers.py), B = 1, float32, the same module and weights on both paths, "
              f"interleaved; {cfg['runs']} runs in fresh processes, {cfg['repeats']} timed calls per setting and run. "
