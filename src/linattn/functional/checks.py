@@ -232,7 +232,7 @@ class EngineOp:
 
     Defined through ``torch.library``'s ``define``/``impl``/``register_fake``/``register_autograd``
     rather than ``custom_op``, whose kernel wrapper imports torch._dynamo on an operator's first
-    call: 0.6 s of a fresh process's first call, and an import that made torch keep a process group
+    call: 0.7 s of a fresh process's first call, and an import that made torch keep a process group
     alive (:func:`linattn.train.dist.join_group`). What that wrapper does, kept here: once
     torch._dynamo is loaded (a compile may run), the kernel runs under ``torch.compiler.disable``,
     so dynamo never traces into an engine called eagerly beside compiled code; and an operator
