@@ -25,7 +25,7 @@ def test_bench_transformers_tiny(tmp_path, capsys):
     if head.returncode == 0:
         assert result["commit"]["head"] == head.stdout.strip() and f"Code: {head.stdout.strip()[:12]}" in md
     else:
-        assert result["commit"]["head"] is None and "Code: not a git checkout" in md
+        assert result["commit"]["head"] is None and "Code: unknown (not a git checkout)." in md
     want = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, plan in bench.PLAN.items() for p, ns in plan.items() for n in ns}
     assert set(result["ratios"]) == want
     child = result["runs"][0]["allocators"]["inherited"]

@@ -42,10 +42,10 @@ from ..nn.registry import (
 )
 
 __all__ = ["Case", "INHERITED_ALLOCATOR", "OtherLoad", "PEERS", "Peer", "REFERENCE_DRIFT", "RUNS", "attention_fn",
-           "build_module", "busy_reasons", "call", "describe", "describe_load", "format_allocator_times",
+           "build_module", "busy_reasons", "call", "commit_text", "describe", "describe_load", "format_allocator_times",
            "format_run_loads",
            "format_seconds", "format_spread", "format_spread_cells", "forms", "installed_peers", "machine_info",
-           "make_inputs", "needs_input", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
+           "make_inputs", "moved_lines", "needs_input", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
            "git_state", "output_folder", "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
@@ -667,3 +667,20 @@ def git_state() -> dict:
     status = run_process(["git", "-C", str(root), "status", "--porcelain", "--", "src"], timeout=60)
     return {"head": head.stdout.strip(),
             "uncommitted": [line[3:] for line in status.stdout.splitlines()] if status.returncode == 0 else None}
+
+
+def commit_text(commit: dict) -> str:
+    """A :func:`git_state` for a result's prose: the commit's first 12 digits (unknown outside a git
+    checkout) and the files under src/ that differed from it."""
+    head = commit["head"][:12] if commit["head"] else "unknown (not a git checkout)"
+    dirty = commit.get("uncommitted")
+    return head + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+
+
+def moved_lines(end: dict | None, consequence: str) -> list[str]:
+    """The warning of a run during which the checkout changed (``end``: :func:`git_state` at its
+    end, None when it did not change), ending with ``consequence``; none when it did not."""
+    if end is None:
+        return []
+    return [f"**The code changed during the run**: at its end the checkout was at {commit_text(end)}; "
+            f"{consequence}.", ""]

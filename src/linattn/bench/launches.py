@@ -40,7 +40,8 @@ import torch
 from .. import progress
 from ..processes import run_process
 from .gpu import KERNEL_FORMS, form_function, form_projection, make_inputs, width_record, widths
-from .harness import git_state, machine_info, output_folder, peak_rss_bytes, release_free_heap, write_atomically
+from .harness import (commit_text, git_state, machine_info, moved_lines, output_folder, peak_rss_bytes,
+                      release_free_heap, write_atomically)
 
 __all__ = ["DEFAULT_NS", "FORMS", "GROWTH", "LIMITS", "NON_COMPUTING", "PASSES", "QUICK_NS", "STRATEGIES", "TARGETS",
            "LaunchCount", "count_launches", "form_call", "format_launches", "measure", "run_launches", "verdicts"]
@@ -295,32 +296,18 @@ def _top(row: dict | None, k: int = 3) -> str:
     return ", ".join(f"{op.removeprefix('aten::')} {c}" for op, c in row["top"][:k])
 
 
-def _moved(end: dict | None) -> list[str]:
-    """The warning of a run during which the checkout changed (none when it did not)."""
-    if end is None:
-        return []
-    head = end["head"][:12] if end["head"] else "unknown"
-    dirty = end.get("uncommitted")
-    return [f"**The code changed during the run**: at its end the checkout was at {head}"
-            + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
-            + "; counts made after the change count other code.", ""]
-
-
 def format_launches(result: dict) -> str:
     cfg, m, commit = result["config"], result["machine"], result["commit"]
     ns = cfg["n"]
     lo, hi = min(ns), max(ns)
-    head = commit["head"][:12] if commit["head"] else "unknown (not a git checkout)"
-    dirty = commit.get("uncommitted")
     width_text = "; ".join(f"{f} {w['heads']} x {w['head_dim']}" + (f" (state {w['state']})" if "state" in w else "")
                            for f, w in cfg["widths"].items())
     names = {"gated_delta": "Gated DeltaNet", "kda": "KDA", "gla_channel": "per-channel GLA",
              "linear": "causal linear attention"}
     lines = ["# Kernel launches of the chunked forms: the CPU strategy against the accelerator strategy", "",
-             f"Written by `{result['command']}`; do not edit by hand. Commit {head}"
-             + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
-             + f". Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}.", "",
-             *_moved(result.get("commit_at_end")),
+             f"Written by `{result['command']}`; do not edit by hand. Commit {commit_text(commit)}. "
+             f"Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}.", "",
+             *moved_lines(result.get("commit_at_end"), "counts made after the change count other code"),
              "A count is the computing leaf aten ops of one call, after one warm-up call, recorded by "
              "torch.profiler on the CPU (`linattn.bench.launches.count_launches`): ops that compute (no view, "
              "metadata change or allocation) and call no other computing op, and fused ops that compute into "

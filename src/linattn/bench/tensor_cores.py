@@ -37,7 +37,7 @@ from .. import progress
 from ..functional.strategy import HALF_OPERANDS
 from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, form_function, form_projection, width_record, widths
 from .gpu import make_inputs as scan_inputs
-from .harness import git_state, machine_info, output_folder, write_atomically
+from .harness import commit_text, git_state, machine_info, output_folder, write_atomically
 
 __all__ = ["DEFAULT_N", "FLA_RESULTS", "FORMS", "QUICK_N", "STRATEGIES", "ProductFlops", "fla_recorded",
            "format_tensor_cores", "make_inputs", "measure_form", "product_flops", "relative_error", "run_tensor_cores"]
@@ -251,16 +251,13 @@ def _gflop(side: dict) -> str:
 def format_tensor_cores(result: dict) -> str:
     cfg, m, commit = result["config"], result["machine"], result["commit"]
     n = cfg["n"]
-    head = commit["head"][:12] if commit["head"] else "unknown (not a git checkout)"
-    dirty = commit.get("uncommitted")
     fla = result["fla"]["rows"]
     fla_text = "; ".join(f"{r['fla_error']:.2e} at N = {r['n']}" for r in fla) if fla else "not available"
     then = "; ".join(f"{r['linattn_error']:.2e} at N = {r['n']}" for r in fla or () if r["linattn_error"] is not None)
     lines = ["# Half operands in the chunked forms' products: their share of the FLOPs and the accuracy they cost",
              "",
-             f"Written by `{result['command']}`; do not edit by hand. Commit {head}"
-             + (f" with uncommitted changes in {', '.join(dirty)}" if dirty else "")
-             + f". Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}.", "",
+             f"Written by `{result['command']}`; do not edit by hand. Commit {commit_text(commit)}. "
+             f"Machine: {m['processor']}, {m['cpu_count']} CPUs, torch {m['torch']}.", "",
              f"Every form at N = {n}, B = 1, bfloat16 inputs (log decays included), one forward without "
              "gradients. Inputs as the H200 run drew FLA's Gated DeltaNet inputs: q, v N(0, 1); k N(0, 1), rows "
              "L2-normalised for the delta rule; beta U(0, 1); log decays log-sigmoid(N(0, 1) + 3), per head or per "

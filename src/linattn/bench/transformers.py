@@ -65,10 +65,12 @@ from .harness import (
     RUNS,
     OtherLoad,
     format_run_loads,
+    commit_text,
     format_seconds,
     git_state,
     machine_info,
     median,
+    moved_lines,
     output_folder,
     run_child,
     run_repeated,
@@ -544,23 +546,12 @@ def _ratio_table(ratios: dict, time_of: Callable[[str, str], float]) -> list[str
     return lines
 
 
-def _code_line(result: dict) -> list[str]:
-    """The code the run timed: its commit, any uncommitted change under src/, and whether it moved."""
-    commit = result.get("commit")
-    if commit is None:  # a result written before runs recorded it
-        return []
-    text = f"Code: {commit['head'][:12]}" if commit["head"] else "Code: not a git checkout"
-    if commit.get("uncommitted"):
-        text += f", with uncommitted changes in {', '.join(commit['uncommitted'])}"
-    if "commit_at_end" in result:
-        text += " (WARNING: the checkout changed during the run; its times belong to no one commit)"
-    return [text + ".", ""]
-
-
 def format_transformers(result: dict) -> str:
     cfg = result["config"]
     lines = ["# transformers' linear-attention layers: their PyTorch path against linattn", "",
-             f"Command: `{result['command']}`", "", *_code_line(result),
+             f"Command: `{result['command']}`", "",
+             *([f"Code: {commit_text(result['commit'])}.", ""] if "commit" in result else []),  # absent: older runs
+             *moved_lines(result.get("commit_at_end"), "times taken after the change time other code"),
              f"transformers {cfg['transformers']}, {cfg['sizes']} sizes (see the module docstring of "
              "linattn/bench/transformers.py), B = 1, float32, the same module and weights on both paths, "
              f"interleaved; {cfg['runs']} runs in fresh processes, {cfg['repeats']} timed calls per setting and run. "

@@ -237,22 +237,20 @@ class EngineOp:
     torch._dynamo is loaded (a compile may run), the kernel runs under ``torch.compiler.disable``,
     so dynamo never traces into an engine called eagerly beside compiled code; and an operator
     given no autograd formula refuses to be differentiated instead of leaving the gradient out:
-    ``backward=True`` (an engine's backward operator: no double backward), unless it mutates an
-    input (torch.library then takes no formula; torch's fallback for it warns).
+    ``backward=True`` (an engine's backward operator: no double backward), unless its schema marks
+    an input mutated (torch.library then takes no formula: :func:`once_differentiable` refuses in
+    its forward operator's formula instead).
     """
 
-    def __init__(self, name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = (), backward: bool = False):
+    def __init__(self, name: str, schema: str, impl, *, backward: bool = False):
         namespace, opname = name.split("::")
-        for arg in mutates_args:  # the schema declares each one (Tensor(a!) name)
-            if f"!) {arg}," not in schema and f"!) {arg})" not in schema:
-                raise ValueError(f"EngineOp {name}: mutates_args names {arg!r}, which the schema does not mark "
-                                 f"as mutated (Tensor(a!) {arg}): {schema}")
         self.name, self._impl, self._no_dynamo = name, impl, None
         self._lib = torch.library.Library(namespace, "FRAGMENT")
         self._lib.define(opname + schema)
         self._lib.impl(opname, self._kernel, "CompositeExplicitAutograd")
         self._op = getattr(getattr(torch.ops, namespace), opname).default
-        if backward and not mutates_args:  # torch.library takes no autograd formula for one that mutates
+        # torch.library takes no autograd formula for an operator that mutates (Tensor(a!) in its schema)
+        if backward and "!)" not in schema:
             torch.library.register_autograd(name, self._refuse, lib=self._lib)
 
     def __call__(self, *args):
@@ -317,11 +315,6 @@ def once_differentiable(name: str, grads: tuple, inputs: tuple) -> tuple:
         return grads
     out = iter(_Refused.apply(name, len(tensors), *tensors, *linked))
     return tuple(next(out) if isinstance(g, Tensor) else g for g in grads)
-
-
-def engine_op(name: str, schema: str, impl, *, mutates_args: tuple[str, ...] = (), backward: bool = False) -> EngineOp:
-    """``impl`` as the engine operator ``name`` (:class:`EngineOp`)."""
-    return EngineOp(name, schema, impl, mutates_args=mutates_args, backward=backward)
 
 
 def sanitize_padded(x: Tensor, key_padding_mask: Tensor | None) -> Tensor:

@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .checks import engine_op, once_differentiable
+from .checks import EngineOp, once_differentiable
 from .chunks import ChunkLayout
 from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
@@ -384,7 +384,7 @@ def _ungated_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_fi
 # op mutates the kept features (declared) and the autograd function returns them as the gradients
 # of q and k. Under torch.compile no features are kept (they live on the autograd context, which
 # a compiled backward does not take as an input): the backward recomputes phi.
-_ungated_chunked = engine_op(
+_ungated_chunked = EngineOp(
     "linattn::ungated_chunked",
     "(Tensor q, Tensor k, Tensor v, Tensor? s0, bool normalise, str phi, bool keep, str options) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -407,12 +407,12 @@ def _(q, k, v, s0, normalise, phi, keep, options):
             maybe(n_starts > 0 and normalise, n_starts, 1, Fd))
 
 
-_ungated_chunked_backward = engine_op(
+_ungated_chunked_backward = EngineOp(
     "linattn::ungated_chunked_backward",
     "(Tensor q, Tensor k, Tensor v, Tensor? s0, Tensor out, Tensor inv, Tensor active, "
     "Tensor(a!) fq, Tensor(b!) fk, Tensor ss, Tensor sz, Tensor dout, Tensor ds_final, "
     "bool[] need, bool normalise, str phi, str options) -> (Tensor, Tensor, Tensor, Tensor)",
-    _ungated_backward, mutates_args=("fq", "fk"), backward=True)
+    _ungated_backward, backward=True)
 
 
 @_ungated_chunked_backward.register_fake
@@ -900,7 +900,7 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
 # The chunked form as a torch.library custom op with its own autograd: torch.compile then sees one
 # op with a shape function (no chunk loop to unroll and no engine internals to trace, so a model
 # compiles in seconds and whole), and eager autograd runs the same two functions.
-_gated_chunked = engine_op(
+_gated_chunked = EngineOp(
     "linattn::gated_chunked",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor? s0, float scale, str options) -> (Tensor, Tensor, Tensor)",
     _gated_forward)
@@ -914,7 +914,7 @@ def _(q, k, v, g, s0, scale, options):
     return q.new_empty(B, H, N, Dv), q.new_empty(B, H, D, Dv), q.new_empty(Nc + 1, B * H, D, Dv)
 
 
-_gated_chunked_backward = engine_op(
+_gated_chunked_backward = EngineOp(
     "linattn::gated_chunked_backward",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor states, Tensor do, Tensor ds_final, "
     "bool has_s0, float scale, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -1158,7 +1158,7 @@ def _scale_backward(a: Tensor, kf: Tensor, w: Tensor, mc: Tensor, s_in: Tensor, 
 
 # The chunked product as a torch.library custom op with its own autograd (as the gated and
 # delta-rule engines): torch.compile sees one op per call instead of unrolling the chunk scan.
-_scaled_chunked = engine_op(
+_scaled_chunked = EngineOp(
     "linattn::scaled_chunked",
     "(Tensor a, Tensor kf, Tensor w, Tensor m, Tensor? s0, str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _scale_forward)
@@ -1174,7 +1174,7 @@ def _(a, kf, w, m, s0, options):
             a.new_empty(B * H * nc, Fd, E), a.new_empty(B * H * nc, C, C))
 
 
-_scaled_chunked_backward = engine_op(
+_scaled_chunked_backward = EngineOp(
     "linattn::scaled_chunked_backward",
     "(Tensor a, Tensor kf, Tensor w, Tensor mc, Tensor s_in, Tensor scores, Tensor do, "
     "Tensor ds_final, bool has_s0, str options) -> (Tensor, Tensor, Tensor, Tensor)",

@@ -90,6 +90,7 @@ import torch
 from torch import Tensor
 
 from .checks import (
+    EngineOp,
     at_most,
     check_key_padding_mask,
     check_positive_int,
@@ -98,7 +99,6 @@ from .checks import (
     check_scale,
     check_values,
     compute_dtype,
-    engine_op,
     no_autocast,
     sanitize_padded,
     shape_str,
@@ -1028,7 +1028,7 @@ def _delta_rule_forward(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     return o, states[-1].clone(), states, *(v.new_empty(0) if t is None else t for t in (*kept, l2))
 
 
-_delta_rule_chunked = engine_op(
+_delta_rule_chunked = EngineOp(
     "linattn::delta_rule_chunked",
     "(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor s0, float scale, bool keep_states, float? qk_eps, "
     "str options) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -1066,7 +1066,7 @@ def _delta_rule_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_fi
     return dq, dk, dv, db, b.new_empty(0) if dg is None else dg, ds0
 
 
-_delta_rule_chunked_backward = engine_op(
+_delta_rule_chunked_backward = EngineOp(
     "linattn::delta_rule_chunked_backward",
     "(Tensor q, Tensor k, Tensor v, Tensor b, Tensor? g, Tensor states, Tensor T, Tensor U, Tensor W, Tensor E, "
     "Tensor KK, Tensor P, Tensor l2, Tensor do, Tensor ds_final, float scale, float? qk_eps, bool need_g, "
