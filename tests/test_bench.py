@@ -767,6 +767,60 @@ def test_favor_speed_without_performer_fails_before_any_part(monkeypatch, tmp_pa
         favor.run_favor(out=tmp_path, what=("approx", "speed"), runs=0, quiet=True)
 
 
+@pytest.mark.parametrize("suite", ["core", "sweep", "full"])
+def test_a_missing_peer_does_not_replace_its_committed_comparison(monkeypatch, tmp_path, suite):
+    """`bench core`, `bench sweep` and `bench full` (whose sweep part it is) refuse, before any
+    work, to replace a result that compared with a peer that is not installed here; a result
+    without that peer, or a peer installed (left out on purpose or not), lets the run go on."""
+    import dataclasses
+
+    import linattn.bench.core as core
+    import linattn.bench.full as full
+    import linattn.bench.harness as harness
+    import linattn.bench.sweep as sweep
+
+    name = "core.json" if suite == "core" else "sweep.json"
+    old = ({"runs": [{"allocators": {"default": {"times": {"causal": {"linattn": {}, "fast_transformers": {}}}}}}]}
+           if suite == "core" else {"contenders": {"linear": "linattn linear", "fast_transformers": "a peer"}})
+    (tmp_path / name).write_text(json.dumps(old))
+    monkeypatch.setitem(harness.PEERS, "fast_transformers",
+                        dataclasses.replace(harness.PEERS["fast_transformers"], available=lambda: False))
+
+    def start():
+        if suite == "core":
+            return core.run_core(out=tmp_path, n=32, repeats=1, runs=1, quiet=True)
+        config = sweep.SweepConfig(mechanisms=(), ns=(8,), measure_memory=False)
+        if suite == "sweep":
+            return sweep.run_sweep(config, out=tmp_path, quiet=True)
+        return full.run_full(out=tmp_path, doc=tmp_path / "doc.md", sweep_config=config, quiet=True)
+
+    class Started(Exception):
+        pass
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(core, "run_repeated", started)
+    monkeypatch.setattr(sweep, "OtherLoad", started)  # the sweep's first step of work
+    with pytest.raises(RuntimeError, match=rf"{tmp_path / name} compares with fast_transformers, which is not "
+                                           r"installed here.*--out"):
+        start()
+    assert json.loads((tmp_path / name).read_text()) == old and sorted(p.name for p in tmp_path.iterdir()) == [name]
+    # the same file without the peer: the run starts
+    (tmp_path / name).write_text(json.dumps({"contenders": {"linear": "x"}} if suite != "core" else {"runs": []}))
+    with pytest.raises(Started):
+        start()
+    # the peer installed: the run starts over its comparison
+    (tmp_path / name).write_text(json.dumps(old))
+    monkeypatch.setitem(harness.PEERS, "fast_transformers",
+                        dataclasses.replace(harness.PEERS["fast_transformers"], available=lambda: True))
+    with pytest.raises(Started):
+        start()
+    (tmp_path / name).write_text("{not json")
+    with pytest.raises(RuntimeError, match="cannot read .* move it away or write elsewhere with --out"):
+        start()
+
+
 def test_busy_reasons_from_the_load_and_the_reference_drift():
     from linattn.bench.harness import REFERENCE_DRIFT, OtherLoad, busy_reasons, describe_load
 

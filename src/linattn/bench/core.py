@@ -40,6 +40,7 @@ from .harness import (
     format_allocator_times,
     format_run_loads,
     format_spread_cells,
+    keep_peer_results,
     machine_info,
     make_inputs,
     median,
@@ -110,6 +111,7 @@ def run_core(*, out: str | Path = "docs/benchmarks", n: int = 16384, repeats: in
     if runs < 1:
         raise ValueError(f"run_core: runs must be >= 1, got {runs}")
     output_folder(out)
+    keep_peer_results(out, "core.json", command="linattn bench core")
     say = functools.partial(progress.say, quiet=quiet)
     have_ft = PEERS["fast_transformers"].available()
     say(f"linattn bench core: N={n}, B=1 H=8 D=64 float32, {runs} runs; fast-transformers "

@@ -45,7 +45,7 @@ __all__ = ["Case", "INHERITED_ALLOCATOR", "OtherLoad", "PEERS", "Peer", "REFEREN
            "build_module", "busy_reasons", "call", "commit_text", "describe", "describe_load", "format_allocator_times",
            "format_run_loads",
            "format_seconds", "format_spread", "format_spread_cells", "forms", "installed_peers", "machine_info",
-           "make_inputs", "moved_lines", "needs_input", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
+           "keep_peer_results", "make_inputs", "moved_lines", "needs_input", "peak_memory", "proc_status_kib", "ratio_claim", "ratio_spreads",
            "git_state", "output_folder", "run_repeated", "spread", "supports", "time_calls", "write_atomically"]
 
 # Settings that stop glibc from returning every large freed buffer to the OS (each call would
@@ -171,6 +171,40 @@ PEERS: dict[str, Peer] = {
 def installed_peers() -> tuple[str, ...]:
     """The peers importable here, in :data:`PEERS` order."""
     return tuple(name for name, peer in PEERS.items() if peer.available())
+
+
+def _keys(obj) -> set[str]:
+    """Every key of every dict in a JSON value, however deep."""
+    if isinstance(obj, dict):
+        return set(obj).union(*map(_keys, obj.values()))
+    if isinstance(obj, list):
+        return set().union(*map(_keys, obj))
+    return set()
+
+
+def keep_peer_results(out: str | Path, name: str, *, command: str) -> None:
+    """Refuse, before any work, a run that would replace the result ``out/name`` compared with a
+    peer by one without it because that peer is not installed here: the committed comparison would
+    be gone without a word (a peer is a benchmark-only install, easily missing from a fresh venv).
+    A peer the result names as a key (a contender's times, its memory) counts as compared with.
+    RuntimeError naming the peers, the file and the two ways out; nothing when no such file exists
+    or every peer it names is installed. A peer left out on purpose (``bench sweep --peers``) is
+    installed, so its comparison may go."""
+    path = Path(out) / name
+    try:
+        old = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{command}: cannot read {path}, the result this run would replace ({e}); "
+                           "move it away or write elsewhere with --out") from None
+    lost = sorted(p for p in _keys(old) & set(PEERS) if not PEERS[p].available())
+    if lost:
+        raise RuntimeError(
+            f"{command}: {path} compares with {', '.join(lost)}, which {'is' if len(lost) == 1 else 'are'} not "
+            "installed here, so this run would replace it with a result without "
+            f"{'that comparison' if len(lost) == 1 else 'those comparisons'}. Install the peers (docs/benchmarks/README.md says how) or write "
+            "elsewhere with --out.")
 
 
 def forms(contender: str, config: AttentionConfig | None = None) -> frozenset[str]:

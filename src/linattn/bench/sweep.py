@@ -50,6 +50,7 @@ from .harness import (
     describe_load,
     format_seconds,
     installed_peers,
+    keep_peer_results,
     machine_info,
     make_inputs,
     median,
@@ -178,6 +179,7 @@ def run_sweep(config: SweepConfig = SweepConfig(), *, out: str | Path = "report"
     steps; the tables are printed at the end unless ``quiet`` or not ``print_tables``."""
     require_extra("bench", command="linattn bench sweep")
     output_folder(out)
+    keep_peer_results(out, "sweep.json", command=command or "linattn bench sweep")
     contenders = config.contenders()
     rows: list[dict] = []
     history: dict[tuple[str, str, str], _History] = {}
