@@ -137,3 +137,46 @@ def test_help_is_plain_text(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith("usage: linattn bench gpu")
     assert "--no-fla" in out and "--quick" in out and "--profile" in out and "``" not in out
+
+
+def test_other_chunk_sizes_are_contenders_beside_the_default(tmp_path):
+    """--chunk-sizes / --sub-chunk-sizes: linattn with those knobs, timed beside its defaults, giving
+    the same output up to rounding (a knob passed on changes the rounding: the difference is not 0), and
+    the knobs reach the function; the sub-chunks
+    only where the gate is per key channel; sizes no chosen form takes are refused before any work."""
+    import torch
+
+    assert bench.tunings("gated_delta", (32,), (2,)) == {"linattn chunk_size=32": {"chunk_size": 32}}
+    assert set(bench.tunings("kda", (32,), (2,))) == {"linattn chunk_size=32", "linattn sub_chunk_size=2",
+                                                      "linattn chunk_size=32 sub_chunk_size=2"}
+    assert bench.tunings("ssd", (32,)) == {} and bench.tunings(bench.MODEL_FORM, (32,)) == {}
+    argv = ["bench", "gpu", "--device", "cpu", "--quick", "--n", "48", "--runs", "1", "--repeats", "1", "--no-fla",
+            "--forms", "kda,linear", "--dtype", "float32", "--chunk-sizes", "8", "--sub-chunk-sizes", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["command"] == "linattn " + " ".join(argv)
+    assert result["config"]["chunk_sizes"] == [8] and result["config"]["sub_chunk_sizes"] == [2]
+    rows = {(r["form"], r["pass"], r["contender"]): r for r in result["rows"]}
+    for form, names in (("kda", bench.tunings("kda", (8,), (2,))), ("linear", {"linattn chunk_size=8": {}})):
+        for name in names:
+            for pass_ in bench.PASSES:
+                assert rows[form, pass_, name]["status"] == "ok" and rows[form, pass_, name]["ratio_to_linattn"]
+            assert 0 < rows[form, "prefill", name]["difference_to_linattn"] < 1e-5  # other roundings, same function
+    assert "`linattn chunk_size=...`" in (tmp_path / "gpu.md").read_text()
+    # the knobs reach the function
+    spec = bench.KERNEL_FORMS["kda"]
+    calls = []
+    real = bench.delta_rule_attention
+    try:
+        bench.delta_rule_attention = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+        x = bench.make_inputs(spec, 8, 1, 4, dtype=torch.float32, device=torch.device("cpu"))
+        bench.form_function(spec, chunk_size=4, sub_chunk_size=2)(*x)
+    finally:
+        bench.delta_rule_attention = real
+    assert calls[0]["chunk_size"] == 4 and calls[0]["sub_chunk_size"] == 2
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "gpu", "--device", "cpu", "--forms", "ssd,gated_delta", "--sub-chunk-sizes", "2",
+              "--out", str(tmp_path / "no")])
+    assert e.value.code == 2 and not (tmp_path / "no").exists()
+    with pytest.raises(ValueError, match="chunk_sizes must be distinct integers >= 1"):
+        bench.check_tunings(("kda",), (16, 16), ())

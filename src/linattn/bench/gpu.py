@@ -91,7 +91,7 @@ from ..nn import FavorConfig
 from .harness import RUNS, machine_info, output_folder, spread, write_atomically
 
 __all__ = ["CONTENDERS", "DTYPES", "FORMS", "KERNEL_FORMS", "MODEL_FORM", "PASSES", "Form", "aggregate",
-           "check_device", "form_function", "form_projection", "format_gpu", "run_gpu"]
+           "check_device", "check_tunings", "form_function", "form_projection", "format_gpu", "run_gpu", "tunings"]
 
 # Dimension legend: B batch (1), H heads, N positions, D head width (Dk = Dv).
 
@@ -352,25 +352,48 @@ def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, dtype: torch.d
     return out
 
 
-def form_function(form: Form, *, strategy: str = "auto", projection: Tensor | None = None) -> Callable[..., Tensor]:
+def form_function(form: Form, *, strategy: str = "auto", projection: Tensor | None = None,
+                  **tuning: int) -> Callable[..., Tensor]:
     """linattn's function of ``form`` on :func:`make_inputs`' tensors, ``fn(q, k, v[, beta][, log_decay]
     [, value_scale, skip])``, with the engines' ``strategy`` (``"auto"``: the device's); FAVOR+ takes
-    ``projection (m, D)``, converted to q's dtype. The one definition behind ``bench gpu``,
-    ``bench launches`` and ``bench tensor-cores``."""
+    ``projection (m, D)``, converted to q's dtype; ``tuning``: ``chunk_size`` and, for a gate per key
+    channel, ``sub_chunk_size`` (:func:`tunings`), passed to the function (absent: its defaults). The
+    one definition behind ``bench gpu``, ``bench launches`` and ``bench tensor-cores``."""
+    kw = {"strategy": strategy, **tuning}
     if form.name == "favor":
         if projection is None:
             raise ValueError("form_function: FAVOR+ needs its projection (m, D)")
-        return lambda q, k, v: favor_attention(q, k, v, projection.to(q.dtype), causal=True, strategy=strategy)
+        return lambda q, k, v: favor_attention(q, k, v, projection.to(q.dtype), causal=True, **kw)
     if form.name == "linear":
-        return lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map="elu", strategy=strategy)
+        return lambda q, k, v: linear_attention(q, k, v, causal=True, feature_map="elu", **kw)
     if form.delta:
         if form.decay is None:
-            return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta, strategy=strategy)
-        return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, strategy=strategy)
+            return lambda q, k, v, beta: delta_rule_attention(q, k, v, beta, **kw)
+        return lambda q, k, v, beta, g: delta_rule_attention(q, k, v, beta, log_decay=g, **kw)
     if form.state is not None:  # SSD: Mamba-2's dt and D in the engine
-        return lambda q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D,
-                                                               strategy=strategy)
-    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, strategy=strategy)
+        return lambda q, k, v, g, dt, D: gated_linear_attention(q, k, v, g, scale=1.0, value_scale=dt, skip=D, **kw)
+    return lambda q, k, v, g: gated_linear_attention(q, k, v, g, **kw)
+
+
+def tunings(form: str, chunk_sizes: Sequence[int] = (), sub_chunk_sizes: Sequence[int] = ()) -> dict[str, dict]:
+    """The extra linattn contenders of ``form`` that try other tuning knobs, by their names in the
+    table: ``{"linattn chunk_size=128": {"chunk_size": 128}, ...}``, every chunk size, and for a gate
+    per key channel (``kda``, ``gla_channel``) every pair of a chunk size or the default with a
+    sub-chunk size. None for SSD (``integrations.transformers.ssd``, transformers' signature, takes no
+    chunk size) and the model (the backend runs the defaults). Timed beside the default
+    ``linattn``, so that the accelerator's defaults (``CHUNK_SIZES`` of ``decayed.py`` and
+    ``delta.py``) are chosen by measurement on the device."""
+    spec = KERNEL_FORMS.get(form)
+    if spec is None or spec.state is not None:
+        return {}
+    subs = (None, *sub_chunk_sizes) if spec.decay == "channel" else (None,)
+    out = {}
+    for C in (None, *chunk_sizes):
+        for c in subs:
+            kw = {k: v for k, v in (("chunk_size", C), ("sub_chunk_size", c)) if v is not None}
+            if kw:
+                out["linattn " + " ".join(f"{k}={v}" for k, v in kw.items())] = kw
+    return out
 
 
 def form_projection(form: Form, head_dim: int, *, dtype: torch.dtype | None = None,
@@ -384,9 +407,9 @@ def form_projection(form: Form, head_dim: int, *, dtype: torch.dtype | None = No
                             device=device)
 
 
-def _linattn_fn(form: Form, head_dim: int, dtype: torch.dtype, device: torch.device) -> Callable[..., Tensor]:
+def _linattn_fn(form: Form, head_dim: int, dtype: torch.dtype, device: torch.device, **tuning: int) -> Callable[..., Tensor]:
     """:func:`form_function` on ``device``, FAVOR+'s projection drawn there once, outside the timing."""
-    return form_function(form, projection=form_projection(form, head_dim, dtype=dtype, device=device))
+    return form_function(form, projection=form_projection(form, head_dim, dtype=dtype, device=device), **tuning)
 
 
 def _fla_fn(form: Form, head_dim: int) -> Callable[..., Tensor]:
@@ -436,10 +459,23 @@ def _runner(fn: Callable[..., Tensor], tensors: list[Tensor], train: bool) -> Ca
     return step
 
 
+def check_tunings(forms: Sequence[str], chunk_sizes: Sequence[int], sub_chunk_sizes: Sequence[int]) -> None:
+    """ValueError, naming the argument, for sizes that are not distinct integers >= 1, or sizes given
+    where none of ``forms`` takes them (:func:`tunings`)."""
+    for name, sizes, takes in (("chunk_sizes", chunk_sizes, [f for f in forms if tunings(f, (1,))]),
+                               ("sub_chunk_sizes", sub_chunk_sizes, [f for f in forms if tunings(f, (), (1,))])):
+        if any(not isinstance(x, int) or x < 1 for x in sizes) or len(set(sizes)) < len(sizes):
+            raise ValueError(f"run_gpu: {name} must be distinct integers >= 1, got {list(sizes)}")
+        if sizes and not takes:
+            raise ValueError(f"run_gpu: {name} {list(sizes)} given, but none of the forms {list(forms)} takes them "
+                             f"({'every kernel form but ssd does' if name == 'chunk_sizes' else 'kda and gla_channel do'})")
+
+
 def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, device: torch.device, train: bool,
-                    fla: bool) -> dict[str, Subject | Unavailable]:
+                    fla: bool, tuned: dict[str, dict] | None = None) -> dict[str, Subject | Unavailable]:
     """Every contender of ``form`` at ``n`` (the ones that do not exist for it absent), each with
-    inputs of its own holding the same values."""
+    inputs of its own holding the same values; ``tuned``: linattn with other knobs (:func:`tunings`),
+    right after the default."""
     heads, head_dim, state = widths(form, quick)
     if state is not None:
         return ssd_subjects(form, n, heads, head_dim, state, dtype=dtype, device=device, train=train, fla=fla)
@@ -450,6 +486,8 @@ def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, devi
         return [(_bnhd(t) if layout == "bnhd" else t.clone()).detach() for t in base]
 
     out["linattn"] = Subject(_runner(_linattn_fn(form, head_dim, dtype, device), mine("bhnd"), train), lambda o: o)
+    for name, kw in (tuned or {}).items():
+        out[name] = Subject(_runner(_linattn_fn(form, head_dim, dtype, device, **kw), mine("bhnd"), train), lambda o: o)
     if form.fla is not None:
         try:
             if not fla:
@@ -733,13 +771,16 @@ def profile_gated_delta(n: int, *, quick: bool, dtype: torch.dtype, device: torc
 # ---------------------------------------------------------------------------------------------
 
 
-def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile) -> str:
+def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, chunk_sizes, sub_chunk_sizes) -> str:
     """The command line that reproduces a call of :func:`run_gpu` made without one."""
     parts = ["linattn bench gpu", f"--device {device}"]
     if n is not None:
         parts.append("--n " + ",".join(map(str, n)))
     if tuple(forms) != FORMS:
         parts.append("--forms " + ",".join(forms))
+    for flag, sizes in (("--chunk-sizes", chunk_sizes), ("--sub-chunk-sizes", sub_chunk_sizes)):
+        if sizes:
+            parts.append(f"{flag} " + ",".join(map(str, sizes)))
     parts += [f"--dtype {dtype}", f"--runs {runs}", f"--repeats {repeats}"]
     parts += [flag for flag, on in (("--no-fla", not fla), ("--quick", quick), ("--profile", profile)) if on]
     return " ".join([*parts, f"--out {out}"])
@@ -747,13 +788,14 @@ def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile) -
 
 def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n: Sequence[int] | None = None,
             forms: Sequence[str] = FORMS, dtype: str = "bfloat16", runs: int = RUNS, repeats: int = REPEATS,
-            fla: bool = True, quick: bool = False, profile: bool = False, command: str | None = None,
-            quiet: bool = False) -> dict:
+            fla: bool = True, quick: bool = False, profile: bool = False, chunk_sizes: Sequence[int] = (),
+            sub_chunk_sizes: Sequence[int] = (), command: str | None = None, quiet: bool = False) -> dict:
     """Measure every form of ``forms`` at every N of ``n`` (default 4096 and 16384; 64 and 128 with
     ``quick``, which also takes 2 heads of 16 everywhere), write gpu.json and gpu.md into ``out``
     (after every form and N: a run stopped midway leaves what it measured), print the Markdown, and
-    return the result. ``command``: the command line recorded (None: one rebuilt from the
-    arguments). ValueError before any work for a bad argument or a device that is not here."""
+    return the result. ``chunk_sizes``, ``sub_chunk_sizes``: linattn contenders with those knobs beside
+    the default one (:func:`tunings`). ``command``: the command line recorded (None: one rebuilt from
+    the arguments). ValueError before any work for a bad argument or a device that is not here."""
     for name, value in (("runs", runs), ("repeats", repeats)):
         if value < 1:
             raise ValueError(f"run_gpu: {name} must be >= 1, got {value}")
@@ -765,6 +807,8 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
     ns = tuple(n) if n is not None else (QUICK_NS if quick else DEFAULT_NS)
     if not ns or any(x < 1 for x in ns):
         raise ValueError(f"run_gpu: n must be sequence lengths >= 1, got {n}")
+    chunk_sizes, sub_chunk_sizes = tuple(chunk_sizes), tuple(sub_chunk_sizes)
+    check_tunings(forms, chunk_sizes, sub_chunk_sizes)
     dev = check_device(device)
     output_folder(out)
     torch_dtype = getattr(torch, dtype)
@@ -773,13 +817,15 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
     with _fla_blocked(not fla):
         kernels = transformers_kernels() if MODEL_FORM in forms else None
     result: dict = {
-        "command": command or _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile),
+        "command": command or _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, chunk_sizes,
+                                       sub_chunk_sizes),
         "complete": False,
         "device": describe_device(dev),
         "versions": versions(),
         "transformers_kernels": kernels,
         "config": {"forms": list(forms), "n": list(ns), "dtype": dtype, "batch_size": 1, "runs": runs,
                    "repeats": repeats, "warmup": WARMUP, "fla": fla, "quick": quick, "profile": profile,
+                   "chunk_sizes": list(chunk_sizes), "sub_chunk_sizes": list(sub_chunk_sizes),
                    "widths": {name: width_record(f, quick) for name, f in KERNEL_FORMS.items() if name in forms},
                    "model": MODEL_DIMS[quick] if MODEL_FORM in forms else None},
         "machine": machine_info(),
@@ -822,7 +868,7 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                     subjects = model_subjects(model, x, device=dev, train=train)
                 else:
                     subjects = kernel_subjects(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev,
-                                               train=train, fla=fla)
+                                               train=train, fla=fla, tuned=tunings(form, chunk_sizes, sub_chunk_sizes))
                 rows = measure(subjects, runs=runs, repeats=repeats, dev=dev, compare=not train)
                 del subjects
                 _release(dev)
@@ -884,6 +930,10 @@ def format_gpu(result: dict) -> str:
               + ("" if on_gpu else " (none on a CPU, which has no allocator statistics)")
               + "; agreement: the largest difference of the prefill's output from linattn's, relative to "
               "linattn's largest entry. A first call over a second (FLA's autotuning) is noted."]
+    if cfg.get("chunk_sizes") or cfg.get("sub_chunk_sizes"):
+        lines += ["", "`linattn chunk_size=...` and `sub_chunk_size=...`: linattn with those knobs instead of its "
+                  "defaults (the row `linattn`), timed in the same rounds: a vs linattn below 1.00x is faster than "
+                  "the defaults."]
     if not result.get("complete"):
         lines += ["", "**Incomplete**: the run stopped before its end; these are the settings it finished."]
     for form in cfg["forms"]:

@@ -285,6 +285,12 @@ def build_parser(prog: str) -> CommandParser:
     gpu.add_argument("--quick", action="store_true",
                      help="Tiny sizes (2 heads of 16, N = 64,128, a tiny model): a check of the script, e.g. "
                      "with --device cpu.")
+    gpu.add_argument("--chunk-sizes", type=int_list, default=(), metavar="C,C",
+                     help="Also time linattn with these chunk sizes, beside its default (every form but ssd and "
+                     "the model): the accelerator's defaults chosen by measurement (default: none).")
+    gpu.add_argument("--sub-chunk-sizes", type=int_list, default=(), metavar="c,c",
+                     help="Also time linattn with these sub-chunk sizes, with the default and every --chunk-sizes "
+                     "(kda and gla_channel, a gate per key channel) (default: none).")
     gpu.add_argument("--profile", action="store_true",
                      help="Also profile one linattn Gated DeltaNet forward and forward+backward at the first N: "
                      "kernels and GPU-busy time on a GPU, leaf aten ops on either device.")
@@ -421,12 +427,14 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
             run_transformers(out=args.out, repeats=args.repeats, sizes=args.sizes,
                              measure_memory=args.measure_memory, **_given(args, "runs", "subjects"))
     elif args.suite == "gpu":
-        from ..bench.gpu import check_device, run_gpu
+        from ..bench.gpu import check_device, check_tunings, run_gpu
 
         with reported(chosen, ValueError):  # before any work: no CUDA here is one line, not a traceback
             check_device(args.device)
+            check_tunings(args.forms, args.chunk_sizes, args.sub_chunk_sizes)
         run_gpu(out=args.out, device=args.device, n=args.n, forms=args.forms, dtype=args.dtype, repeats=args.repeats,
-                fla=args.fla, quick=args.quick, profile=args.profile, command=command_line(argv),
+                fla=args.fla, quick=args.quick, profile=args.profile, chunk_sizes=args.chunk_sizes,
+                sub_chunk_sizes=args.sub_chunk_sizes, command=command_line(argv),
                 **_given(args, "runs"))
     elif args.suite == "launches":
         from ..bench.launches import run_launches
