@@ -84,12 +84,42 @@ class _Load:
         return self.measured
 
 
+@pytest.fixture(scope="module")
+def demo_parts(tmp_path_factory):
+    """What the demo's three measured parts (sweep, errors, generation) returned in one real tiny
+    demo, for the tests that vary only what the demo says about the machine's load (each real
+    demo is 10 s)."""
+    import linattn.bench.demo as demo
+    import linattn.bench.generate as generate
+    import linattn.bench.sweep as sweep
+
+    parts = {}
+
+    def kept(name, fn):
+        def call(*args, **kwargs):
+            parts[name] = fn(*args, **kwargs)
+            return parts[name]
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module, name in ((sweep, "run_sweep"), (generate, "run_generate"), (demo, "fast_vs_reference_errors")):
+            mp.setattr(module, name, kept(name, getattr(module, name)))
+        run_demo((32,), out=tmp_path_factory.mktemp("demo"), generate_positions=(4,), generate_model=TINY_LM,
+                 measure_memory=False, load=_Load(0.0, 1.0, 1.0), transformers_part=False, quiet=True)
+    return parts
+
+
 @pytest.mark.parametrize("share, start, end, busy", [(0.02, 200.0, 195.0, False), (0.60, 200.0, 190.0, True),
                                                      (0.02, 200.0, 90.0, True)])
-def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, share, start, end, busy):
+def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, monkeypatch, demo_parts, share, start, end, busy):
+    import linattn.bench.demo as demo
+    import linattn.bench.generate as generate
+    import linattn.bench.sweep as sweep
     from linattn.bench.harness import REFERENCE_DRIFT, OtherLoad
 
     assert OtherLoad.QUIET < 0.60 and 90.0 < REFERENCE_DRIFT * 200.0 < 195.0  # the cases straddle the thresholds
+    for module, name in ((sweep, "run_sweep"), (generate, "run_generate"), (demo, "fast_vs_reference_errors")):
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: demo_parts[_name])
     result = run_demo((32,), out=tmp_path, generate_positions=(4,), generate_model=TINY_LM,
                       measure_memory=False, load=_Load(share, start, end), transformers_part=False)
     printed, md = capsys.readouterr().out, (tmp_path / "demo.md").read_text()

@@ -39,8 +39,10 @@ def test_bench_transformers_tiny(tmp_path, capsys):
     assert all(b > 0 for b in result["memory"].values())
     assert result["claims"] == {}  # the targets are the checkpoint widths'
     # every target's setting timed with each path alone, in processes of their own
-    alone = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, p, n in bench.ALONE}
+    alone = {f"{s}/{p}/{bench._n(n, 'tiny')}" for s, p, n in bench.alone_plan("tiny")}
     assert set(result["alone_ratios"]) == alone and alone <= want
+    assert {s for s, _, _ in bench.alone_plan("tiny")} == {s for s, _, _ in bench.ALONE}  # every subject alone
+    assert bench.alone_plan("checkpoint") == bench.ALONE
     assert ("gdn_core", "prefill", 16384) in bench.ALONE and ("kda_small_model", "prefill", 2048) in bench.ALONE
     for key in alone:
         for path in bench.PATHS:

@@ -88,6 +88,11 @@ def test_fast_forms_compile_whole_and_match_eager(name):
 @pytest.mark.parametrize("name", ["linear", "favor", "gla", "gated_deltanet", "kda"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_model_compiles_whole_and_matches_eager(name, packed):
+    """The whole model's forward and backward in one graph (dynamo raises at a break), through
+    AOTAutograd (the engine ops' fake shapes and registered backward), equal to eager. Inductor
+    compiles one of them, KDA packed: every engine op is compiled by inductor in
+    test_fast_forms_compile_whole_and_match_eager already, and inductor's code generation for the
+    model's own layers (10 s a model here) is torch's to test, not ours."""
     torch.manual_seed(0)
     cfg = TransformerConfig(vocab_size=23, d_model=32, n_heads=2, n_layers=2, max_len=N,
                             attention=MECHANISMS[name].default_config(), short_conv=3 if name != "favor" else 0)
@@ -102,7 +107,7 @@ def test_a_model_compiles_whole_and_matches_eager(name, packed):
         return loss.detach(), [p.grad.clone() for p in m.parameters()]
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if (name, packed) == ("kda", True) else "aot_eager")
     got, got_grads = step(compiled)
     want, want_grads = step(model)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -117,6 +117,18 @@ ALONE = tuple(key for key in TARGETS if not (key[1] == "train" and key[2] > 1024
 KDA_MEMORY_TARGET = 10.0  # transformers' KDA prefill peak / linattn's at N = 4096, at least
 
 
+def alone_plan(sizes: str) -> tuple[tuple[str, str, int], ...]:
+    """:data:`ALONE` for ``sizes``: the tiny sizes (tests) time each subject's first setting alone,
+    one fresh process per path, instead of every setting: the same children and code, about half
+    the processes."""
+    if sizes == "tiny":
+        first: dict[str, tuple[str, str, int]] = {}
+        for key in ALONE:
+            first.setdefault(key[0], key)
+        return tuple(first.values())
+    return ALONE
+
+
 def memory_plan(sizes: str) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """:data:`MEMORY_PLAN` for ``sizes``: the tiny sizes (tests) measure each subject's first N on
     both paths and linattn's own Ns, one fresh process each, instead of every N: the same children
@@ -313,10 +325,10 @@ def _alone_child(key: str, path: str, sizes: str, repeats: int) -> dict:
 
 
 def _alone(sizes: str, repeats: int, runs: int, say, subjects: tuple[str, ...] = SUBJECTS) -> list[dict]:
-    """Each :data:`ALONE` setting of ``subjects`` on each path alone, a fresh process per (setting,
-    path), ``runs`` times; one ``{"times": {key: {path: {...}}}, "load": {...}}`` per run."""
+    """Each :func:`alone_plan` setting of ``subjects`` on each path alone, a fresh process per
+    (setting, path), ``runs`` times; one ``{"times": {key: {path: {...}}}, "load": {...}}`` per run."""
     out = []
-    settings = [key for key in ALONE if key[0] in subjects]
+    settings = [key for key in alone_plan(sizes) if key[0] in subjects]
     if not settings:
         return out
     for i in range(runs):
