@@ -180,3 +180,18 @@ def test_other_chunk_sizes_are_contenders_beside_the_default(tmp_path):
     assert e.value.code == 2 and not (tmp_path / "no").exists()
     with pytest.raises(ValueError, match="chunk_sizes must be distinct integers >= 1"):
         bench.check_tunings(("kda",), (16, 16), ())
+
+
+def test_ssd_inputs_are_one_draw_in_both_layouts():
+    """``make_inputs``' SSD (the engine's layout, for bench launches and tensor-cores) is
+    ``ssd_inputs``' Mamba-2 mixer draw (transformers' layout, for bench gpu and transformers): the
+    engine on the one equals transformers' signature on the other."""
+    import torch
+
+    from linattn.integrations.transformers import ssd
+
+    spec, dev = bench.KERNEL_FORMS["ssd"], torch.device("cpu")
+    engine = bench.form_function(spec)(*bench.make_inputs(spec, 40, 3, 8, dtype=torch.float64, device=dev, state=6))
+    m = bench.ssd_inputs(40, 3, 8, 6, dtype=torch.float64, device=dev)
+    mixer, _ = ssd(m["x"], m["dt"], m["A"], m["B"], m["C"], D=m["D"], dt_bias=m["dt_bias"], dt_softplus=True)
+    torch.testing.assert_close(engine.transpose(1, 2), mixer, rtol=1e-12, atol=1e-12)

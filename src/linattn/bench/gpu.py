@@ -324,23 +324,24 @@ def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, dtype: torch.d
     ``(B, H, N)`` or ``(B, H, N, D)`` in float32. Drawn on ``device`` from a seeded generator (a
     host-side draw and copy takes seconds at N = 16384, 32 heads), the same values for every seed.
 
-    SSD (``form.state``; ``state`` its width): ``[q, k, v, log_decay, value_scale, skip]`` as
-    ``gated_linear_attention`` takes Mamba-2's scan: one group of queries (C) and keys (B)
-    ``(B, 1, N, state)``, values x ``(B, H, N, D)``, time steps dt ``(B, H, N)`` in [1e-3, 0.1]
-    (Mamba-2's initial range) as the value scale, the log decay A dt with A = -1 .. -H, and the skip
-    D ``(H,)`` ones; dt, the log decay and D in float32."""
+    SSD (``form.state``; ``state`` its width): :func:`ssd_inputs`' Mamba-2 mixer inputs as
+    ``gated_linear_attention`` takes Mamba-2's scan, ``[q, k, v, log_decay, value_scale, skip]``:
+    one group of queries (C) and keys (B) ``(B, 1, N, state)``, values x ``(B, H, N, D)``, the time
+    steps ``dt = softplus(dt_raw + dt_bias)`` ``(B, H, N)`` as the value scale, the log decay
+    ``A dt``, and the skip D ``(H,)``; dt, the log decay and D in float32 (float64 for float64), as
+    the mixer computes them."""
+    if form.state is not None:
+        m = ssd_inputs(n, heads, head_dim, state or form.state, dtype=dtype, device=device, seed=seed)
+        ct = torch.float64 if dtype == torch.float64 else torch.float32  # the mixer's compute dtype
+        dt = F.softplus(m["dt"].to(ct) + m["dt_bias"].to(ct)).transpose(1, 2).contiguous()  # (B, H, N)
+        return [m["C"].transpose(1, 2).contiguous(), m["B"].transpose(1, 2).contiguous(),
+                m["x"].transpose(1, 2).contiguous(), m["A"].to(ct)[:, None] * dt, dt, m["D"].to(ct)]
     g = torch.Generator(device=device).manual_seed(seed)
     shape = (1, heads, n, head_dim)  # (B, H, N, D)
 
     def normal(*size: int) -> Tensor:
         return torch.randn(size, generator=g, device=device, dtype=torch.float32)
 
-    if form.state is not None:
-        width = state or form.state
-        dt = 1e-3 + torch.rand(1, heads, n, generator=g, device=device) * (0.1 - 1e-3)  # (B, H, N)
-        A = -torch.arange(1, heads + 1, dtype=torch.float32, device=device)[:, None]  # (H, 1)
-        return [normal(1, 1, n, width).to(dtype), normal(1, 1, n, width).to(dtype), normal(*shape).to(dtype),
-                A * dt, dt, torch.ones(heads, device=device)]
     q, k, v = normal(*shape), normal(*shape), normal(*shape)
     if form.delta:
         k = F.normalize(k, dim=-1)
@@ -508,7 +509,8 @@ def ssd_inputs(n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dt
                seed: int = 0, groups: int = 1) -> dict[str, Tensor]:
     """A Mamba-2 mixer's scan inputs in transformers' layout (see the module docstring), x, dt, B, C
     in ``dtype``, A, D and dt_bias in float32 as the mixer keeps them in its compute; B and C
-    ``(1, n, groups, state)``. ``bench transformers``' ssd_core draws its inputs here too."""
+    ``(1, n, groups, state)``. ``bench transformers``' ssd_core and :func:`make_inputs`' SSD (the
+    engine's layout, for ``bench launches`` and ``bench tensor-cores``) draw their inputs here too."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def normal(*size: int) -> Tensor:
