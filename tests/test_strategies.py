@@ -109,6 +109,7 @@ def _projection(D: int, dtype):
 def _call(form: str, t: dict, strategy: str | None, **kw):
     """The fast form (``strategy``) or, for None, the reference: ``(out, final state or None)``."""
     q, k, v = t["q"], t["k"], t["v"]
+    chunk = kw.pop("chunk_size", 8)
     if form.startswith("delta"):
         st = DecayedState(t["s0"])
         if strategy is None:
@@ -116,7 +117,7 @@ def _call(form: str, t: dict, strategy: str | None, **kw):
                                                   return_state=True)
         else:
             o, s = LF.delta_rule_attention(q, k, v, t["beta"], log_decay=t.get("log_decay"), initial_state=st,
-                                           return_state=True, strategy=strategy, chunk_size=8, **kw)
+                                           return_state=True, strategy=strategy, chunk_size=chunk, **kw)
         return o, s.s
     if form.startswith("gla"):
         st = DecayedState(t["s0"])
@@ -124,7 +125,7 @@ def _call(form: str, t: dict, strategy: str | None, **kw):
             o, s = gated_linear_attention_reference(q, k, v, t["log_decay"], initial_state=st, return_state=True)
         else:
             o, s = LF.gated_linear_attention(q, k, v, t["log_decay"], initial_state=st, return_state=True,
-                                             strategy=strategy, chunk_size=8, **kw)
+                                             strategy=strategy, chunk_size=chunk, **kw)
         return o, s.s
     if form.startswith("linear"):
         fm = "relu" if form == "linear_relu" else "elu"
@@ -132,18 +133,18 @@ def _call(form: str, t: dict, strategy: str | None, **kw):
             o, s = linear_attention_reference(q, k, v, feature_map=fm, causal=True, return_state=True)
         else:
             o, s = LF.linear_attention(q, k, v, feature_map=fm, causal=True, return_state=True, strategy=strategy,
-                                       chunk_size=8, tile_positions=64, **kw)
+                                       chunk_size=chunk, tile_positions=64, **kw)
         return o, s.S
     if form == "product":
         if strategy is None:  # o_i = q_i . sum_{j <= i} k_j v_j^T, written out
             s = torch.einsum("bhnd,bhne->bhnde", k, v).cumsum(2)
             return torch.einsum("bhnd,bhnde->bhne", q, s), s[:, :, -1]
-        return LF.causal_linear_product(q, k, v, strategy=strategy, chunk_size=8, tile_positions=64)
+        return LF.causal_linear_product(q, k, v, strategy=strategy, chunk_size=chunk, tile_positions=64)
     kernel = "relu" if form == "favor_relu" else "softmax"
     P = _projection(q.shape[-1], q.dtype)
     if strategy is None:
         return favor_attention_reference(q, k, v, P, kernel=kernel, causal=True), None
-    return LF.favor_attention(q, k, v, P, kernel=kernel, causal=True, strategy=strategy, chunk_size=8,
+    return LF.favor_attention(q, k, v, P, kernel=kernel, causal=True, strategy=strategy, chunk_size=chunk,
                               tile_entries=512, **kw), None
 
 
@@ -169,6 +170,20 @@ def test_forced_accelerator_equals_the_reference_in_float64(form, N):
         assert rel(s, rs) < 1e-10, form
     for name in grads:
         assert rel(grads[name], rgrads[name]) < 1e-9, (form, name)
+
+
+@pytest.mark.parametrize("form", ["delta_channel", "gla_channel"])
+@pytest.mark.parametrize("chunk_size, sub_chunk_size", [(16, 4), (12, 4), (64, 4), (14, 2), (7, 4), (32, 8)])
+def test_forced_accelerator_pairs_sub_chunks_by_levels_at_any_count(form, chunk_size, sub_chunk_size):
+    """A gate per key channel: the accelerator pairs the sub-chunks by levels of ever larger halves
+    (decayed._levels_forward), 2, 2, 4, 3, 3 and 2 levels over 4, 3 (padded to 4), 16, 7, 7 and 4
+    sub-chunks: outputs, states and every gradient against the float64 reference."""
+    t = _inputs(form, 1, 2, 75, 6, f64)
+    o, s, grads = _loss_and_grads(form, t, "accelerator", chunk_size=chunk_size, sub_chunk_size=sub_chunk_size)
+    ro, rs, rgrads = _loss_and_grads(form, t, None)
+    assert rel(o, ro) < 1e-10 and rel(s, rs) < 1e-10
+    for name in grads:
+        assert rel(grads[name], rgrads[name]) < 1e-9, name
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -597,21 +597,13 @@ class ChannelDecays(NamedTuple):
         """``(M, D)``: ``exp(b_C)``, the decay over the whole chunk."""
         return _flush_low(before[:, -1, 0] * self.total[:, -1])
 
-    def between(self, batched: bool = False) -> Tensor:
+    def between(self) -> Tensor:
         """``(M, n-1 (i), n-1 (j), D)``: ``exp(r_{i-1} - r_j)`` for a query sub-chunk i >= 1 and a
         key sub-chunk j < i, the product over the sub-chunks strictly between them; 0 for j >= i.
-        ``batched`` (the accelerator): all rows at once, a reverse cumulative product over a
-        masked (M, n-1, n-1, D) tensor, in a few launches; else row by row, each row the one
-        before times one sub-chunk's total (n - 2 products of (M, <= n-2, D)), which on a CPU
-        took about a quarter of the time of the cumulative product's flips and masks."""
+        Row by row, each row the one before times one sub-chunk's total (n - 2 products of
+        (M, <= n-2, D)): the CPU strategy's pairs of sub-chunks (the accelerator pairs halves of
+        ever larger groups instead: :func:`_levels_forward`)."""
         M, n, _, D = self.inner.shape
-        if batched:
-            i = torch.arange(n - 1, device=self.a.device)
-            # f[i - 1, u] = total_{u+1} for u < i - 1, else 1: the product of f[i - 1, j:] is that of
-            # the totals of sub-chunks j + 1 .. i - 1
-            f = torch.where((i[None, :] < i[:, None])[:, :, None], self.total[:, 1:].unsqueeze(1),
-                            self.total.new_ones(()))  # (M, n-1, n-1, D)
-            return _flush_low(f.flip(2).cumprod(2).flip(2).masked_fill_((i[None, :] > i[:, None])[:, :, None], 0))
         mid = self.total.new_zeros(M, n - 1, n - 1, D)
         mid.diagonal(dim1=1, dim2=2).fill_(1)  # j = i - 1: no sub-chunk between
         for i in range(2, n):  # row i - 1 = row i - 2 times total_{i-1}, for j < i - 1
@@ -685,33 +677,134 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.d
     for d in range(1, c):
         Ad.diagonal(-d, dim1=3, dim2=4).copy_(torch.linalg.vecdot(xs[:, :, :, d:], keys[d].unsqueeze(1)))
     off = None
-    if n > 1:
+    if n > 1 and batched:
+        off = _levels_forward(xs, ks, decays, A, operand)
+    elif n > 1:
         # Queries of sub-chunk i >= 1 against keys s of sub-chunk j < i, with r_j = b at the end of
         # sub-chunk j: exp(b_t - b_s) = exp(b_t - r_{i-1}) exp(r_{i-1} - r_j) exp(r_j - b_s), every
         # exponent <= 0: the first and last factors per position (products within a sub-chunk),
-        # the middle one per pair of sub-chunks, 0 for j >= i.
+        # the middle one per pair of sub-chunks.
         eq = decays.inner[:, 1:]  # (M, n-1, c, D)
         ek = decays.rev[:, :-1]  # (M, n-1, c, D)
-        mid = decays.between(batched)  # (M, n-1 (i), n-1 (j), D)
+        mid = decays.between()  # (M, n-1 (i), n-1 (j), D)
         # the S sets' queries of sub-chunk i side by side, (M, n-1, S, c, D): one product per
         # sub-chunk for all sets
         qt = torch.mul(xs[:, :, 1:].transpose(1, 2), eq.unsqueeze(2),
                        out=x.new_empty(M, n - 1, S, c, D)).view(M, n - 1, S * c, D)
         kj = ks[:, :-1] * ek  # (M, n-1, c, D)
         A5 = A.view(M, S, n, c, C)
-        if batched:  # kts (M, n-1 (i), (n-1) c, D): every key before sub-chunk n-1, decayed to i's start (0 for j >= i)
-            kts = (mid.unsqueeze(3) * kj.unsqueeze(1)).view(M * (n - 1), (n - 1) * c, D)
-            blocks = mixed_bmm(qt.view(M * (n - 1), S * c, D), kts.transpose(1, 2), operand)
-            A5[:, :, 1:, :, : P] = blocks.view(M, n - 1, S, c, P).transpose(1, 2)
-        else:
-            kts = []  # kts[i - 1] (M, i c, D): the keys before sub-chunk i, decayed to its start
-            for i in range(1, n):  # only the sub-chunks before i: no product of the zero blocks j >= i
-                kt = (mid[:, i - 1, :i].unsqueeze(2) * kj[:, :i]).view(M, i * c, D)
-                A5[:, :, i, :, : i * c] = mixed_bmm(qt[:, i - 1], kt.transpose(1, 2), operand).view(M, S, c, i * c)
-                kts.append(kt)
+        kts = []  # kts[i - 1] (M, i c, D): the keys before sub-chunk i, decayed to its start
+        for i in range(1, n):  # only the sub-chunks before i: no product of the zero blocks j >= i
+            kt = (mid[:, i - 1, :i].unsqueeze(2) * kj[:, :i]).view(M, i * c, D)
+            A5[:, :, i, :, : i * c] = mixed_bmm(qt[:, i - 1], kt.transpose(1, 2), operand).view(M, S, c, i * c)
+            kts.append(kt)
         off = (eq, ek, mid, qt, kts)
     A.view(M, S, n, c, n, c).diagonal(dim1=2, dim2=4).copy_(Ad.permute(0, 1, 3, 4, 2))
     return A, (runs, keys, off)
+
+
+# The accelerator's blocks between sub-chunks, by levels (channel_scores with batched=True). The
+# sub-chunks, padded to a power of two n2, are paired as halves of ever larger groups: at level l
+# (L = 2^l c positions per half) every group of 2L positions is a lower half and an upper half, and
+# every pair of a query t and an earlier key s in different sub-chunks is in exactly one such
+# (upper, lower) pair of halves, at the level of the highest bit where their sub-chunk indices
+# differ. With m the last position of the lower half, exp(b_t - b_s) = exp(b_t - b_m) exp(b_m - b_s),
+# both exponents <= 0, so each block is one product of
+#     QF_l[t] = x_t exp(b_t - b_m)   (the decay from the upper half's start to t, inclusive)
+#     KF_l[s] = k_s exp(b_m - b_s)   (the decay after s to the lower half's end)
+# over all blocks of the level at once. Level 0 starts from the sub-chunk factors (inner, rev), and a
+# level's factors are the one before times the other half's total decay: QF_{l+1} = QF_l times the
+# first half's total on the second half (its start moves back by L), KF_{l+1} = KF_l times the second
+# half's total on the first. Every factor is a product of decays exp(g), no difference of sums.
+# Against the pairs of sub-chunks (the CPU's form): log2(n) products of the useful pairs only, and
+# no (n-1)^2 c D tensor of decayed keys per chunk (KDA's n = 16: 900 D against a few C D = 64 D), for
+# a few more launches, constant in N (docs/benchmarks/levels: launches, traffic, memory). The
+# factors are not flushed: subnormal products cost nothing on a GPU (the flushes are the CPU's).
+
+class _Levels(NamedTuple):
+    """What the levels' backward needs: per level the queries' and keys' sides ``Q (M P, S L, D)``
+    and ``K (M P, L, D)`` and the group totals ``T`` ``(M, n2 / 2^l, D)``; the padded sub-chunk
+    count ``n2``; the level-0 factors ``inner``, ``rev`` (:class:`ChannelDecays`')."""
+
+    Q: list
+    K: list
+    T: list
+    n2: int
+    inner: Tensor
+    rev: Tensor
+
+
+def _pad_sub_chunks(x: Tensor, n2: int, dim: int) -> Tensor:
+    """``x``, a new tensor, with zeros appended along ``dim`` (its sub-chunks) up to ``n2``."""
+    extra = n2 - x.shape[dim]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:dim], extra, *x.shape[dim + 1:])], dim)
+
+
+def _level_view(A: Tensor, P: int, L: int) -> Tensor:
+    """The blocks of one level inside ``A (M, S, C2, C2)`` (C2 = 2 P L): ``(M, S, L (t), L (s), P)``,
+    the upper half's rows against the lower half's columns of each of the P groups."""
+    M, S = A.shape[:2]
+    return A.view(M, S, P, 2, L, P, 2, L).diagonal(dim1=2, dim2=5)[:, :, 1, :, 0]
+
+
+def _levels_forward(xs: Tensor, ks: Tensor, decays: ChannelDecays, A: Tensor,
+                    operand: torch.dtype | None) -> _Levels:
+    """The blocks between sub-chunks, written into ``A (M, S, C, C)`` level by level (see above):
+    ``xs (M, S, n, c, D)``, ``ks (M, n, c, D)``; products with operands in ``operand``."""
+    M, S, n, c, D = xs.shape
+    levels = (n - 1).bit_length()
+    n2 = 1 << levels
+    QF = _pad_sub_chunks(xs * decays.inner.unsqueeze(1), n2, 2)  # (M, S, n2, c, D)
+    KF = _pad_sub_chunks(ks * decays.rev, n2, 1)  # (M, n2, c, D)
+    T = _pad_sub_chunks(decays.total, n2, 1)  # (M, n2, D): each sub-chunk's total decay
+    out = A if n2 == n else A.new_zeros(M, S, n2 * c, n2 * c)
+    Qs, Ks, Ts = [], [], []
+    for lvl in range(levels):
+        P, L = n2 >> (lvl + 1), c << lvl
+        # copies, always (a reshape may give a view): QF and KF are scaled in place below
+        Q = QF.view(M, S, P, 2, L, D)[:, :, :, 1].transpose(1, 2).clone(memory_format=torch.contiguous_format)
+        Q = Q.view(M * P, S * L, D)
+        K = KF.view(M, P, 2, L, D)[:, :, 0].clone(memory_format=torch.contiguous_format).view(M * P, L, D)
+        blocks = mixed_bmm(Q, K.transpose(1, 2), operand)  # (M P, S L, L)
+        _level_view(out, P, L).copy_(blocks.view(M, P, S, L, L).permute(0, 2, 3, 4, 1))
+        Qs.append(Q)
+        Ks.append(K)
+        Ts.append(T)
+        if lvl + 1 < levels:
+            halves = T.view(M, P, 2, D)
+            QF.view(M, S, P, 2, L, D)[:, :, :, 1].mul_(halves[:, None, :, 0, None])
+            KF.view(M, P, 2, L, D)[:, :, 0].mul_(halves[:, :, 1, None])
+            T = halves[:, :, 0] * halves[:, :, 1]  # (M, P, D): the next level's group totals
+    if out is not A:
+        C = n * c
+        A.copy_(out[:, :, :C, :C])
+    return _Levels(Qs, Ks, Ts, n2, decays.inner, decays.rev)
+
+
+def _levels_backward(dA: Tensor, lv: _Levels, dx: Tensor, dk: Tensor) -> None:
+    """Adds the gradients of the blocks :func:`_levels_forward` wrote, from ``dA (M, S, C, C)``, into
+    ``dx (M, S, n, c, D)`` and ``dk (M, n, c, D)``: each level's two products, then back through the
+    factors, top level first (QF_{l+1} = QF_l times a total: its gradient flows back times that total)."""
+    M, S, n, c, D = dx.shape
+    n2, levels = lv.n2, len(lv.Q)
+    if n2 != n:
+        C, C2 = n * c, n2 * c
+        dA = torch.cat([torch.cat([dA, dA.new_zeros(M, S, C, C2 - C)], 3), dA.new_zeros(M, S, C2 - C, C2)], 2)
+    G = dx.new_zeros(M, S, n2, c, D)  # d loss / d QF_l, level by level downwards
+    H = dk.new_zeros(M, n2, c, D)  # d loss / d KF_l
+    for lvl in reversed(range(levels)):
+        P, L = n2 >> (lvl + 1), c << lvl
+        if lvl + 1 < levels:  # through QF_{l+1} = QF_l * (the first half's total, on the second half)
+            halves = lv.T[lvl].view(M, P, 2, D)
+            G.view(M, S, P, 2, L, D)[:, :, :, 1].mul_(halves[:, None, :, 0, None])
+            H.view(M, P, 2, L, D)[:, :, 0].mul_(halves[:, :, 1, None])
+        dB = _level_view(dA, P, L).permute(0, 4, 1, 2, 3).reshape(M * P, S * L, L)  # (M P, S L (t), L (s))
+        G.view(M, S, P, 2, L, D)[:, :, :, 1].add_(torch.bmm(dB, lv.K[lvl]).view(M, P, S, L, D).transpose(1, 2))
+        H.view(M, P, 2, L, D)[:, :, 0].add_(torch.bmm(dB.transpose(1, 2), lv.Q[lvl]).view(M, P, L, D))
+    dx.addcmul_(G[:, :, :n], lv.inner.unsqueeze(1))
+    dk.addcmul_(H[:, :n], lv.rev)
 
 
 def channel_scores_backward(x: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> tuple[Tensor, Tensor]:
@@ -736,17 +829,8 @@ def channel_scores_backward(x: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
         for j in range(1, S):
             w.addcmul_(xs[:, j, :, d:], dp[:, j])
         dk[:, :, : c - d].addcmul_(w, runs[d])
-    if off is not None and isinstance(off[4], Tensor):  # the batched form (channel_scores' batched)
-        eq, ek, mid, qt, kts = off
-        # d loss / d blocks, the pairs j < i only (dA above the diagonal is not read; the blocks
-        # j = i are the diagonal's, handled above)
-        below = torch.ones(n - 1, n - 1, dtype=torch.bool, device=dA.device).tril_()  # (i - 1, j): j < i
-        dAo = dA.view(M, S, n, c, C)[:, :, 1:, :, :P].transpose(1, 2)  # (M, n-1 (i), S, c, (n-1) c)
-        dAo = (dAo.reshape(M, n - 1, S, c, n - 1, c) * below[:, None, None, :, None]).reshape(M * (n - 1), S * c, P)
-        dx[:, :, 1:].addcmul_(torch.bmm(dAo, kts).view(M, n - 1, S, c, D).transpose(1, 2), eq.unsqueeze(1))
-        dkt = torch.bmm(dAo.transpose(1, 2), qt.view(M * (n - 1), S * c, D)).view(M, n - 1, n - 1, c, D)
-        dkj = (dkt * mid.unsqueeze(3)).sum(1)  # (M, n-1 (j), c, D): summed over the query sub-chunks i
-        dk[:, :-1].addcmul_(dkj, ek)
+    if isinstance(off, _Levels):  # the accelerator's (channel_scores' batched): the pairs j < i only
+        _levels_backward(dA, off, dx, dk)
     elif off is not None:
         eq, ek, mid, qt, kts = off
         dA5 = dA.view(M, S, n, c, C)
