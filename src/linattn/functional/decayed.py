@@ -657,13 +657,11 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.d
     against k) cost little more than one. (Set-major: measured about 10% faster than the sets of
     one position side by side, ``(M, C, S, D)``.) ``operand``: the operand dtype of the products
     between sub-chunks (:func:`~linattn.functional.strategy.mixed_bmm`), None for as they are.
-    ``batched`` (the accelerator strategy): the blocks between sub-chunks as one product over every
-    pair of sub-chunks (the zero pairs j >= i included: about twice their arithmetic, in two
-    launches instead of a few per sub-chunk)."""
+    ``batched`` (the accelerator strategy): the blocks between sub-chunks level by level, one
+    product per level for every chunk (:func:`_levels_forward`), instead of one per sub-chunk."""
     M, S, C, D = x.shape
     a = decays.a
     n, c = a.shape[1], a.shape[2]
-    P = C - c
     xs, ks = x.view(M, S, n, c, D), k.view(M, n, c, D)
     A = x.new_zeros(M, S, C, C)
     # Diagonal blocks, the pairs s < t of one sub-chunk only, by their distance d = t - s (s = t
@@ -812,7 +810,7 @@ def channel_scores_backward(x: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
     diagonal are ignored): ``dx (M, S, C, D)``, each set's queries', and ``dk (M, C, D)``, the
     keys' summed over the S sets."""
     M, S, C, D = x.shape
-    n, P = C // c, C - c
+    n = C // c
     runs, keys, off = saved
     xs, ks = x.view(M, S, n, c, D), k.view(M, n, c, D)
     dAd = dA.view(M, S, n, c, n, c).diagonal(dim1=2, dim2=4).permute(0, 1, 4, 2, 3)  # (M, S, n, c_t, c_s)
