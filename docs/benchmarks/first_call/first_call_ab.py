@@ -22,9 +22,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/benchmarks: ab.py
+from ab import load_lines, order, separate_runs  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -81,28 +83,17 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--per-run", type=int, default=8)
     a = p.parse_args()
-    from linattn.bench.harness import OtherLoad, git_state, machine_info
+    from linattn.bench.harness import git_state, machine_info
 
-    rev = subprocess.run(["git", "rev-parse", a.old_rev], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), rev], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            sides = {"old": old / "src", "new": ROOT / "src"}
-            runs = []
-            for r in range(a.runs):
-                load = OtherLoad(reference=True)
-                samples = {case: {s: [] for s in sides} for case in CASES}
-                for i in range(a.per_run):
-                    for case in CASES:
-                        for side in (("old", "new") if (i + r) % 2 == 0 else ("new", "old")):
-                            samples[case][side].append(_sample(case, sides[side]))
-                runs.append({"samples": samples, "load": load.finish()})
-                print(f"run {r + 1}/{a.runs} done", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+    def one_run(r: int, sides: dict) -> dict:
+        samples = {case: {s: [] for s in sides} for case in CASES}
+        for i in range(a.per_run):
+            for case in CASES:
+                for side in order(i + r):
+                    samples[case][side].append(_sample(case, sides[side]))
+        return samples
+
+    rev, runs = separate_runs(a.old_rev, a.runs, one_run)
 
     def med(run, case, side, key):
         return statistics.median(s[key] for s in run["samples"][case][side])
@@ -133,9 +124,7 @@ def main() -> None:
         ms = [f"{row[k] * 1e3:.3f} ms" for k in ("old_s", "new_s", "saved_s", "saved_min_s", "saved_max_s")]
         lines.append(f"| {row['case']} | {row['what']} | " + " | ".join(ms) + " | "
                      f"{'yes' if d['old'] else 'no'} / {'yes' if d['new'] else 'no'} |")
-    lines += ["", "Runs (other processes' CPU share, reference matmul GFLOP/s at start and end):", ""]
-    for i, r in enumerate(runs):
-        lines.append(f"- run {i + 1}: {json.dumps(r['load'])}")
+    lines += load_lines(runs)
     (HERE / "first_call_ab.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -25,8 +25,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/benchmarks: ab.py
+from ab import load_lines, order, separate_runs  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -83,28 +85,16 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--n", type=int, default=4096)
     a = p.parse_args()
-    from linattn.bench.harness import OtherLoad, git_state, machine_info
+    from linattn.bench.harness import git_state, machine_info
 
-    rev = subprocess.run(["git", "rev-parse", a.old_rev], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), rev], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            sides = {"old": old / "src", "new": ROOT / "src"}
-            runs = []
-            for r in range(a.runs):
-                load = OtherLoad(reference=True)
-                samples = {f"{f} {p_}": {} for f, p_ in CASES}
-                for i, (form, pass_) in enumerate(CASES):
-                    for side in (("old", "new") if (i + r) % 2 == 0 else ("new", "old")):
-                        samples[f"{form} {pass_}"][side] = _sample(form, a.n, pass_, sides[side])
-                runs.append({"samples": samples, "load": load.finish()})
-                print(f"run {r + 1}/{a.runs} done", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+    def one_run(r: int, sides: dict) -> dict:
+        samples = {f"{f} {p_}": {} for f, p_ in CASES}
+        for i, (form, pass_) in enumerate(CASES):
+            for side in order(i + r):
+                samples[f"{form} {pass_}"][side] = _sample(form, a.n, pass_, sides[side])
+        return samples
 
+    rev, runs = separate_runs(a.old_rev, a.runs, one_run)
     rows = []
     for form, pass_ in CASES:
         case = f"{form} {pass_}"
@@ -137,9 +127,7 @@ def main() -> None:
                      f"{tr['new'] / gib:.2f} GiB | {tr['new_over_old']:.2f} | {pk['old'] / gib:.2f} / "
                      f"{pk['new'] / gib:.2f} GiB | {pk['new_over_old']:.2f} | {ti['old']:.3f} / {ti['new']:.3f} s | "
                      f"{ti['new_over_old']:.2f} ({ti['min']:.2f}-{ti['max']:.2f}) |")
-    lines += ["", "Runs (other processes' CPU share, reference matmul GFLOP/s at start and end):", ""]
-    for i, r in enumerate(runs):
-        lines.append(f"- run {i + 1}: {json.dumps(r['load'])}")
+    lines += load_lines(runs)
     (HERE / "levels_ab.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
