@@ -345,3 +345,30 @@ def test_mixed_bmm_rounds_the_operands_and_accumulates_in_float32():
     assert operand_dtype("cpu", torch.bfloat16) == "" and operand_dtype("accelerator", torch.float32) == ""
     opts = EngineOptions(64, "accelerator", "bfloat16", 7, 4, 16)
     assert EngineOptions.decode(opts.encode()) == opts and opts.operand is torch.bfloat16
+
+
+def test_forced_accelerator_kda_at_its_default_chunks_packed_and_grouped():
+    """KDA on the accelerator at its default chunk (64, so 16 sub-chunks and 4 levels of blocks
+    between them) with packed documents (one of 0 and one of 1 position) and grouped heads (2 query
+    heads, 4 value heads): outputs and every gradient equal the float64 reference, document by
+    document."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [70, 0, 130, 1, 55]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(cu[-1])
+    q = torch.randn(1, 2, T, 8, generator=g, dtype=f64)
+    k = F.normalize(torch.randn(1, 2, T, 8, generator=g, dtype=f64), dim=-1)
+    v = torch.randn(1, 4, T, 8, generator=g, dtype=f64)
+    beta = torch.rand(1, 4, T, generator=g, dtype=f64)
+    decay = F.logsigmoid(torch.randn(1, 4, T, 8, generator=g, dtype=f64) + 2)
+    leaves = [t.requires_grad_() for t in (q, k, v, beta, decay)]
+    out = LF.delta_rule_attention(q, k, v, beta, log_decay=decay, cu_seqlens=cu, strategy="accelerator")
+    grads = torch.autograd.grad((out * out).sum(), leaves)
+    qq, kk = q.repeat_interleave(2, 1), k.repeat_interleave(2, 1)
+    ref = torch.cat([delta_rule_attention_reference(qq[:, :, a:b], kk[:, :, a:b], v[:, :, a:b], beta[:, :, a:b],
+                                                    log_decay=decay[:, :, a:b])
+                     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a], 2)
+    ref_grads = torch.autograd.grad((ref * ref).sum(), leaves)
+    assert rel(out, ref) < 1e-10
+    for name, got, want in zip(("q", "k", "v", "beta", "log_decay"), grads, ref_grads):
+        assert rel(got, want) < 1e-9, name
