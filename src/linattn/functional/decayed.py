@@ -733,7 +733,8 @@ class _Levels(NamedTuple):
 
 
 def _pad_sub_chunks(x: Tensor, n2: int, dim: int) -> Tensor:
-    """``x``, a new tensor, with zeros appended along ``dim`` (its sub-chunks) up to ``n2``."""
+    """``x`` with zeros appended along ``dim`` (its sub-chunks) up to ``n2`` (``x`` itself when it has
+    ``n2`` already)."""
     extra = n2 - x.shape[dim]
     if extra == 0:
         return x
