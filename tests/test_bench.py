@@ -21,16 +21,44 @@ def _defaults(*names):
 TINY_LM = {"d_model": 16, "n_layers": 2, "n_heads": 2, "vocab_size": 50}
 
 
-def test_demo_tiny(tmp_path, capsys):
-    result = run_demo((64, 128), out=tmp_path, generate_positions=(4, 8), generate_model=TINY_LM,
-                      measure_memory=False, transformers_model=dict(n=64, hidden_size=32, heads=2, head_dim=16))
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    """One real tiny demo: its result, folder and printed text, and what its three measured parts
+    (sweep, errors, generation) returned, for the tests that vary only what the demo says about the
+    machine's load (a real demo is 10 s or more)."""
+    import contextlib
+    import io
+
+    import linattn.bench.demo as demo
+    import linattn.bench.generate as generate
+    import linattn.bench.sweep as sweep
+
+    parts = {}
+
+    def kept(name, fn):
+        def call(*args, **kwargs):
+            parts[name] = fn(*args, **kwargs)
+            return parts[name]
+        return call
+
+    out, printed = tmp_path_factory.mktemp("demo"), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        for module, name in ((sweep, "run_sweep"), (generate, "run_generate"), (demo, "fast_vs_reference_errors")):
+            mp.setattr(module, name, kept(name, getattr(module, name)))
+        result = run_demo((64, 128), out=out, generate_positions=(4, 8), generate_model=TINY_LM,
+                          measure_memory=False, transformers_model=dict(n=64, hidden_size=32, heads=2, head_dim=16))
+    return {"result": result, "out": out, "printed": printed.getvalue(), "parts": parts}
+
+
+def test_demo_tiny(tiny_demo):
+    result, tmp_path = tiny_demo["result"], tiny_demo["out"]
     saved = json.loads((tmp_path / "demo.json").read_text())
     # the load and the machine's speed it measured are in the JSON, demo.md and the printed summary
     share, ref = saved["load"]["other_cpu_share"], saved["load"]["reference_gflops"]
     assert 0 <= share <= 1 and ref["start"] > 0 and ref["end"] > 0
     line = (f"other processes used {share:.0%} of the CPU time; a reference 512 x 512 float32 matmul ran at "
             f"{ref['start']:.0f} GFLOP/s at the start, {ref['end']:.0f} at the end")
-    assert line in (tmp_path / "demo.md").read_text() and line in capsys.readouterr().out
+    assert line in (tmp_path / "demo.md").read_text() and line in tiny_demo["printed"]
     assert saved["command"] == f"linattn demo --ns 64,128 --out {tmp_path}"
     for name in saved["files"]:  # the parts' own files are there too
         assert (tmp_path / name).exists(), name
@@ -84,34 +112,9 @@ class _Load:
         return self.measured
 
 
-@pytest.fixture(scope="module")
-def demo_parts(tmp_path_factory):
-    """What the demo's three measured parts (sweep, errors, generation) returned in one real tiny
-    demo, for the tests that vary only what the demo says about the machine's load (each real
-    demo is 10 s)."""
-    import linattn.bench.demo as demo
-    import linattn.bench.generate as generate
-    import linattn.bench.sweep as sweep
-
-    parts = {}
-
-    def kept(name, fn):
-        def call(*args, **kwargs):
-            parts[name] = fn(*args, **kwargs)
-            return parts[name]
-        return call
-
-    with pytest.MonkeyPatch.context() as mp:
-        for module, name in ((sweep, "run_sweep"), (generate, "run_generate"), (demo, "fast_vs_reference_errors")):
-            mp.setattr(module, name, kept(name, getattr(module, name)))
-        run_demo((32,), out=tmp_path_factory.mktemp("demo"), generate_positions=(4,), generate_model=TINY_LM,
-                 measure_memory=False, load=_Load(0.0, 1.0, 1.0), transformers_part=False, quiet=True)
-    return parts
-
-
 @pytest.mark.parametrize("share, start, end, busy", [(0.02, 200.0, 195.0, False), (0.60, 200.0, 190.0, True),
                                                      (0.02, 200.0, 90.0, True)])
-def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, monkeypatch, demo_parts, share, start, end, busy):
+def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, monkeypatch, tiny_demo, share, start, end, busy):
     import linattn.bench.demo as demo
     import linattn.bench.generate as generate
     import linattn.bench.sweep as sweep
@@ -119,7 +122,7 @@ def test_demo_warns_when_the_machine_was_busy(tmp_path, capsys, monkeypatch, dem
 
     assert OtherLoad.QUIET < 0.60 and 90.0 < REFERENCE_DRIFT * 200.0 < 195.0  # the cases straddle the thresholds
     for module, name in ((sweep, "run_sweep"), (generate, "run_generate"), (demo, "fast_vs_reference_errors")):
-        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: demo_parts[_name])
+        monkeypatch.setattr(module, name, lambda *a, _name=name, **k: tiny_demo["parts"][_name])
     result = run_demo((32,), out=tmp_path, generate_positions=(4,), generate_model=TINY_LM,
                       measure_memory=False, load=_Load(share, start, end), transformers_part=False)
     printed, md = capsys.readouterr().out, (tmp_path / "demo.md").read_text()
