@@ -46,6 +46,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import EngineOp, once_differentiable
@@ -736,9 +737,7 @@ def _pad_sub_chunks(x: Tensor, n2: int, dim: int) -> Tensor:
     """``x`` with zeros appended along ``dim`` (its sub-chunks) up to ``n2`` (``x`` itself when it has
     ``n2`` already)."""
     extra = n2 - x.shape[dim]
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_zeros(*x.shape[:dim], extra, *x.shape[dim + 1:])], dim)
+    return x if extra == 0 else F.pad(x, (0, 0) * (x.dim() - 1 - dim) + (0, extra))
 
 
 def _level_view(A: Tensor, P: int, L: int) -> Tensor:
@@ -789,8 +788,7 @@ def _levels_backward(dA: Tensor, lv: _Levels, dx: Tensor, dk: Tensor) -> None:
     M, S, n, c, D = dx.shape
     n2, levels = lv.n2, len(lv.Q)
     if n2 != n:
-        C, C2 = n * c, n2 * c
-        dA = torch.cat([torch.cat([dA, dA.new_zeros(M, S, C, C2 - C)], 3), dA.new_zeros(M, S, C2 - C, C2)], 2)
+        dA = F.pad(dA, (0, (n2 - n) * c) * 2)  # (M, S, C2, C2): zero rows and columns appended
     G = dx.new_zeros(M, S, n2, c, D)  # d loss / d QF_l, level by level downwards
     H = dk.new_zeros(M, n2, c, D)  # d loss / d KF_l
     for lvl in reversed(range(levels)):
