@@ -33,7 +33,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("kind", ["identity", "scalar", "diagonal", "full"])
-@pytest.mark.parametrize("Nc", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("Nc", [1, 2, 3, 5, 16, 17, 33])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
 def test_chunk_recurrence_equals_its_reference(kind, Nc, reverse, strategy):
@@ -45,9 +45,12 @@ def test_chunk_recurrence_equals_its_reference(kind, Nc, reverse, strategy):
          "diagonal": torch.rand(Nc, R, D, 1, generator=g, dtype=f64),
          "full": torch.randn(Nc, R, D, D, generator=g, dtype=f64) / 3}[kind]
     want = chunk_recurrence_reference(A, U, seed, reverse=reverse)
+    inputs = [t.clone() for t in (U, seed) + (() if A is None else (A,))]
     got = chunk_recurrence(A, U, seed, strategy=strategy, reverse=reverse)
     assert got.shape == (Nc + 1, R, D, Dv)
     assert rel(got, want) < 1e-12
+    # the scan works in place in buffers of its own: the inputs are left as they were
+    assert all(torch.equal(t, was) for t, was in zip((U, seed) + (() if A is None else (A,)), inputs))
     # written into a buffer that holds the seed itself (as the engines call it)
     out = torch.empty(Nc + 1, R, D, Dv, dtype=f64)
     at = Nc if reverse else 0

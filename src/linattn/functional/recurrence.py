@@ -16,8 +16,10 @@ transposed transitions. :func:`chunk_recurrence` is that stage, with two strateg
 - **accelerator** (a log-depth scan): neighbouring chunks paired, each pair composed into one
   affine map (``A' = A_odd A_even``, ``U' = A_odd U_even + U_odd``), the half-length recurrence
   solved the same way, and the state between the two members of each pair filled in from the
-  state before the pair. ``log2(Nc)`` rounds of four batched operations: launches grow with log N instead of N, every product
-  is as large as the whole sequence's, and no host read. The price is arithmetic: full transitions
+  state before the pair. The chunks are held in bit-reversed order, so that the pairs of every
+  round are two contiguous halves: ``log2(Nc)`` rounds of three batched products written in
+  place (and one copy), launches that grow with log N instead of N, every product as large as
+  the whole sequence's, and no host read. The price is arithmetic: full transitions
   cost one ``(D, D) x (D, D)`` product per chunk (about ``D / C`` times the sequential work of the
   delta rule's loop), diagonal ones an elementwise product.
 
@@ -50,12 +52,13 @@ def _kind(A: Tensor | None, D: int) -> str:
 
 def _apply(A: Tensor | None, kind: str, S: Tensor, U: Tensor, out: Tensor | None = None) -> Tensor:
     """``A S + U`` for a batch of transitions ``(M, D, D | 1)`` and states ``S, U (M, D, Dv)``, into
-    ``out`` when given."""
+    ``out`` when given (``out`` U itself: in place, which spares a full product the copy of U into
+    its output that an out-of-place one launches first on CUDA)."""
     if kind == "identity":
         return torch.add(U, S, out=out)
     if kind == "full":
-        return torch.baddbmm(U, A, S, out=out)
-    return torch.addcmul(U, A, S, out=out)
+        return U.baddbmm_(A, S) if out is U else torch.baddbmm(U, A, S, out=out)
+    return U.addcmul_(A, S) if out is U else torch.addcmul(U, A, S, out=out)
 
 
 def _compose(later: Tensor, earlier: Tensor, kind: str) -> Tensor:
@@ -65,26 +68,43 @@ def _compose(later: Tensor, earlier: Tensor, kind: str) -> Tensor:
     return later * earlier
 
 
-def _scan(A: Tensor, X: Tensor, seed: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-    """Exclusive affine scan along dim 1 of ``X (R, n, D, Dv)`` with transitions ``A (R, n, D, D | 1)``
-    (row-major, contiguous; n a power of two): ``E (R, n, D, Dv)`` with ``E_0 = seed (R, D, Dv)``,
-    ``E_{c+1} = A_c E_c + X_c``, and the total ``E_n (R, D, Dv)``.
+def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: bool) -> Tensor:
+    """Exclusive affine scan over ``n`` steps (a power of two) stored in bit-reversed order along
+    dim 0: ``X (n, R, D, Dv)`` what each step adds, ``M (n, R, D, D | 1)`` its transition (for
+    ``reverse``, the transposed ones), step ``l`` at position ``bitrev(l)``. Writes into ``E (n, R,
+    D, Dv)``, in the same order, the state before each step in the order they run (forward: step 0
+    first from ``seed (R, D, Dv)``, ``E_{l+1} = M_l E_l + X_l``; ``reverse``: step n - 1 first), and
+    returns the state after the last one. ``X`` is consumed (overwritten); ``M`` is read only.
 
-    Neighbours (2i, 2i+1) are composed into one step, the half-length scan gives the state before
-    every pair, and the state between the two members of a pair follows in one product: log2(n)
-    levels of four batched operations. Rows first, pairs adjacent: every operand is a view with one
-    batch stride (``(R*h, 2, ...)[:, 0]``), which a batched product reads as it is, with no copy."""
-    R, n = X.shape[:2]
+    Why bit-reversed: the neighbours (2j, 2j+1) then sit at positions p and p + n/2, so the steps
+    paired at every level are the two contiguous halves of the buffers, each a plain batch of
+    ``(n/2) R`` matrices for one product, and the pairs' own order is bit-reversed again in the first
+    half. Each level: the pair as one step (in place in the half of the member that runs second:
+    ``X_s <- M_s X_f + X_s``), its transition ``M_s M_f``, the half-length scan into the half of the
+    member that runs first (its state is the pair's), then the second's state ``M_f E_f + X_f``:
+    log2(n) levels of three products, no copy but the one into the second's half of ``E``."""
+    n = X.shape[0]
     if n == 1:
-        return seed.unsqueeze(1).clone(), _apply(A[:, 0], kind, seed, X[:, 0])  # a copy: out may hold the seed
+        E[0].copy_(seed)
+        x0 = X[0]
+        return _apply(M[0], kind, seed, x0, out=x0)
     h = n // 2
-    Xp, Ap = X.view(R * h, 2, *X.shape[2:]), A.view(R * h, 2, *A.shape[2:])  # pairs of neighbours
-    X2 = _apply(Ap[:, 1], kind, Xp[:, 0], Xp[:, 1])  # each pair as one step
-    A2 = _compose(Ap[:, 1], Ap[:, 0], kind)
-    E2, total = _scan(A2.view(R, h, *A.shape[2:]), X2.view(R, h, *X.shape[2:]), seed, kind)
-    E2 = E2.reshape(R * h, *X.shape[2:])  # the state before each pair
-    between = _apply(Ap[:, 0], kind, E2, Xp[:, 0])
-    return torch.stack([E2, between], dim=1).view(X.shape), total
+    first, second = (slice(h, n), slice(0, h)) if reverse else (slice(0, h), slice(h, n))  # even steps in [0, h)
+    Mf, Ms = M[first].flatten(0, 1), M[second].flatten(0, 1)  # (h R, D, D | 1)
+    Xf, Xs, Ef = X[first].flatten(0, 1), X[second].flatten(0, 1), E[first]
+    _apply(Ms, kind, Xf, Xs, out=Xs)  # each pair as one step
+    total = _scan(_compose(Ms, Mf, kind).view(M[first].shape), X[second], seed, kind, Ef, reverse)
+    _apply(Mf, kind, Ef.flatten(0, 1), Xf, out=E[second].flatten(0, 1))
+    return total
+
+
+def _bit_reversed(n: int, device: torch.device) -> Tensor:
+    """``(n,)`` int64: ``bitrev(l)`` for l < n, n a power of two (the position of step l in
+    :func:`_scan`'s order, and the step at position l: the permutation is its own inverse). Made on
+    the device by one permuted copy of an ``arange`` (no host-to-device transfer, which would wait for
+    the queue)."""
+    bits = (n - 1).bit_length()
+    return torch.arange(n, device=device).view((2,) * bits).permute(tuple(reversed(range(bits)))).reshape(n)
 
 
 def _transposed(A: Tensor | None, kind: str) -> Tensor | None:
@@ -92,38 +112,46 @@ def _transposed(A: Tensor | None, kind: str) -> Tensor | None:
 
 
 def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool, out: Tensor | None) -> Tensor:
-    """:func:`chunk_recurrence` for the accelerator. The chunks are laid out rows first and padded to
-    a power of two with identity steps (no change to any state; at most as many again, none when
-    the number of chunks is a power of two already, as it is for N a power of two); a reverse
-    recurrence is the forward one over the chunks in reverse order, transitions transposed."""
+    """:func:`chunk_recurrence` for the accelerator. The chunks are gathered into :func:`_scan`'s
+    bit-reversed order (one gather each for ``U`` and ``A``, the size of the copy any batched layout
+    would cost) and padded to a power of two with identity steps (no change to any state; at most
+    as many again, none when the number of chunks is a power of two already, as it is for N a power
+    of two); the states are gathered back in one more. A reverse recurrence runs the pairs the
+    other way round on the transposed transitions (views): nothing is flipped."""
     Nc, R, D, Dv = U.shape
-    n = 1 << (Nc - 1).bit_length()
-    steps = U.flip(0) if reverse else U
+    states = U.new_empty(Nc + 1, R, D, Dv) if out is None else out
     if kind == "identity":  # prefix sums
-        csum = steps.cumsum(0).add_(seed)
-        states = torch.cat([seed.unsqueeze(0), csum])
-    else:
-        X = U.new_zeros(R, n, D, Dv)
-        X[:, :Nc] = steps.transpose(0, 1)
-        Ar = U.new_empty(R, n, *A.shape[2:])
-        Ar[:, :Nc] = (_transposed(A, kind).flip(0) if reverse else A).transpose(0, 1)
-        if n > Nc:  # identity steps
-            pad = Ar[:, Nc:]
-            if kind == "full":
-                pad.zero_().diagonal(dim1=-2, dim2=-1).fill_(1)
-            else:
-                pad.fill_(1)
-        E, total = _scan(Ar, X, seed, kind)
-        states = U.new_empty(Nc + 1, R, D, Dv) if out is None else out
-        if reverse:  # entry c is E_{Nc - c}: written in place, out may hold the seed
-            states[1:] = E[:, :Nc].flip(1).transpose(0, 1)
-            states[0] = total
+        csum = (U.flip(0) if reverse else U).cumsum(0).add_(seed)
+        if reverse:
+            states[:Nc] = csum.flip(0)
+            states[Nc] = seed
         else:
-            states[:Nc] = E[:, :Nc].transpose(0, 1)
-            states[Nc] = total
+            states[1:] = csum
+            states[0] = seed
         return states
-    states = states.flip(0) if reverse else states
-    return states if out is None else out.copy_(states)
+    n = 1 << (Nc - 1).bit_length()
+    order = _bit_reversed(n, U.device)
+    if n == Nc:
+        X, Ar = U.index_select(0, order), A.index_select(0, order)
+    else:  # identity steps after the last chunk
+        at = order[:Nc]  # the position of every chunk
+        X = U.new_zeros(n, R, D, Dv).index_copy_(0, at, U)
+        Ar = A.new_empty(n, *A.shape[1:])
+        if kind == "full":
+            Ar.zero_().diagonal(dim1=-2, dim2=-1).fill_(1)
+        else:
+            Ar.fill_(1)
+        Ar.index_copy_(0, at, A)
+    E = torch.empty_like(X)
+    total = _scan(_transposed(Ar, kind) if reverse else Ar, X, seed, kind, E, reverse)
+    chunks = order[:Nc]
+    if reverse:  # entry c is the state after the steps c..: E of step c is S_{c + 1}; out may hold the seed
+        torch.index_select(E, 0, chunks, out=states[1:])
+        states[0] = total
+    else:
+        torch.index_select(E, 0, chunks, out=states[:Nc])
+        states[Nc] = total
+    return states
 
 
 def chunk_recurrence(A: Tensor | None, U: Tensor, seed: Tensor, *, strategy: str, reverse: bool = False,
