@@ -648,7 +648,7 @@ def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
 
 
 def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.dtype | None = None,
-                   batched: bool = False):
+                   batched: bool = False, saves: bool = True):
     """Per-channel gate: ``S`` sets of queries ``x (M, S, C, D)`` against one set of keys
     ``k (M, C, D)``, with the :class:`ChannelDecays` of their log decays ->
     ``A (M, S, C, C)``, ``A_jts = sum_d x_jtd k_sd exp(b_td - b_sd)`` for s <= t (0 above the
@@ -659,7 +659,9 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.d
     one position side by side, ``(M, C, S, D)``.) ``operand``: the operand dtype of the products
     between sub-chunks (:func:`~linattn.functional.strategy.mixed_bmm`), None for as they are.
     ``batched`` (the accelerator strategy): the blocks between sub-chunks level by level, one
-    product per level for every chunk (:func:`_levels_forward`), instead of one per sub-chunk."""
+    product per level for every chunk (:func:`_levels_forward`), instead of one per sub-chunk.
+    ``saves`` False (a forward: the backward forms the scores again): what the backward needs is
+    let go as soon as it is used, and None comes back in its place."""
     M, S, C, D = x.shape
     a = decays.a
     n, c = a.shape[1], a.shape[2]
@@ -677,7 +679,7 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.d
         Ad.diagonal(-d, dim1=3, dim2=4).copy_(torch.linalg.vecdot(xs[:, :, :, d:], keys[d].unsqueeze(1)))
     off = None
     if n > 1 and batched:
-        off = _levels_forward(xs, ks, decays, A, operand)
+        off = _levels_forward(xs, ks, decays, A, operand, saves)
     elif n > 1:
         # Queries of sub-chunk i >= 1 against keys s of sub-chunk j < i, with r_j = b at the end of
         # sub-chunk j: exp(b_t - b_s) = exp(b_t - r_{i-1}) exp(r_{i-1} - r_j) exp(r_j - b_s), every
@@ -696,10 +698,11 @@ def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.d
         for i in range(1, n):  # only the sub-chunks before i: no product of the zero blocks j >= i
             kt = (mid[:, i - 1, :i].unsqueeze(2) * kj[:, :i]).view(M, i * c, D)
             A5[:, :, i, :, : i * c] = mixed_bmm(qt[:, i - 1], kt.transpose(1, 2), operand).view(M, S, c, i * c)
-            kts.append(kt)
+            if saves:
+                kts.append(kt)
         off = (eq, ek, mid, qt, kts)
     A.view(M, S, n, c, n, c).diagonal(dim1=2, dim2=4).copy_(Ad.permute(0, 1, 3, 4, 2))
-    return A, (runs, keys, off)
+    return A, ((runs, keys, off) if saves else None)
 
 
 # The accelerator's blocks between sub-chunks, by levels (channel_scores with batched=True). The
@@ -748,9 +751,10 @@ def _level_view(A: Tensor, P: int, L: int) -> Tensor:
 
 
 def _levels_forward(xs: Tensor, ks: Tensor, decays: ChannelDecays, A: Tensor,
-                    operand: torch.dtype | None) -> _Levels:
+                    operand: torch.dtype | None, saves: bool = True) -> _Levels:
     """The blocks between sub-chunks, written into ``A (M, S, C, C)`` level by level (see above):
-    ``xs (M, S, n, c, D)``, ``ks (M, n, c, D)``; products with operands in ``operand``."""
+    ``xs (M, S, n, c, D)``, ``ks (M, n, c, D)``; products with operands in ``operand``; without
+    ``saves``, no level's sides are kept (the lists come back empty: only one level's are alive)."""
     M, S, n, c, D = xs.shape
     levels = (n - 1).bit_length()
     n2 = 1 << levels
@@ -767,9 +771,10 @@ def _levels_forward(xs: Tensor, ks: Tensor, decays: ChannelDecays, A: Tensor,
         K = KF.view(M, P, 2, L, D)[:, :, 0].clone(memory_format=torch.contiguous_format).view(M * P, L, D)
         blocks = mixed_bmm(Q, K.transpose(1, 2), operand)  # (M P, S L, L)
         _level_view(out, P, L).copy_(blocks.view(M, P, S, L, L).permute(0, 2, 3, 4, 1))
-        Qs.append(Q)
-        Ks.append(K)
-        Ts.append(T)
+        if saves:
+            Qs.append(Q)
+            Ks.append(K)
+            Ts.append(T)
         if lvl + 1 < levels:
             halves = T.view(M, P, 2, D)
             QF.view(M, S, P, 2, L, D)[:, :, :, 1].mul_(halves[:, None, :, 0, None])
@@ -854,10 +859,12 @@ def _g_sum(x: Tensor, G: int) -> Tensor:
     return x.sum(-1, keepdim=True) if G == 1 else x
 
 
-def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int, opts: EngineOptions | None = None):
+def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int, opts: EngineOptions | None = None,
+                saves: bool = True):
     """``A (m, R, C, C)`` of a tile and what its backward needs, from its log decays ``g`` and
     their cumulative sums ``b`` ``(m, R, C, G)`` (``opts``: the products' operand dtype and, for a
-    gate per key channel, the accelerator's batched scores; None in the backward)."""
+    gate per key channel, the accelerator's batched scores; None in the backward). ``saves`` False:
+    a gate per key channel's scores keep nothing for a backward (:func:`channel_scores`)."""
     m, R, C, D = q.shape
     q2, k2, g2, b2 = (t.reshape(m * R, C, t.shape[-1]) for t in (q, k, g, b))
     operand = None if opts is None else opts.operand
@@ -865,7 +872,8 @@ def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int, 
         A, saved = _intra_head(q2, k2, b2, operand)
     else:  # one set of queries
         batched = opts is not None and opts.strategy == "accelerator"
-        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c, batched), operand, batched=batched)
+        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c, batched), operand, batched=batched,
+                                  saves=saves)
     return A.view(m, R, C, C), saved
 
 
@@ -917,7 +925,7 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
         u = _mm((k_ * ek).transpose(-1, -2), v_, operand)  # (m, R, D, Dv): what the chunk writes
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
         chunk_recurrence(a, u, states[sl.start], strategy=strategy, out=states[sl.start: sl.stop + 1])
-        A, _ = _tile_intra(q_, k_, g_, b, c, opts)
+        A, _ = _tile_intra(q_, k_, g_, b, c, opts, saves=False)
         # the state in two half parts (strategy.split_bmm): its rounding cost the bf16 output the most
         lay.put(o, sl, _mm(q_ * eb, states[sl], operand, split=True).add_(_mm(A, v_, operand)))
     return lay.unchunked(o).reshape(B, H, N, Dv).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states

@@ -315,16 +315,17 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
 
 def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_size: int = 4,
             qk: Tensor | None = None, kept: _Solved | None = None, form: bool = True,
-            operand: torch.dtype | None = None, batched: bool = False) -> _Scores:
+            operand: torch.dtype | None = None, batched: bool = False, saves: bool = True) -> _Scores:
     """``q, k (m, C, D)`` (q already scaled), ``g (m, C)`` (per head), ``(m, C, D)`` (per key
     channel) or None -> :class:`_Scores`, its tensors in the tile buffers ``buf``
     (``sub_chunk_size``: the per-channel scores' sub-chunks), or E, KK and P in those of ``kept``
     (:class:`_Solved`) where it has them: formed there (``form``), or taken as they are. ``operand``:
     the products' operand dtype (:func:`~linattn.functional.strategy.mixed_bmm`), None for as they
     are; ``batched``: a per-channel gate's scores in the accelerator's batched form
-    (:func:`~linattn.functional.decayed.channel_scores`)."""
+    (:func:`~linattn.functional.decayed.channel_scores`); ``saves`` False (the forward): a per-channel
+    gate's scores keep nothing for their backward (``channel``'s saved parts None)."""
     if g is not None and g.dim() == 3:
-        return _channel_scores(q, k, g, sub_chunk_size, qk, operand, batched)
+        return _channel_scores(q, k, g, sub_chunk_size, qk, operand, batched, saves)
     m, C, D = k.shape
     E = gam = delta = gC = None
     into = kept if kept is not None and kept.KK is not None else None  # E, KK, P live there
@@ -356,7 +357,7 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
     return _Scores(E, gam, delta, gC, KK, P, Kd, GQ)
 
 
-def _channel_scores(q, k, g, sub_chunk_size, qk=None, operand=None, batched=False) -> _Scores:
+def _channel_scores(q, k, g, sub_chunk_size, qk=None, operand=None, batched=False, saves=True) -> _Scores:
     """:func:`_scores` for a gate per key channel, ``g (m, C, D)`` (KDA). The decayed scores
     ``sum_d x_td y_id exp(G_td - G_id)`` of A (x = y = k) and P (x = q) are the per-channel gated
     engine's (:func:`~linattn.functional.decayed.channel_scores`: sub-chunks, no exponent above 0);
@@ -370,7 +371,7 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None, operand=None, batched=Fals
     # q and k as two sets of queries against the keys k: the decayed keys are formed once
     if qk is None:
         qk = torch.stack([q, k], dim=1)  # (m, 2, C, D)
-    scores, saved = channel_scores(qk, k, decays, operand, batched)  # (m, 2, C, C), i <= t
+    scores, saved = channel_scores(qk, k, decays, operand, batched, saves)  # (m, 2, C, C), i <= t
     P = scores[:, 0]  # (m, C, C): q_t . k_i decayed
     KK = scores[:, 1].tril_(-1)  # (m, C, C): k_t . k_i decayed, i < t
     before = decays.before()
@@ -488,8 +489,11 @@ def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=No
     """
     n = q.shape[0] // S.shape[0]
     x = _scores(q, k, g, buf, opts.sub_chunk_size, qk=qk, kept=kept, operand=opts.operand,
-                batched=opts.strategy == "accelerator")
+                batched=opts.strategy == "accelerator", saves=False)
     sol = _solve(x, k, bv, b, opts.solve_block, buf, kept, operand=opts.operand)
+    # what the recurrence and the outputs read: the decays and scores that only the solve read are
+    # let go (a gate per key channel's are several times q's size; the accelerator holds every chunk's)
+    x = _Scores(None, None, None, x.gC, None, x.P, x.Kd, x.GQ)
     if opts.strategy == "accelerator":
         return _outputs_by_scan(x, sol, S, n, opts.operand)
     return _outputs_by_loop(x, sol, S, n, buf)
