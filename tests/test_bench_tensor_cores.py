@@ -46,6 +46,18 @@ def test_mixed_bmm_on_a_cpu_is_all_half():
     assert product_flops(lambda: mixed_bmm(a, b, None)) == (0, BMM_FLOPS)  # no operand dtype: full
 
 
+def test_in_place_products_count_as_their_out_of_place_forms():
+    """torch.profiler gives ``baddbmm_`` and ``addmm_`` no FLOPs: the engines' in-place products (the
+    CPU loop's state updates, the accelerator's scan) would vanish from the shares."""
+    a, b = _operands()
+    c = torch.zeros(M, X, Z)
+    assert product_flops(lambda: c.baddbmm_(a, b)) == (0, BMM_FLOPS)
+    assert product_flops(lambda: c[0].addmm_(a[0], b[0])) == (0, BMM_FLOPS // M)
+    assert product_flops(lambda: c.baddbmm_(a.bfloat16().float(), b)) == (0, BMM_FLOPS)
+    h = c.bfloat16()
+    assert product_flops(lambda: h.baddbmm_(a.bfloat16(), b.bfloat16())) == (BMM_FLOPS, 0)
+
+
 def test_a_call_without_products_has_no_share():
     x = torch.randn(8)
     assert product_flops(lambda: x + 1).half_share == 0.0

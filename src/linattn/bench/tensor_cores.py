@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ __all__ = ["DEFAULT_N", "FLA_RESULTS", "FORMS", "QUICK_N", "STRATEGIES", "Produc
            "format_tensor_cores", "make_inputs", "measure_form", "product_flops", "relative_error", "run_tensor_cores"]
 
 _PRODUCTS = frozenset({"aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm", "aten::addbmm"})
+# in-place products, to which torch.profiler (2.13) gives no FLOPs: counted from their operands' shapes
+_IN_PLACE_PRODUCTS = frozenset({"aten::baddbmm_", "aten::addmm_", "aten::addbmm_"})
 _HALF = frozenset({"c10::BFloat16", "c10::Half", "BFloat16", "Half"})
 
 
@@ -59,8 +62,17 @@ class ProductFlops(NamedTuple):
         return self.half / total if total else 0.0
 
 
+def _in_place_flops(ev) -> int:
+    """``2 x rows x inner x columns`` (times the batch) of an in-place product ``self.op_(a, b)``, from
+    the recorded shapes of ``a`` and ``b``."""
+    a, b = ev.input_shapes[1], ev.input_shapes[2]
+    return 2 * math.prod(a) * b[-1]
+
+
 def product_flops(fn: Callable[[], object]) -> ProductFlops:
-    """Run ``fn()`` once under torch.profiler and sum its matrix products' FLOPs by operand kind."""
+    """Run ``fn()`` once under torch.profiler and sum its matrix products' FLOPs by operand kind
+    (the in-place ones, ``baddbmm_`` and the like, counted from their shapes: the profiler gives them
+    none)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
@@ -70,12 +82,13 @@ def product_flops(fn: Callable[[], object]) -> ProductFlops:
     def walk(ev, labelled: bool) -> None:
         nonlocal half, full
         labelled = labelled or ev.name == HALF_OPERANDS
-        if ev.name in _PRODUCTS and ev.flops:
+        flops = ev.flops if ev.name in _PRODUCTS else _in_place_flops(ev) if ev.name in _IN_PLACE_PRODUCTS else 0
+        if flops:
             dtypes = set(ev.input_dtypes or ())
             if labelled or dtypes & _HALF:
-                half += ev.flops
+                half += flops
             else:
-                full += ev.flops
+                full += flops
             return  # a product's own children (a copy, a bmm under addmm) are not counted again
         for child in ev.cpu_children:
             walk(child, labelled)
