@@ -57,6 +57,10 @@ def test_chunk_recurrence_equals_its_reference(kind, Nc, reverse, strategy):
     out[at] = seed
     chunk_recurrence(A, U, out[at], strategy=strategy, reverse=reverse, out=out)
     assert rel(out, want) < 1e-12
+    # with A and U the caller's temporaries, whose memory the scan may work in
+    got = chunk_recurrence(None if A is None else A.clone(), U.clone(), seed, strategy=strategy, reverse=reverse,
+                           consume=True)
+    assert rel(got, want) < 1e-12
 
 
 def test_the_strategy_argument():

@@ -542,7 +542,8 @@ def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch
     m, C, Dv = sol.U.shape
     R, D = S.shape[0], S.shape[1]
     B = mixed_bmm(x.Kd.transpose(1, 2), sol.U, operand).view(n, R, D, Dv)  # Kd^T Uv
-    states = chunk_recurrence(_transitions(x, sol.W, n, operand), B, S, strategy="accelerator")  # (n + 1, R, D, Dv)
+    states = chunk_recurrence(_transitions(x, sol.W, n, operand), B, S, strategy="accelerator",
+                              consume=True)  # (n + 1, R, D, Dv)
     before = states[:n].reshape(m, D, Dv)
     U = sol.U.sub_(mixed_bmm(sol.W, before, operand))  # the pseudo-values, in place (the backward reads them)
     S.copy_(states[n])
@@ -773,7 +774,8 @@ def _state_grads_by_scan(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: i
     m, C, D = sol.W.shape
     R, Dv = dst.shape[1], dst.shape[-1]
     inputs = torch.baddbmm(dst[:n].view(m, D, Dv), sol.W.transpose(1, 2), dU, alpha=-1).view(n, R, D, Dv)
-    chunk_recurrence(_transitions(x, sol.W, n), inputs, dst[n], strategy="accelerator", reverse=True, out=dst)
+    chunk_recurrence(_transitions(x, sol.W, n), inputs, dst[n], strategy="accelerator", reverse=True, out=dst,
+                     consume=True)
     dU.baddbmm_(x.Kd, dst[1:].reshape(m, D, Dv))
 
 

@@ -61,14 +61,15 @@ def _apply(A: Tensor | None, kind: str, S: Tensor, U: Tensor, out: Tensor | None
     return U.addcmul_(A, S) if out is U else torch.addcmul(U, A, S, out=out)
 
 
-def _compose(later: Tensor, earlier: Tensor, kind: str) -> Tensor:
-    """The transition of two steps, ``later @ earlier`` (elementwise for numbers and diagonals)."""
+def _compose(later: Tensor, earlier: Tensor, kind: str, out: Tensor | None = None) -> Tensor:
+    """The transition of two steps, ``later @ earlier`` (elementwise for numbers and diagonals), into
+    ``out`` when given."""
     if kind == "full":
-        return torch.bmm(later, earlier)
-    return later * earlier
+        return torch.bmm(later, earlier, out=out)
+    return torch.mul(later, earlier, out=out)
 
 
-def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: bool) -> Tensor:
+def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: bool, work: Tensor | None = None) -> Tensor:
     """Exclusive affine scan over ``n`` steps (a power of two) stored in bit-reversed order along
     dim 0: ``X (n, R, D, Dv)`` what each step adds, ``M (n, R, D, D | 1)`` its transition (for
     ``reverse``, the transposed ones), step ``l`` at position ``bitrev(l)``. Writes into ``E (n, R,
@@ -82,7 +83,11 @@ def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: boo
     half. Each level: the pair as one step (in place in the half of the member that runs second:
     ``X_s <- M_s X_f + X_s``), its transition ``M_s M_f``, the half-length scan into the half of the
     member that runs first (its state is the pair's), then the second's state ``M_f E_f + X_f``:
-    log2(n) levels of three products, no copy but the one into the second's half of ``E``."""
+    log2(n) levels of three products, no copy but the one into the second's half of ``E``.
+
+    ``work``: None, or a flat buffer of at least ``(n - 1)`` transitions' size that the levels'
+    composed transitions are written into, each level's after the one before (none is read after
+    the level below it returns); None: each level allocates its own."""
     n = X.shape[0]
     if n == 1:
         E[0].copy_(seed)
@@ -93,7 +98,9 @@ def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: boo
     Mf, Ms = M[first].flatten(0, 1), M[second].flatten(0, 1)  # (h R, D, D | 1)
     Xf, Xs, Ef = X[first].flatten(0, 1), X[second].flatten(0, 1), E[first]
     _apply(Ms, kind, Xf, Xs, out=Xs)  # each pair as one step
-    total = _scan(_compose(Ms, Mf, kind).view(M[first].shape), X[second], seed, kind, Ef, reverse)
+    size = Mf.numel()
+    into, rest = (None, None) if work is None else (work[:size].view(Mf.shape), work[size:])
+    total = _scan(_compose(Ms, Mf, kind, into).view(M[first].shape), X[second], seed, kind, Ef, reverse, rest)
     _apply(Mf, kind, Ef.flatten(0, 1), Xf, out=E[second].flatten(0, 1))
     return total
 
@@ -111,13 +118,16 @@ def _transposed(A: Tensor | None, kind: str) -> Tensor | None:
     return A.transpose(-1, -2) if kind == "full" else A
 
 
-def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool, out: Tensor | None) -> Tensor:
+def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool, out: Tensor | None,
+             consume: bool = False) -> Tensor:
     """:func:`chunk_recurrence` for the accelerator. The chunks are gathered into :func:`_scan`'s
     bit-reversed order (one gather each for ``U`` and ``A``, the size of the copy any batched layout
     would cost) and padded to a power of two with identity steps (no change to any state; at most
     as many again, none when the number of chunks is a power of two already, as it is for N a power
     of two); the states are gathered back in one more. A reverse recurrence runs the pairs the
-    other way round on the transposed transitions (views): nothing is flipped."""
+    other way round on the transposed transitions (views): nothing is flipped. With ``consume``,
+    once gathered, ``U``'s memory holds the scan's states and ``A``'s the levels' composed
+    transitions (where their layouts and sizes allow it: contiguous, no padding)."""
     Nc, R, D, Dv = U.shape
     states = U.new_empty(Nc + 1, R, D, Dv) if out is None else out
     if kind == "identity":  # prefix sums
@@ -142,8 +152,10 @@ def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool
         else:
             Ar.fill_(1)
         Ar.index_copy_(0, at, A)
-    E = torch.empty_like(X)
-    total = _scan(_transposed(Ar, kind) if reverse else Ar, X, seed, kind, E, reverse)
+    own = consume and n == Nc
+    E = U if own and U.is_contiguous() else torch.empty_like(X)
+    work = A.view(-1) if own and A.is_contiguous() else None  # n - 1 transitions' room in Nc's
+    total = _scan(_transposed(Ar, kind) if reverse else Ar, X, seed, kind, E, reverse, work)
     chunks = order[:Nc]
     if reverse:  # entry c is the state after the steps c..: E of step c is S_{c + 1}; out may hold the seed
         torch.index_select(E, 0, chunks, out=states[1:])
@@ -155,7 +167,7 @@ def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool
 
 
 def chunk_recurrence(A: Tensor | None, U: Tensor, seed: Tensor, *, strategy: str, reverse: bool = False,
-                     out: Tensor | None = None) -> Tensor:
+                     out: Tensor | None = None, consume: bool = False) -> Tensor:
     """The states of ``S_{c+1} = A_c S_c + U_c``, or with ``reverse`` of
     ``S_c = A_c^T S_{c+1} + U_c`` (the backward's recurrence, run from the end).
 
@@ -167,6 +179,8 @@ def chunk_recurrence(A: Tensor | None, U: Tensor, seed: Tensor, *, strategy: str
         strategy: ``"cpu"`` (sequential) or ``"accelerator"`` (log-depth scan); see the module
             docstring (resolve ``"auto"`` first: :func:`resolve_strategy`).
         out: ``(Nc + 1, R, D, Dv)`` to write the states into, or None for a new tensor.
+        consume: ``A`` and ``U`` are the caller's temporaries, which the accelerator's scan may
+            overwrite (their memory then holds its work instead of new buffers; unread after the call).
 
     Returns ``(Nc + 1, R, D, Dv)``: entry c is the state before chunk c (forward; entry Nc the
     final state) or the state after the steps c.. (reverse; entry Nc the seed).
@@ -174,7 +188,7 @@ def chunk_recurrence(A: Tensor | None, U: Tensor, seed: Tensor, *, strategy: str
     Nc = U.shape[0]
     kind = _kind(A, U.shape[-2])
     if strategy == "accelerator":
-        return _by_scan(A, U, seed, kind, reverse, out)
+        return _by_scan(A, U, seed, kind, reverse, out, consume)
     if strategy != "cpu":
         raise ValueError(f"chunk_recurrence: strategy must be 'cpu' or 'accelerator', got {strategy!r}")
     S = U.new_empty(Nc + 1, *U.shape[1:]) if out is None else out
