@@ -86,7 +86,8 @@ class CumulativeLogDecay:
     def of(g: Tensor, dim: int) -> "CumulativeLogDecay":
         """The cumulative sums along ``dim`` of the log decays ``g`` (<= 0, -inf allowed), in g's dtype."""
         reset = g < RESET_LOG_DECAY
-        return CumulativeLogDecay(g.masked_fill(reset, 0).cumsum(dim), reset.to(g.dtype).cumsum(dim))
+        # where, not masked_fill: one pass (an out-of-place masked_fill is a copy, then the fill)
+        return CumulativeLogDecay(torch.where(reset, 0.0, g).cumsum(dim), reset.to(g.dtype).cumsum(dim))
 
     @property
     def shape(self) -> torch.Size:
