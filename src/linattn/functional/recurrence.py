@@ -34,6 +34,8 @@ Dimension legend: Nc chunks, R rows (B*H), D state rows (query/key width), Dv st
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -105,11 +107,12 @@ def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: boo
     return total
 
 
+@functools.lru_cache(maxsize=64)
 def _bit_reversed(n: int, device: torch.device) -> Tensor:
     """``(n,)`` int64: ``bitrev(l)`` for l < n, n a power of two (the position of step l in
     :func:`_scan`'s order, and the step at position l: the permutation is its own inverse). Made on
     the device by one permuted copy of an ``arange`` (no host-to-device transfer, which would wait for
-    the queue)."""
+    the queue), once per length and device: only read, never written, by the calls that share it."""
     bits = (n - 1).bit_length()
     return torch.arange(n, device=device).view((2,) * bits).permute(tuple(reversed(range(bits)))).reshape(n)
 
