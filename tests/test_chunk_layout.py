@@ -56,6 +56,20 @@ def test_chunk_major_tiles_cover_every_chunk_once(R, N, C, tile):
     torch.testing.assert_close(lay.unchunked(out), x)
 
 
+def test_take_scaled_is_take_times_its_factor_chunk_major_and_contiguous():
+    lay = ChunkLayout.of(3, 10, 4, chunks_per_tile=2)
+    xc = lay.chunked(torch.randn(3, 10, 5, dtype=torch.float64))
+    per_position = lay.chunked(torch.rand(3, 10, 1, dtype=torch.float64))[..., 0]  # (R, Nc, C)
+    for sl in lay.tiles():
+        for factor, want in ((0.5, lay.take(xc, sl) * 0.5),
+                             (per_position, lay.take(xc, sl) * lay.take(per_position, sl)[..., None])):
+            got = lay.take_scaled(xc, sl, factor)
+            assert got.is_contiguous() and got.shape == (sl.stop - sl.start, 3, lay.C, 5)
+            assert torch.equal(got, want)
+            out = torch.empty_like(want)
+            assert lay.take_scaled(xc, sl, factor, out) is out and torch.equal(out, want)
+
+
 def test_of_needs_exactly_one_tile_size():
     with pytest.raises(TypeError, match="exactly one of chunks_per_tile and tile_positions"):
         ChunkLayout.of(2, 10, 4)

@@ -167,6 +167,17 @@ class ChunkLayout(NamedTuple):
         return None if xc is None else xc[:, tile].transpose(0, 1).contiguous()
 
     @staticmethod
+    def take_scaled(xc: Tensor, tile: slice, factor, out: Tensor | None = None) -> Tensor:
+        """:meth:`take` of ``xc (R, Nc, C, X)`` times ``factor`` (a number, or ``(R, Nc, C)``, one per
+        position) in the one pass that takes it: ``(m, R, C, X)``, chunk-major and contiguous, into
+        ``out`` when given. (The product of the chunk-major view and a factor would keep the view's
+        strides, and every batched product would then copy it first.)"""
+        view = xc[:, tile].transpose(0, 1)
+        if isinstance(factor, Tensor):
+            factor = factor[:, tile].transpose(0, 1)[..., None]
+        return torch.mul(view, factor, out=xc.new_empty(view.shape) if out is None else out)
+
+    @staticmethod
     def put(dst: Tensor, tile: slice, src: Tensor) -> None:
         """Write chunk-major ``src`` (``(m, R, C, *X)``, or ``(m*R, C, *X)``) into chunks ``tile`` of
         ``dst (R, Nc, C, *X)``."""

@@ -896,14 +896,6 @@ def _gated_layout(R: int, N: int, chunk_size: int, tile_positions: int, strategy
     return ChunkLayout.of(R, N, chunk_size, tile_positions=tile_positions)
 
 
-def _scaled_take(lay: ChunkLayout, xc: Tensor, tile: slice, scale: float) -> Tensor:
-    """``scale`` times :meth:`ChunkLayout.take` of ``xc (R, Nc, C, X)``: ``(m, R, C, X)``, chunk-major
-    and contiguous, in one pass. (The product of the chunk-major view and the scale kept the view's
-    strides, and every batched product then copied it first.)"""
-    view = lay.view(xc, tile)
-    return torch.mul(view, scale, out=xc.new_empty(view.shape))
-
-
 def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None, scale: float,
                    options: str) -> tuple[Tensor, Tensor, Tensor]:
     """The chunked form: ``q, k (B, H, N, D)``, ``v (B, H, N, Dv)``, ``g (B, H, N, G)``,
@@ -927,7 +919,7 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
     o = lay.new_chunked(q, Dv)
     c = sub_chunk_length(C, opts.sub_chunk_size)
     for sl in lay.tiles():
-        q_ = _scaled_take(lay, q3, sl, scale)  # (m, R, C, D)
+        q_ = lay.take_scaled(q3, sl, scale)  # (m, R, C, D)
         k_, v_, g_ = (lay.take(t, sl) for t in (k3, v3, g3))
         b, eb, ek = _tile_decays(g_)
         u = _mm((k_ * ek).transpose(-1, -2), v_, operand)  # (m, R, D, Dv): what the chunk writes
@@ -957,7 +949,7 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
     dq3, dk3, dv3, dg3 = (lay.new_chunked(q, X) for X in (D, D, Dv, G))
     c = sub_chunk_length(C, opts.sub_chunk_size)
     for sl in reversed(lay.tiles()):
-        q_ = _scaled_take(lay, q3, sl, scale)  # (m, R, C, D)
+        q_ = lay.take_scaled(q3, sl, scale)  # (m, R, C, D)
         k_, v_, g_, do_ = (lay.take(t, sl) for t in (k3, v3, g3, do3))
         b, eb, ek = _tile_decays(g_)
         qd = q_ * eb

@@ -438,9 +438,9 @@ def _take_stacked(lay: ChunkLayout, xc: Tensor, tile: slice, out: Tensor) -> Ten
 
 def _take_product(lay: ChunkLayout, xc: Tensor, tile: slice, factor, out: Tensor) -> Tensor:
     """:func:`_take` of ``xc`` times ``factor`` (a number, or ``(R, Nc, C)`` per position) in the one
-    pass that takes it, into ``out`` (``(m, R, C, X)``, rows of one chunk side by side): ``(m*R, C, X)``."""
-    torch.mul(lay.view(xc, tile), factor if isinstance(factor, float) else lay.view(factor, tile)[..., None], out=out)
-    return out.flatten(0, 1)
+    pass that takes it (:meth:`ChunkLayout.take_scaled`), into ``out`` (``(m, R, C, X)``, rows of one
+    chunk side by side): ``(m*R, C, X)``."""
+    return lay.take_scaled(xc, tile, factor, out).flatten(0, 1)
 
 
 def _qk_factors(scale: float, norms: tuple | None) -> tuple:
