@@ -493,7 +493,7 @@ def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=No
     sol = _solve(x, k, bv, b, opts.solve_block, buf, kept, operand=opts.operand)
     # what the recurrence and the outputs read: the decays and scores that only the solve read are
     # let go (a gate per key channel's are several times q's size; the accelerator holds every chunk's)
-    x = _Scores(None, None, None, x.gC, None, x.P, x.Kd, x.GQ)
+    x = x._replace(E=None, gam=None, delta=None, KK=None, channel=None)
     if opts.strategy == "accelerator":
         return _outputs_by_scan(x, sol, S, n, opts.operand)
     return _outputs_by_loop(x, sol, S, n, buf)

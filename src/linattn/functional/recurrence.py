@@ -54,13 +54,18 @@ def _kind(A: Tensor | None, D: int) -> str:
 
 def _apply(A: Tensor | None, kind: str, S: Tensor, U: Tensor, out: Tensor | None = None) -> Tensor:
     """``A S + U`` for a batch of transitions ``(M, D, D | 1)`` and states ``S, U (M, D, Dv)``, into
-    ``out`` when given (``out`` U itself: in place, which spares a full product the copy of U into
-    its output that an out-of-place one launches first on CUDA)."""
+    ``out`` when given."""
     if kind == "identity":
         return torch.add(U, S, out=out)
     if kind == "full":
-        return U.baddbmm_(A, S) if out is U else torch.baddbmm(U, A, S, out=out)
-    return U.addcmul_(A, S) if out is U else torch.addcmul(U, A, S, out=out)
+        return torch.baddbmm(U, A, S, out=out)
+    return torch.addcmul(U, A, S, out=out)
+
+
+def _add_applied(A: Tensor, kind: str, S: Tensor, U: Tensor) -> Tensor:
+    """``U += A S`` in place (transitions ``(M, D, D | 1)``, not the identity): for a full product no
+    copy of U into a new output first, which an out-of-place one launches on CUDA."""
+    return U.baddbmm_(A, S) if kind == "full" else U.addcmul_(A, S)
 
 
 def _compose(later: Tensor, earlier: Tensor, kind: str, out: Tensor | None = None) -> Tensor:
@@ -93,13 +98,12 @@ def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: boo
     n = X.shape[0]
     if n == 1:
         E[0].copy_(seed)
-        x0 = X[0]
-        return _apply(M[0], kind, seed, x0, out=x0)
+        return _add_applied(M[0], kind, seed, X[0])
     h = n // 2
     first, second = (slice(h, n), slice(0, h)) if reverse else (slice(0, h), slice(h, n))  # even steps in [0, h)
     Mf, Ms = M[first].flatten(0, 1), M[second].flatten(0, 1)  # (h R, D, D | 1)
     Xf, Xs, Ef = X[first].flatten(0, 1), X[second].flatten(0, 1), E[first]
-    _apply(Ms, kind, Xf, Xs, out=Xs)  # each pair as one step
+    _add_applied(Ms, kind, Xf, Xs)  # each pair as one step
     size = Mf.numel()
     into, rest = (None, None) if work is None else (work[:size].view(Mf.shape), work[size:])
     total = _scan(_compose(Ms, Mf, kind, into).view(M[first].shape), X[second], seed, kind, Ef, reverse, rest)
@@ -144,22 +148,21 @@ def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool
         return states
     n = 1 << (Nc - 1).bit_length()
     order = _bit_reversed(n, U.device)
+    chunks = order[:Nc]  # the position of every chunk
     if n == Nc:
         X, Ar = U.index_select(0, order), A.index_select(0, order)
     else:  # identity steps after the last chunk
-        at = order[:Nc]  # the position of every chunk
-        X = U.new_zeros(n, R, D, Dv).index_copy_(0, at, U)
+        X = U.new_zeros(n, R, D, Dv).index_copy_(0, chunks, U)
         Ar = A.new_empty(n, *A.shape[1:])
         if kind == "full":
             Ar.zero_().diagonal(dim1=-2, dim2=-1).fill_(1)
         else:
             Ar.fill_(1)
-        Ar.index_copy_(0, at, A)
+        Ar.index_copy_(0, chunks, A)
     own = consume and n == Nc
     E = U if own and U.is_contiguous() else torch.empty_like(X)
     work = A.view(-1) if own and A.is_contiguous() else None  # n - 1 transitions' room in Nc's
     total = _scan(_transposed(Ar, kind) if reverse else Ar, X, seed, kind, E, reverse, work)
-    chunks = order[:Nc]
     if reverse:  # entry c is the state after the steps c..: E of step c is S_{c + 1}; out may hold the seed
         torch.index_select(E, 0, chunks, out=states[1:])
         states[0] = total
