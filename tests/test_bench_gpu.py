@@ -58,6 +58,13 @@ def test_bench_gpu_quick_on_the_cpu(tmp_path, capsys):
     assert prof["n"] == 64 and prof["prefill"]["kernels"] is None
     assert 0 < prof["prefill"]["computing_leaf_aten_ops"] <= prof["prefill"]["leaf_aten_ops"]
     assert prof["train"]["leaf_aten_ops"] > prof["prefill"]["leaf_aten_ops"]
+    for form in bench.KERNEL_FORMS:  # bf16 outputs against float64 from the same values: the rounding of bf16, no more
+        assert 0 < rows[form, 64, "prefill", "linattn"]["error_to_float64"] < 0.02, form
+        assert "error_to_float64" not in rows[form, 64, "train", "linattn"]
+    judged = {(t["form"], t["n"], t["pass"], t["target"]): t for t in result["targets"]}
+    assert len(judged) == len(result["targets"])
+    assert judged["gated_delta", 4096, "prefill", "linattn <= 3 ms"]["why"] == "not in this run"
+    assert "## Issue 44's targets" in md and "| gated_delta | 4096 | prefill | linattn <= 3 ms |" in md
     assert "| 64 | prefill | linattn |" in md and "| 64 | train | sdpa |" in md and "## `kda`" in md
     assert "a check of the script, not a GPU measurement" in md and "## Profile" in md
     if not HAS_FLA:
@@ -195,3 +202,87 @@ def test_ssd_inputs_are_one_draw_in_both_layouts():
     m = bench.ssd_inputs(40, 3, 8, 6, dtype=torch.float64, device=dev)
     mixer, _ = ssd(m["x"], m["dt"], m["A"], m["B"], m["C"], D=m["D"], dt_bias=m["dt_bias"], dt_softplus=True)
     torch.testing.assert_close(engine.transpose(1, 2), mixer, rtol=1e-12, atol=1e-12)
+
+
+def test_the_float64_reference_is_the_function_on_the_contenders_values():
+    """float64_reference draws the contenders' very inputs again (float32 here, so that the only
+    difference left is float32's rounding: other values would differ by O(1)) and computes the
+    form's function: the float32 output of each form is within float32's rounding of it, and the
+    delta rule's reference is the per-position recurrence's."""
+    import torch
+
+    from linattn.functional import delta_rule_attention_reference
+
+    dev = torch.device("cpu")
+    for name, form in bench.KERNEL_FORMS.items():
+        ref = bench.float64_reference(form, 40, quick=True, dtype=torch.float32, device=dev)
+        assert ref.dtype == torch.float64
+        if form.state is not None:
+            m = bench.ssd_inputs(40, 2, 16, 16, dtype=torch.float32, device=dev)
+            out = bench._ssd(*(m[k] for k in bench.SSD_KEYS))
+        else:
+            tensors = bench.make_inputs(form, 40, 2, 16, dtype=torch.float32, device=dev)
+            out = bench._linattn_fn(form, 16, torch.float32, dev)(*tensors)
+        assert bench.relative_error(out, ref) < 1e-5, name
+    form = bench.KERNEL_FORMS["gated_delta"]
+    q, k, v, beta, g = (t.double() for t in bench.make_inputs(form, 40, 2, 16, dtype=torch.bfloat16, device=dev))
+    plain = delta_rule_attention_reference(q, k, v, beta, log_decay=g)
+    ref = bench.float64_reference(form, 40, quick=True, dtype=torch.bfloat16, device=dev)
+    torch.testing.assert_close(ref, plain, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"out \(2, 3\) and reference \(3,\) differ in shape"):
+        bench.relative_error(torch.ones(2, 3), torch.ones(3))
+
+
+def _timed(median: float, status: str = "ok", **extra) -> dict:
+    return {"status": status, "time_s": {"median": median, "min": median, "max": median, "runs": [median] * 3},
+            **extra}
+
+
+def test_targets_are_judged_from_the_rows():
+    """Each kind of target from synthetic rows: a time under and over its limit, a ratio taken run by
+    run, errors against float64 compared with FLA's, linattn failing (a miss) against another
+    contender missing (no verdict), the model against transformers' path without FLA (no verdict),
+    settings outside the run (not in this run)."""
+    def row(form, n, pass_, contender, **r):
+        return {"form": form, "n": n, "pass": pass_, "contender": contender, **r}
+
+    fla_ratio = {"ratio_to_linattn": {"runs": [0.5, 0.25, 0.2]}}  # linattn 2x, 4x, 5x FLA's time: median 4x
+    result = {
+        "config": {"forms": ["gated_delta", "gla_channel", "kda", "linear", bench.MODEL_FORM], "n": [4096, 16384]},
+        "transformers_kernels": {"torch_chunk_gated_delta_rule": "transformers.models.qwen3_5.modeling_qwen3_5.x"},
+        "rows": [
+            row("gated_delta", 4096, "prefill", "linattn", **_timed(2.9e-3, error_to_float64=3e-3)),
+            row("gated_delta", 4096, "prefill", "fla", **_timed(1e-3, error_to_float64=6e-3)),
+            row("gated_delta", 16384, "prefill", "linattn", **_timed(4.1e-3, error_to_float64=5e-3)),
+            row("gated_delta", 16384, "prefill", "fla", **_timed(1e-3, error_to_float64=4e-3)),
+            row("gated_delta", 4096, "train", "linattn", status="error", detail="RuntimeError: boom"),
+            row("gla_channel", 4096, "prefill", "linattn", **_timed(4e-3)),
+            row("gla_channel", 4096, "prefill", "fla", **_timed(1e-3, **fla_ratio)),
+            row("gla_channel", 4096, "train", "linattn", **_timed(4e-3)),
+            row("gla_channel", 4096, "train", "fla", status="error", detail="RuntimeError: Triton on Hopper"),
+            row("linear", 16384, "prefill", "linattn", **_timed(1e-3)),
+            row("linear", 16384, "prefill", "sdpa", **_timed(2e-3, ratio_to_linattn={"runs": [2.0, 1.5, 3.0]})),
+            row(bench.MODEL_FORM, 4096, "prefill", "linattn", **_timed(0.02)),
+            row(bench.MODEL_FORM, 4096, "prefill", "transformers", **_timed(0.01, ratio_to_linattn={"runs": [1.0]})),
+        ]}
+    judged = {(t["form"], t["n"], t["pass"], t["target"]): (t["value"], t["holds"], t["why"])
+              for t in bench.targets(result)}
+    assert judged["gated_delta", 4096, "prefill", "linattn <= 3 ms"] == ("2.9 ms", True, "")
+    assert judged["gated_delta", 16384, "prefill", "linattn <= 4 ms"] == ("4.1 ms", False, "")
+    assert judged["gated_delta", 4096, "train", "linattn <= 8 ms"] == ("-", False, "linattn: error: RuntimeError: boom")
+    assert judged["gated_delta", 16384, "train", "linattn <= 15 ms"][1:] == (None, "not measured (the run stopped "
+                                                                                  "before it)")
+    error = "linattn's error against float64 <= that of fla"
+    assert judged["gated_delta", 4096, "prefill", error] == ("3.0e-03 vs 6.0e-03", True, "")
+    assert judged["gated_delta", 16384, "prefill", error] == ("5.0e-03 vs 4.0e-03", False, "")
+    assert judged["gla_channel", 4096, "prefill", "linattn's time <= 3x that of fla"] == ("4.00x", False, "")
+    assert judged["gla_channel", 4096, "train", "linattn's time <= 3x that of fla"] == (
+        "-", None, "fla: error: RuntimeError: Triton on Hopper")
+    assert judged["linear", 16384, "prefill", "linattn's time <= 1x that of sdpa"] == ("0.50x", True, "")
+    assert judged["linear", 65536, "prefill", "linattn's time <= 0.25x that of sdpa"][1:] == (None, "not in this run")
+    value, holds, why = judged[bench.MODEL_FORM, 4096, "prefill", "linattn's time <= 2x that of transformers + FLA"]
+    assert holds is None and "without FLA's kernel" in why
+    result["transformers_kernels"]["torch_chunk_gated_delta_rule"] = "fla.ops.gated_delta_rule.chunk_gated_delta_rule"
+    judged = {(t["form"], t["n"], t["pass"], t["target"]): t["holds"] for t in bench.targets(result)}
+    assert judged[bench.MODEL_FORM, 4096, "prefill", "linattn's time <= 2x that of transformers + FLA"] is True
+    assert judged["delta", 4096, "prefill", "linattn's error against float64 <= that of fla"] is None  # not in the run

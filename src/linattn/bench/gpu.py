@@ -45,7 +45,10 @@ contender interleaved (A B C A B C ..., the order reversed every call), every ca
 ``torch.cuda.synchronize``. A contender's time is the median over the runs of each run's median,
 with min and max; its ratio to linattn is taken run by run. A prefill row also gives the largest
 difference of the contender's output from linattn's, relative to linattn's largest entry (SDPA
-computes another function: none there), which catches a wrong calling convention.
+computes another function: none there), which catches a wrong calling convention, and its error
+against float64 (:func:`float64_reference`: linattn's function in float64 on the CPU from the
+same values), which issue 44 asks to be no worse than FLA's. :func:`targets` judges issue 44's
+H200 targets (:data:`TARGETS`) from the rows.
 
 ``profile``: also one Gated DeltaNet forward and forward+backward of linattn at the first N under
 torch.profiler: on a GPU the number of kernels and the time the GPU was busy with them, and on
@@ -90,8 +93,9 @@ from ..functional import (
 from ..nn import FavorConfig
 from .harness import RUNS, machine_info, output_folder, spread, write_atomically
 
-__all__ = ["CONTENDERS", "DTYPES", "FORMS", "KERNEL_FORMS", "MODEL_FORM", "PASSES", "Form", "aggregate",
-           "check_device", "check_tunings", "form_function", "form_projection", "format_gpu", "run_gpu", "tunings"]
+__all__ = ["CONTENDERS", "DTYPES", "FORMS", "KERNEL_FORMS", "MODEL_FORM", "PASSES", "TARGETS", "Form", "Target",
+           "aggregate", "check_device", "check_tunings", "float64_reference", "form_function", "form_projection",
+           "format_gpu", "relative_error", "run_gpu", "targets", "tunings"]
 
 # Dimension legend: B batch (1), H heads, N positions, D head width (Dk = Dv).
 
@@ -106,6 +110,7 @@ REPEATS = 5
 # FLA autotunes its Triton kernels in the first call of each shape; the second call is warm
 WARMUP = 2
 FAVOR_FEATURES = FavorConfig().num_features  # the registry's default m
+REFERENCE = "float64 reference"  # the row of a prefill whose float64 reference failed
 
 
 @dataclass(frozen=True)
@@ -505,6 +510,9 @@ def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, devi
     return out
 
 
+SSD_KEYS = ("x", "dt", "A", "B", "C", "D", "dt_bias")  # ssd_inputs' tensors in linattn's (and transformers') order
+
+
 def ssd_inputs(n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dtype, device: torch.device,
                seed: int = 0, groups: int = 1) -> dict[str, Tensor]:
     """A Mamba-2 mixer's scan inputs in transformers' layout (see the module docstring), x, dt, B, C
@@ -524,6 +532,13 @@ def ssd_inputs(n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dt
             "D": torch.ones(heads, device=device), "dt_bias": dt0 + torch.log(-torch.expm1(-dt0))}
 
 
+def _ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_bias: Tensor) -> Tensor:
+    """linattn's SSD on :func:`ssd_inputs`' tensors (in its key order): the output ``(B, N, H, P)``."""
+    from ..integrations import transformers as lt
+
+    return lt.ssd(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)[0]
+
+
 def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dtype,
                  device: torch.device, train: bool, fla: bool) -> dict[str, Subject | Unavailable]:
     """Every contender of the SSD form at ``n``: linattn's ``ssd``, transformers' ``mamba2_chunk_scan``
@@ -534,17 +549,10 @@ def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, d
     from ..integrations import transformers as lt
 
     base = ssd_inputs(n, heads, head_dim, state, dtype=dtype, device=device)
-    names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
-
     def mine() -> list[Tensor]:
-        return [base[k].clone() for k in names]
+        return [base[k].clone() for k in SSD_KEYS]
 
-    out: dict[str, Subject | Unavailable] = {}
-
-    def ours(x, dt, A, B, C, D, dt_bias):
-        return lt.ssd(x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)[0]
-
-    out["linattn"] = Subject(_runner(ours, mine(), train), lambda o: o)
+    out: dict[str, Subject | Unavailable] = {"linattn": Subject(_runner(_ssd, mine(), train), lambda o: o)}
     try:
         if not fla:
             raise Unavailable("left out", "--no-fla")
@@ -626,9 +634,35 @@ def aggregate(per_run: Sequence[Sequence[float]]) -> dict:
     return spread([statistics.median(calls) for calls in per_run])
 
 
-def _relative_difference(out: Tensor, ref: Tensor) -> float:
-    out, ref = out.detach().float(), ref.detach().float()
-    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+def relative_error(out: Tensor, reference: Tensor) -> float:
+    """``max |out - reference| / max |reference|`` in float64, ``out`` brought to the reference's
+    device (check.py's ``relerr``); ValueError naming both shapes when they differ (no broadcast)."""
+    if out.shape != reference.shape:
+        raise ValueError(f"relative_error: out {tuple(out.shape)} and reference {tuple(reference.shape)} differ in shape")
+    out = out.detach().to(device=reference.device, dtype=torch.float64)
+    reference = reference.detach().double()
+    return float((out - reference).abs().max() / reference.abs().max().clamp_min(1e-300))
+
+
+def float64_reference(form: Form, n: int, *, quick: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """What every contender's prefill of ``form`` at ``n`` is measured against: linattn's function
+    in float64 on the CPU, strategy ``"cpu"`` (the engines' tests hold it to the per-position
+    reference in float64), on the very values the contenders read: their inputs drawn again on
+    ``device`` from the same seeds in ``dtype`` (FAVOR+'s projection too), then widened. ``(B, H, N,
+    D)``, SSD's ``(B, N, H, P)``: the contenders' outputs in linattn's layout."""
+    heads, head_dim, state = widths(form, quick)
+    cpu = torch.device("cpu")
+
+    def widened(t: Tensor) -> Tensor:
+        return t.to(device=cpu, dtype=torch.float64)
+
+    with torch.no_grad():
+        if state is not None:
+            m = ssd_inputs(n, heads, head_dim, state, dtype=dtype, device=device)
+            return _ssd(*(widened(m[k]) for k in SSD_KEYS))
+        projection = form_projection(form, head_dim, dtype=dtype, device=device)
+        fn = form_function(form, strategy="cpu", projection=None if projection is None else widened(projection))
+        return fn(*map(widened, make_inputs(form, n, heads, head_dim, dtype=dtype, device=device)))
 
 
 def _release(dev: torch.device) -> None:
@@ -650,9 +684,11 @@ def _peak_bytes(call: Callable[[], object], dev: torch.device, sync: Callable[[]
 
 
 def measure(subjects: dict[str, Subject | Unavailable], *, runs: int, repeats: int, dev: torch.device,
-            compare: bool) -> dict[str, dict]:
+            compare: bool, reference: Tensor | None = None) -> dict[str, dict]:
     """Warm up, measure peak memory, then time ``subjects`` interleaved (see the module docstring);
-    ``{contender: row}`` with ``status`` "ok", "error", "not installed" or "left out"."""
+    ``{contender: row}`` with ``status`` "ok", "error", "not installed" or "left out". ``compare``:
+    each output's ``difference_to_linattn``, and with a ``reference`` (:func:`float64_reference`)
+    its ``error_to_float64``."""
     sync = _synchronizer(dev)
     rows: dict[str, dict] = {}
     live: dict[str, Subject] = {}
@@ -679,10 +715,14 @@ def measure(subjects: dict[str, Subject | Unavailable], *, runs: int, repeats: i
             outputs[name] = subject.canonical(out)
         del out
         live[name] = subject
-    if "linattn" in outputs:
-        for name, out in outputs.items():
-            if name != "linattn":
-                rows[name]["difference_to_linattn"] = _relative_difference(out, outputs["linattn"])
+    for name, out in outputs.items():
+        try:
+            if name != "linattn" and "linattn" in outputs:
+                rows[name]["difference_to_linattn"] = relative_error(out, outputs["linattn"])
+            if reference is not None:
+                rows[name]["error_to_float64"] = relative_error(out, reference)
+        except ValueError as e:  # a contender's output in another shape: said in its row, the timing goes on
+            rows[name]["comparison"] = str(e)
     outputs.clear()
     for name in list(live):
         try:
@@ -838,6 +878,7 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
 
     def save() -> None:
         result["elapsed_seconds"] = time.perf_counter() - t_start
+        result["targets"] = targets(result)
         write_atomically(out, {"gpu.json": json.dumps(result, indent=2), "gpu.md": format_gpu(result)})
 
     if profile:
@@ -871,8 +912,15 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                 else:
                     subjects = kernel_subjects(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev,
                                                train=train, fla=fla, tuned=tunings(form, chunk_sizes, sub_chunk_sizes))
-                rows = measure(subjects, runs=runs, repeats=repeats, dev=dev, compare=not train)
-                del subjects
+                reference = None
+                if model is None and not train:
+                    try:
+                        reference = float64_reference(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev)
+                    except Exception as e:  # noqa: BLE001 - a row that says so; the timings still matter
+                        result["rows"].append({"form": form, "n": x, "pass": pass_, "contender": REFERENCE,
+                                               "status": "error", "detail": _first_line(e)})
+                rows = measure(subjects, runs=runs, repeats=repeats, dev=dev, compare=not train, reference=reference)
+                del subjects, reference
                 _release(dev)
                 for name, row in rows.items():
                     result["rows"].append({"form": form, "n": x, "pass": pass_, "contender": name, **row})
@@ -886,6 +934,101 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
 
 
 # ---------------------------------------------------------------------------------------------
+# Issue 44's targets
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of issue 44's targets for linattn (an H200, bf16, B = 1), judged from a run's rows.
+
+    ``kind``: ``"time"``, linattn's median time at most ``limit`` seconds; ``"ratio"``, linattn's
+    time at most ``limit`` times ``other``'s (the median over the runs of the ratio, both timed in
+    the same rounds); ``"error"``, linattn's prefill error against float64 at most ``other``'s on
+    the same inputs. ``n`` None: at every N of the run."""
+
+    form: str
+    n: int | None
+    pass_: str
+    kind: str
+    limit: float = 1.0
+    other: str | None = None
+    label: str | None = None  # the other contender as the issue names it (None: its name)
+
+    def text(self) -> str:
+        if self.kind == "time":
+            return f"linattn <= {self.limit * 1e3:g} ms"
+        other = self.label or self.other
+        if self.kind == "ratio":
+            return f"linattn's time <= {self.limit:g}x that of {other}"
+        return f"linattn's error against float64 <= that of {other}"
+
+
+TARGETS = (
+    Target("gated_delta", 4096, "prefill", "time", 3e-3),
+    Target("gated_delta", 16384, "prefill", "time", 4e-3),
+    Target("gated_delta", 4096, "train", "time", 8e-3),
+    Target("gated_delta", 16384, "train", "time", 15e-3),
+    Target("gla_channel", None, "prefill", "ratio", 3.0, "fla"),
+    Target("gla_channel", None, "train", "ratio", 3.0, "fla"),
+    Target("kda", 4096, "prefill", "time", 6e-3),
+    Target("kda", 4096, "train", "time", 20e-3),
+    Target("linear", 16384, "prefill", "ratio", 1.0, "sdpa"),
+    Target("linear", 65536, "prefill", "ratio", 0.25, "sdpa"),  # at least 4x faster than SDPA
+    Target(MODEL_FORM, 4096, "prefill", "ratio", 2.0, "transformers", "transformers + FLA"),
+    Target(MODEL_FORM, 16384, "prefill", "ratio", 2.0, "transformers", "transformers + FLA"),
+    Target(MODEL_FORM, 4096, "train", "time", 60e-3),
+    *(Target(name, None, "prefill", "error", other="fla") for name, f in KERNEL_FORMS.items() if f.fla is not None),
+)
+
+
+def _judge(target: Target, rows: dict[str, dict], kernels) -> tuple[str, bool | None, str]:
+    """``(value, holds, why)`` of ``target`` from one setting's ``rows`` (by contender); holds None
+    when the run cannot tell (why says what is missing)."""
+    ours = rows.get("linattn")
+    if ours is None:
+        return "-", None, "not measured (the run stopped before it)"
+    if ours["status"] != "ok":
+        return "-", False, f"linattn: {ours['status']}: {ours['detail']}"
+    if target.kind == "time":
+        t = ours["time_s"]["median"]
+        return _time(t), t <= target.limit, ""
+    other = rows.get(target.other)
+    if other is None or other["status"] != "ok":
+        return "-", None, f"{target.other}: " + ("absent" if other is None else f"{other['status']}: {other['detail']}")
+    if target.form == MODEL_FORM and not (isinstance(kernels, dict) and
+                                          kernels.get("torch_chunk_gated_delta_rule", "").startswith("fla.")):
+        return "-", None, "transformers' path ran without FLA's kernel; the target is against transformers + FLA"
+    if target.kind == "ratio":
+        r = statistics.median([1 / x for x in other["ratio_to_linattn"]["runs"]])
+        return f"{r:.2f}x", r <= target.limit, ""
+    mine, theirs = ours.get("error_to_float64"), other.get("error_to_float64")
+    if mine is None or theirs is None:
+        return "-", None, "no error against float64 (its reference failed)"
+    return f"{mine:.1e} vs {theirs:.1e}", mine <= theirs, ""
+
+
+def targets(result: dict) -> list[dict]:
+    """Issue 44's :data:`TARGETS` judged from ``result``'s rows, one entry per target and N:
+    ``{"form", "n", "pass", "target", "value", "holds", "why"}`` (holds None: the run does not say;
+    a setting outside the run's forms and Ns is "not in this run")."""
+    cfg = result["config"]
+    by: dict[tuple, dict[str, dict]] = {}
+    for r in result["rows"]:
+        by.setdefault((r["form"], r["n"], r["pass"]), {})[r["contender"]] = r
+    out = []
+    for t in TARGETS:
+        for n in ([t.n] if t.n is not None else cfg["n"]):
+            if t.form not in cfg["forms"] or n not in cfg["n"]:
+                value, holds, why = "-", None, "not in this run"
+            else:
+                value, holds, why = _judge(t, by.get((t.form, n, t.pass_), {}), result.get("transformers_kernels"))
+            out.append({"form": t.form, "n": n, "pass": t.pass_, "target": t.text(), "value": value, "holds": holds,
+                        "why": why})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
 
@@ -896,18 +1039,35 @@ def _time(t: float) -> str:
 
 
 def _cells(row: dict) -> list[str]:
-    """time | spread | vs linattn | peak memory | agreement | note, for one row."""
+    """time | spread | vs linattn | peak memory | agreement | error vs float64 | note, for one row."""
     if row["status"] != "ok":
-        return ["-", "-", "-", "-", "-", f"{row['status']}: {row['detail']}".replace("|", "/")]
+        return ["-"] * 6 + [f"{row['status']}: {row['detail']}".replace("|", "/")]
     t = row["time_s"]
     ratio = row.get("ratio_to_linattn")
     peak = row.get("peak_memory_bytes")
     diff = row.get("difference_to_linattn")
-    note = f"first call {_time(row['first_call_s'])}" if row["first_call_s"] > 1 else ""
+    error = row.get("error_to_float64")
+    notes = [f"first call {_time(row['first_call_s'])}"] if row["first_call_s"] > 1 else []
+    notes += [row["comparison"].replace("|", "/")] if "comparison" in row else []
     return [_time(t["median"]), f"{_time(t['min'])} – {_time(t['max'])}",
             "-" if ratio is None else f"{ratio['median']:.2f}x ({ratio['min']:.2f}–{ratio['max']:.2f}x)",
             "-" if peak is None else f"{peak / 2**20:.0f} MiB",
-            "-" if diff is None else f"{diff:.1e}", note]
+            "-" if diff is None else f"{diff:.1e}", "-" if error is None else f"{error:.1e}", "; ".join(notes)]
+
+
+def _format_targets(result: dict, on_gpu: bool) -> list[str]:
+    """The targets section of gpu.md (:func:`targets`): every target's value and verdict."""
+    entries = result.get("targets") or targets(result)
+    verdict = {True: "holds", False: "misses", None: "-"}
+    lines = ["", "## Issue 44's targets", "",
+             "The limits are issue 44's for an H200 (bf16, B = 1)" + ("" if on_gpu else
+             "; this run is on a CPU, so its verdicts check the script, not the targets") + ". A ratio is the "
+             "median over the runs of linattn's time / the other's, both timed in the same rounds.", "",
+             "| form | N | pass | target | value | verdict | why not measured |", "| --- | ---: | --- | --- | ---: | --- | --- |"]
+    for e in entries:
+        lines.append(f"| {e['form']} | {e['n']} | {e['pass']} | {e['target']} | {e['value']} | {verdict[e['holds']]} | "
+                     f"{e['why'].replace('|', '/')} |")
+    return lines
 
 
 def format_gpu(result: dict) -> str:
@@ -931,7 +1091,9 @@ def format_gpu(result: dict) -> str:
               "allocated above what was allocated before one call"
               + ("" if on_gpu else " (none on a CPU, which has no allocator statistics)")
               + "; agreement: the largest difference of the prefill's output from linattn's, relative to "
-              "linattn's largest entry. A first call over a second (FLA's autotuning) is noted."]
+              "linattn's largest entry; error vs float64: the same against linattn's function in float64 on "
+              "the CPU (strategy cpu) from the same input values. A first call over a second (FLA's "
+              "autotuning) is noted."]
     if cfg.get("chunk_sizes") or cfg.get("sub_chunk_sizes"):
         lines += ["", "`linattn chunk_size=...` and `sub_chunk_size=...`: linattn with those knobs instead of its "
                   "defaults (the row `linattn`), timed in the same rounds: a vs linattn below 1.00x is faster than "
@@ -951,10 +1113,12 @@ def format_gpu(result: dict) -> str:
             title = f"{KERNEL_FORMS[form].title}, {w['heads']} heads of {w['head_dim']}" + (
                 f" (state {w['state']})" if "state" in w else "")
         lines += ["", f"## `{form}`: {title}", "",
-                  "| N | pass | contender | time | spread (min – max) | vs linattn | peak memory | agreement | note |",
-                  "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+                  "| N | pass | contender | time | spread (min – max) | vs linattn | peak memory | agreement | "
+                  "error vs float64 | note |",
+                  "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in rows:
             lines.append(f"| {r['n']} | {r['pass']} | {r['contender']} | " + " | ".join(_cells(r)) + " |")
+    lines += _format_targets(result, on_gpu)
     prof = result.get("profile")
     if prof:
         lines += ["", "## Profile: one linattn Gated DeltaNet call", ""]

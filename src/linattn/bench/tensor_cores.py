@@ -36,7 +36,7 @@ from torch import Tensor
 
 from .. import progress
 from ..functional.strategy import HALF_OPERANDS
-from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, form_function, form_projection, width_record, widths
+from .gpu import FAVOR_FEATURES, KERNEL_FORMS, Form, form_function, form_projection, relative_error, width_record, widths
 from .gpu import make_inputs as scan_inputs
 from .harness import commit_text, git_state, machine_info, output_folder, write_atomically
 
@@ -135,12 +135,6 @@ def make_inputs(form: Form, n: int, heads: int, head_dim: int, *, seed: int = 0,
         decay_shape = shape if form.decay == "channel" else shape[:3]  # (B, H, N, D) or (B, H, N)
         out.append(F.logsigmoid(torch.randn(decay_shape, generator=g) + 3))
     return [t.to(INPUT_DTYPE) for t in out]
-
-
-def relative_error(out: Tensor, reference: Tensor) -> float:
-    """``max |out - reference| / max |reference|``, in float64 (check.py's ``relerr``)."""
-    out, reference = out.detach().double(), reference.detach().double()
-    return float((out - reference).abs().max() / reference.abs().max().clamp_min(1e-300))
 
 
 def measure_form(form: str, n: int, *, quick: bool = False) -> dict:
