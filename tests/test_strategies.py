@@ -354,6 +354,21 @@ def test_mixed_bmm_rounds_the_operands_and_accumulates_in_float32():
     assert EngineOptions.decode(opts.encode()) == opts and opts.operand is torch.bfloat16
 
 
+def test_mixed_bmm_on_an_out_dtype_device_is_one_product_into_out(monkeypatch):
+    """Where bmm takes half operands into float32 (CUDA: none here), mixed_bmm is one
+    ``bmm(out_dtype=float32)`` straight into ``out``: checked on meta tensors, whose bmm has that
+    overload (a CPU's has none), for the call torch accepts and the result it returns."""
+    from linattn.functional import strategy
+
+    assert strategy.OUT_DTYPE_DEVICES == {"cuda"}
+    monkeypatch.setattr(strategy, "OUT_DTYPE_DEVICES", frozenset({"meta"}))
+    a, b = torch.empty(3, 8, 30, device="meta"), torch.empty(3, 30, 5, device="meta")
+    out = torch.empty(3, 8, 5, device="meta")
+    assert mixed_bmm(a, b, torch.bfloat16, out=out) is out
+    got = mixed_bmm(a, b, torch.float16)
+    assert got.dtype == torch.float32 and got.shape == (3, 8, 5)
+
+
 def test_forced_accelerator_kda_at_its_default_chunks_packed_and_grouped():
     """KDA on the accelerator at its default chunk (64, so 16 sub-chunks and 4 levels of blocks
     between them) with packed documents (one of 0 and one of 1 position) and grouped heads (2 query

@@ -34,6 +34,10 @@ __all__ = ["HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "mi
 
 STRATEGIES = ("auto", "cpu", "accelerator")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# The devices whose bmm takes half operands into a float32 result (``out_dtype``): CUDA. torch 2.14's
+# documentation names XPU too, but older releases' XPU builds are not known to: XPU multiplies the
+# rounded operands in float32 (correct, slower) until a run on one shows otherwise.
+OUT_DTYPE_DEVICES = frozenset({"cuda"})
 # The profiler label of a product with half operands computed in float32 (devices without out_dtype).
 HALF_OPERANDS = "linattn::half_operands"
 
@@ -107,9 +111,8 @@ def mixed_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | N
     if operand is None:
         return torch.bmm(a, b, out=out)
     a, b = a.to(operand), b.to(operand)
-    if a.device.type == "cuda":
-        r = torch.bmm(a, b, out_dtype=torch.float32)
-        return r if out is None else out.copy_(r)
+    if a.device.type in OUT_DTYPE_DEVICES:  # straight into out: no float32 temporary and copy
+        return torch.bmm(a, b, out_dtype=torch.float32, out=out)
     # labelled, so that a profile tells these products from float32 ones (bench/tensor_cores.py)
     with torch.profiler.record_function(HALF_OPERANDS):
         return torch.bmm(a.float(), b.float(), out=out)
