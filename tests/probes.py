@@ -15,11 +15,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from linattn.functional.checks import ENGINE_OPS
+
 __all__ = ["HOST_METHODS", "HOST_READS", "OpProbe", "VALUE_SHAPED", "reads_host"]
 
 # The ATen ops that copy a tensor's value to the host: `.item()`, `bool(t)`, `int(t)`, `.tolist()`
-# and Python control flow on a tensor all end in one of them.
-HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.equal.default"})
+# and Python control flow on a tensor all end in one of them. `item` itself is seen where a mode is
+# entered again inside a dispatch (the probe inside an engine's operator), before it decomposes.
+HOST_READS = frozenset({"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default",
+                        "aten.equal.default"})
 # Ops whose output shape depends on the values (the host must read how many): they synchronise too.
 VALUE_SHAPED = frozenset({"aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
                           "aten.unique_consecutive.default", "aten.unique_dim.default"})
@@ -57,10 +61,13 @@ class OpProbe(TorchDispatchMode):
     """Within the block, record every ATen op that runs (autograd's backward included):
     ``ops`` counts them by name, ``float64_ops`` those with a float64 tensor among their inputs or
     outputs, ``host_reads`` those that read a tensor's value on the host (:func:`reads_host`, and
-    the methods :data:`HOST_METHODS`)."""
+    the methods :data:`HOST_METHODS`). An engine's operator (``EngineOp``) is one opaque call to a
+    dispatch mode; ``engines=True`` runs its kernel under the probe instead, so that the ops inside
+    the engines are counted too."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, engines: bool = False) -> None:
         super().__init__()
+        self.engines = engines
         self.ops: Counter[str] = Counter()
         self.float64_ops: Counter[str] = Counter()
         self.host_reads: Counter[str] = Counter()
@@ -77,7 +84,12 @@ class OpProbe(TorchDispatchMode):
             self._methods.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        engine = ENGINE_OPS.get(func.name()) if self.engines else None
+        if engine is not None:  # into the engine: its kernel's ops under this probe too
+            with self:
+                out = engine._run(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         name = str(func)
         self.ops[name] += 1
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]

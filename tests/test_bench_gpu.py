@@ -80,6 +80,23 @@ def test_no_fla_leaves_fla_out(tmp_path):
     assert "left out: --no-fla" in (tmp_path / "gpu.md").read_text()
 
 
+def test_cuda_graphs_are_a_contender_left_out_off_cuda(tmp_path):
+    """--cuda-graphs: linattn replayed from CUDA graphs beside it, a row of every kernel form and pass
+    (SSD's own subjects too); off CUDA that row says it was left out, and the run goes on. What the
+    capture needs of the engines (no host read inside them) is tests/test_probes.py's."""
+    argv = ["bench", "gpu", "--device", "cpu", "--quick", "--n", "32", "--forms", "delta,ssd", "--runs", "1",
+            "--repeats", "1", "--no-fla", "--cuda-graphs", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["config"]["cuda_graphs"] is True and result["command"] == "linattn " + " ".join(argv)
+    graphed = {(r["form"], r["pass"]): r for r in result["rows"] if r["contender"] == bench.GRAPHED}
+    assert set(graphed) == {(f, p) for f in ("delta", "ssd") for p in bench.PASSES}
+    assert all(r == {**r, "status": "left out", "detail": "CUDA graphs need a CUDA device"} for r in graphed.values())
+    assert {r["status"] for r in result["rows"] if r["contender"] == "linattn"} == {"ok"}
+    assert "--cuda-graphs" in bench._command("o", "cuda", None, bench.FORMS, "bfloat16", 3, 5, True, False, False,
+                                             (), (), True)
+
+
 def test_fla_blocked_makes_fla_unimportable_and_leaves_no_trace():
     if "fla" in sys.modules:
         pytest.skip("fla is imported in this process already")

@@ -140,3 +140,30 @@ def test_a_packed_model_reads_the_host_at_most_once(name, positional, short_conv
         model(ids, cu_seqlens=torch.tensor([0, 50, 89]))
     with pytest.raises(ValueError, match="exceeds max_len = 64"):
         model(ids, cu_seqlens=torch.tensor([0, 5, 90]))
+
+
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+def test_the_engines_read_nothing_from_the_host_inside(strategy):
+    """Inside the engines (the probe entering their operators), every chunked form of bench gpu, in
+    float32, prefill and forward+backward, at an awkward length (a chunk count that is no power of
+    two, a last chunk cut short): no host read and no float64 op. A host read would stall a GPU's
+    queue and make the call impossible to capture in a CUDA graph (bench gpu --cuda-graphs)."""
+    from linattn.bench.gpu import KERNEL_FORMS, form_function, form_projection, make_inputs, widths
+
+    for name, form in KERNEL_FORMS.items():
+        heads, head_dim, state = widths(form, True)
+        tensors = make_inputs(form, 211, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"),
+                              state=state)
+        fn = form_function(form, strategy=strategy, projection=form_projection(form, head_dim), chunk_size=32)
+        with OpProbe() as outside, torch.no_grad():
+            fn(*tensors)
+        with OpProbe(engines=True) as p, torch.no_grad():
+            fn(*tensors)
+        if any(op.startswith("linattn.") for op in outside.ops):  # an engine's operator: the probe went in
+            assert sum(p.ops.values()) > sum(outside.ops.values()) + 20, name
+        assert p.n_host_reads == 0 and not p.float64_ops, (name, p.host_reads, p.float64_ops)
+        for t in tensors:
+            t.requires_grad_(t.is_floating_point())
+        with OpProbe(engines=True) as p:
+            fn(*tensors).sum().backward()
+        assert p.n_host_reads == 0 and not p.float64_ops, (name, p.host_reads, p.float64_ops)

@@ -50,6 +50,10 @@ against float64 (:func:`float64_reference`: linattn's function in float64 on the
 same values), which issue 44 asks to be no worse than FLA's. :func:`targets` judges issue 44's
 H200 targets (:data:`TARGETS`) from the rows.
 
+``cuda_graphs``: also ``linattn+cudagraph``, linattn's call captured in CUDA graphs and replayed
+(every kernel form, on CUDA): its kernels without the host's launch overhead, what an eager call
+costs above them.
+
 ``profile``: also one Gated DeltaNet forward and forward+backward of linattn at the first N under
 torch.profiler: on a GPU the number of kernels and the time the GPU was busy with them, and on
 either device the number of leaf aten ops (ops that call no other aten op), of which the
@@ -93,7 +97,7 @@ from ..functional import (
 from ..nn import FavorConfig
 from .harness import RUNS, machine_info, output_folder, spread, write_atomically
 
-__all__ = ["CONTENDERS", "DTYPES", "FORMS", "KERNEL_FORMS", "MODEL_FORM", "PASSES", "TARGETS", "Form", "Target",
+__all__ = ["CONTENDERS", "DTYPES", "FORMS", "GRAPHED", "KERNEL_FORMS", "MODEL_FORM", "PASSES", "TARGETS", "Form", "Target",
            "aggregate", "check_device", "check_tunings", "float64_reference", "form_function", "form_projection",
            "format_gpu", "relative_error", "run_gpu", "targets", "tunings"]
 
@@ -465,6 +469,57 @@ def _runner(fn: Callable[..., Tensor], tensors: list[Tensor], train: bool) -> Ca
     return step
 
 
+GRAPHED = "linattn+cudagraph"  # linattn's call replayed from CUDA graphs (cuda_graphs=True)
+
+
+def _graphed_runner(fn: Callable[..., Tensor], tensors: list[Tensor], train: bool) -> Callable[[], Tensor | None]:
+    """:func:`_runner`'s call of ``fn(*tensors)`` captured in CUDA graphs and replayed: the time of
+    linattn's kernels without the host's launch overhead (the engines read nothing back to the host
+    and keep their shapes, which capture needs). Captured on the first call, inside the measurement's
+    warm-up, so that a capture that fails is that contender's error row. Prefill: one graph of the
+    call on its own copies of the inputs, after two warm-up calls on a side stream (lazy
+    initialisation and the scan's cached index happen outside the capture); its output tensor is
+    rewritten by every replay. Train: ``torch.cuda.make_graphed_callables``, a graph of the forward
+    and one of the backward."""
+    leaves = [t.detach().clone() for t in tensors]
+    captured: list[Callable[[], Tensor | None]] = []
+
+    def capture() -> Callable[[], Tensor | None]:
+        if train:
+            for t in leaves:
+                t.requires_grad_(True)
+            return _runner(torch.cuda.make_graphed_callables(fn, tuple(leaves)), leaves, train)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                fn(*leaves)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            out = fn(*leaves)
+
+        def replay() -> Tensor:
+            graph.replay()
+            return out
+        return replay
+
+    def call() -> Tensor | None:
+        if not captured:
+            captured.append(capture())
+        return captured[0]()
+    return call
+
+
+def _graphed_subject(fn: Callable[..., Tensor], tensors: list[Tensor], train: bool,
+                     device: torch.device) -> Subject | Unavailable:
+    """linattn replayed from CUDA graphs (:func:`_graphed_runner`), its prefill's output copied
+    before the next replay rewrites it; "left out" off CUDA."""
+    if device.type != "cuda":
+        return Unavailable("left out", "CUDA graphs need a CUDA device")
+    return Subject(_graphed_runner(fn, tensors, train), lambda o: o.clone())
+
+
 def check_tunings(forms: Sequence[str], chunk_sizes: Sequence[int], sub_chunk_sizes: Sequence[int]) -> None:
     """ValueError, naming the argument, for sizes that are not distinct integers >= 1, or sizes given
     where none of ``forms`` takes them (:func:`tunings`)."""
@@ -478,22 +533,28 @@ def check_tunings(forms: Sequence[str], chunk_sizes: Sequence[int], sub_chunk_si
 
 
 def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, device: torch.device, train: bool,
-                    fla: bool, tuned: dict[str, dict] | None = None) -> dict[str, Subject | Unavailable]:
+                    fla: bool, tuned: dict[str, dict] | None = None,
+                    cuda_graphs: bool = False) -> dict[str, Subject | Unavailable]:
     """Every contender of ``form`` at ``n`` (the ones that do not exist for it absent), each with
     inputs of its own holding the same values; ``tuned``: linattn with other knobs (:func:`tunings`),
-    right after the default."""
+    right after the default; ``cuda_graphs``: linattn replayed from CUDA graphs (:data:`GRAPHED`)
+    after them."""
     heads, head_dim, state = widths(form, quick)
     if state is not None:
-        return ssd_subjects(form, n, heads, head_dim, state, dtype=dtype, device=device, train=train, fla=fla)
+        return ssd_subjects(form, n, heads, head_dim, state, dtype=dtype, device=device, train=train, fla=fla,
+                            cuda_graphs=cuda_graphs)
     base = make_inputs(form, n, heads, head_dim, dtype=dtype, device=device)
     out: dict[str, Subject | Unavailable] = {}
 
     def mine(layout: str) -> list[Tensor]:
         return [(_bnhd(t) if layout == "bnhd" else t.clone()).detach() for t in base]
 
-    out["linattn"] = Subject(_runner(_linattn_fn(form, head_dim, dtype, device), mine("bhnd"), train), lambda o: o)
+    fn = _linattn_fn(form, head_dim, dtype, device)
+    out["linattn"] = Subject(_runner(fn, mine("bhnd"), train), lambda o: o)
     for name, kw in (tuned or {}).items():
         out[name] = Subject(_runner(_linattn_fn(form, head_dim, dtype, device, **kw), mine("bhnd"), train), lambda o: o)
+    if cuda_graphs:
+        out[GRAPHED] = _graphed_subject(fn, mine("bhnd"), train, device)
     if form.fla is not None:
         try:
             if not fla:
@@ -540,7 +601,7 @@ def _ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_b
 
 
 def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dtype,
-                 device: torch.device, train: bool, fla: bool) -> dict[str, Subject | Unavailable]:
+                 device: torch.device, train: bool, fla: bool, cuda_graphs: bool = False) -> dict[str, Subject | Unavailable]:
     """Every contender of the SSD form at ``n``: linattn's ``ssd``, transformers' ``mamba2_chunk_scan``
     (its torch path), FLA's simple GLA on the same recurrence (inputs formed before timing) and SDPA
     at the form's heads and width; outputs ``(B, N, H, P)`` each."""
@@ -553,6 +614,8 @@ def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, d
         return [base[k].clone() for k in SSD_KEYS]
 
     out: dict[str, Subject | Unavailable] = {"linattn": Subject(_runner(_ssd, mine(), train), lambda o: o)}
+    if cuda_graphs:
+        out[GRAPHED] = _graphed_subject(_ssd, mine(), train, device)
     try:
         if not fla:
             raise Unavailable("left out", "--no-fla")
@@ -813,7 +876,8 @@ def profile_gated_delta(n: int, *, quick: bool, dtype: torch.dtype, device: torc
 # ---------------------------------------------------------------------------------------------
 
 
-def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, chunk_sizes, sub_chunk_sizes) -> str:
+def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, chunk_sizes, sub_chunk_sizes,
+             cuda_graphs) -> str:
     """The command line that reproduces a call of :func:`run_gpu` made without one."""
     parts = ["linattn bench gpu", f"--device {device}"]
     if n is not None:
@@ -824,19 +888,22 @@ def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, c
         if sizes:
             parts.append(f"{flag} " + ",".join(map(str, sizes)))
     parts += [f"--dtype {dtype}", f"--runs {runs}", f"--repeats {repeats}"]
-    parts += [flag for flag, on in (("--no-fla", not fla), ("--quick", quick), ("--profile", profile)) if on]
+    parts += [flag for flag, on in (("--no-fla", not fla), ("--quick", quick), ("--profile", profile),
+                                    ("--cuda-graphs", cuda_graphs)) if on]
     return " ".join([*parts, f"--out {out}"])
 
 
 def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n: Sequence[int] | None = None,
             forms: Sequence[str] = FORMS, dtype: str = "bfloat16", runs: int = RUNS, repeats: int = REPEATS,
             fla: bool = True, quick: bool = False, profile: bool = False, chunk_sizes: Sequence[int] = (),
-            sub_chunk_sizes: Sequence[int] = (), command: str | None = None, quiet: bool = False) -> dict:
+            sub_chunk_sizes: Sequence[int] = (), cuda_graphs: bool = False, command: str | None = None,
+            quiet: bool = False) -> dict:
     """Measure every form of ``forms`` at every N of ``n`` (default 4096 and 16384; 64 and 128 with
     ``quick``, which also takes 2 heads of 16 everywhere), write gpu.json and gpu.md into ``out``
     (after every form and N: a run stopped midway leaves what it measured), print the Markdown, and
     return the result. ``chunk_sizes``, ``sub_chunk_sizes``: linattn contenders with those knobs beside
-    the default one (:func:`tunings`). ``command``: the command line recorded (None: one rebuilt from
+    the default one (:func:`tunings`). ``cuda_graphs``: linattn replayed from CUDA graphs beside it
+    (every kernel form, on CUDA; a "left out" row elsewhere). ``command``: the command line recorded (None: one rebuilt from
     the arguments). ValueError before any work for a bad argument or a device that is not here."""
     for name, value in (("runs", runs), ("repeats", repeats)):
         if value < 1:
@@ -860,14 +927,14 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
         kernels = transformers_kernels() if MODEL_FORM in forms else None
     result: dict = {
         "command": command or _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, chunk_sizes,
-                                       sub_chunk_sizes),
+                                       sub_chunk_sizes, cuda_graphs),
         "complete": False,
         "device": describe_device(dev),
         "versions": versions(),
         "transformers_kernels": kernels,
         "config": {"forms": list(forms), "n": list(ns), "dtype": dtype, "batch_size": 1, "runs": runs,
                    "repeats": repeats, "warmup": WARMUP, "fla": fla, "quick": quick, "profile": profile,
-                   "chunk_sizes": list(chunk_sizes), "sub_chunk_sizes": list(sub_chunk_sizes),
+                   "chunk_sizes": list(chunk_sizes), "sub_chunk_sizes": list(sub_chunk_sizes), "cuda_graphs": cuda_graphs,
                    "widths": {name: width_record(f, quick) for name, f in KERNEL_FORMS.items() if name in forms},
                    "model": MODEL_DIMS[quick] if MODEL_FORM in forms else None},
         "machine": machine_info(),
@@ -911,7 +978,8 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                     subjects = model_subjects(model, x, device=dev, train=train)
                 else:
                     subjects = kernel_subjects(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev,
-                                               train=train, fla=fla, tuned=tunings(form, chunk_sizes, sub_chunk_sizes))
+                                               train=train, fla=fla, tuned=tunings(form, chunk_sizes, sub_chunk_sizes),
+                                               cuda_graphs=cuda_graphs)
                 reference = None
                 if model is None and not train:
                     try:

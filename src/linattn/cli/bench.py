@@ -291,6 +291,9 @@ def build_parser(prog: str) -> CommandParser:
     gpu.add_argument("--sub-chunk-sizes", type=int_list, default=(), metavar="c,c",
                      help="Also time linattn with these sub-chunk sizes, with the default and every --chunk-sizes "
                      "(kda and gla_channel, a gate per key channel) (default: none).")
+    gpu.add_argument("--cuda-graphs", action="store_true",
+                     help="Also time linattn replayed from CUDA graphs (every kernel form): its kernels without the "
+                     "host's launch overhead (CUDA only; a row 'left out' elsewhere).")
     gpu.add_argument("--profile", action="store_true",
                      help="Also profile one linattn Gated DeltaNet forward and forward+backward at the first N: "
                      "kernels and GPU-busy time on a GPU, leaf aten ops on either device.")
@@ -434,7 +437,7 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
             check_tunings(args.forms, args.chunk_sizes, args.sub_chunk_sizes)
         run_gpu(out=args.out, device=args.device, n=args.n, forms=args.forms, dtype=args.dtype, repeats=args.repeats,
                 fla=args.fla, quick=args.quick, profile=args.profile, chunk_sizes=args.chunk_sizes,
-                sub_chunk_sizes=args.sub_chunk_sizes, command=command_line(argv),
+                sub_chunk_sizes=args.sub_chunk_sizes, cuda_graphs=args.cuda_graphs, command=command_line(argv),
                 **_given(args, "runs"))
     elif args.suite == "launches":
         from ..bench.launches import run_launches

@@ -222,6 +222,11 @@ def check_key_groups(fn: str, q: Tensor, k: Tensor, v: Tensor) -> int:
     return H // Hk
 
 
+# Every EngineOp by its operator's name: where a dispatch probe that must see inside the engines
+# (an operator is one opaque call to a TorchDispatchMode) finds their kernels (tests/probes.py).
+ENGINE_OPS: dict[str, "EngineOp"] = {}
+
+
 class EngineOp:
     """A chunked engine's entry as a ``torch.library`` operator ``name`` (``"linattn::..."``):
     ``schema`` its arguments in order and its outputs, ``impl`` its kernel, run with autocast off on
@@ -245,6 +250,7 @@ class EngineOp:
     def __init__(self, name: str, schema: str, impl, *, backward: bool = False):
         namespace, opname = name.split("::")
         self.name, self._impl, self._no_dynamo = name, impl, None
+        ENGINE_OPS[name] = self
         self._lib = torch.library.Library(namespace, "FRAGMENT")
         self._lib.define(opname + schema)
         self._lib.impl(opname, self._kernel, "CompositeExplicitAutograd")
