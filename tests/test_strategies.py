@@ -394,3 +394,25 @@ def test_forced_accelerator_kda_at_its_default_chunks_packed_and_grouped():
     assert rel(out, ref) < 1e-10
     for name, got, want in zip(("q", "k", "v", "beta", "log_decay"), grads, ref_grads):
         assert rel(got, want) < 1e-9, name
+
+
+def test_subnormal_flushes_stay_in_the_cpu_strategy():
+    """Issue 44: the CPU's choices stay in the CPU strategy, the flushes of negligible decay factors
+    (subnormal numbers slow a CPU's products, not an accelerator's) among them. Counted in the
+    launches of every bench gpu form: the accelerator runs no flush but the one that makes a
+    per-channel gate's resets exact zeros (once per formation of the decays: the forward's, and the
+    backward's again), the CPU strategy its flushes of the products too."""
+    from linattn.bench.launches import FORMS, count_launches, form_call
+    from linattn.bench.gpu import KERNEL_FORMS
+
+    for form in FORMS:
+        for pass_, resets in (("prefill", 1), ("train", 2)):
+            flushes = {}
+            for strategy in ("cpu", "accelerator"):
+                ops = count_launches(form_call(form, 200, pass_, strategy, quick=True)).by_op
+                flushes[strategy] = ops["aten::threshold_"] + ops["aten::hardshrink"]
+            channel = KERNEL_FORMS[form].decay == "channel"
+            assert flushes["accelerator"] == (resets if channel else 0), (form, pass_, flushes)
+            assert flushes["cpu"] >= flushes["accelerator"], (form, pass_, flushes)
+            if form in ("gated_delta", "kda", "gla_channel", "ssd"):  # decays strong enough to need them on a CPU
+                assert flushes["cpu"] > flushes["accelerator"], (form, pass_, flushes)

@@ -544,15 +544,17 @@ def _flush_low(factors: Tensor) -> Tensor:
     return factors if factors.dtype == torch.float64 else flush_negligible(factors)
 
 
-def _sub_chunk_runs(a: Tensor) -> list:
+def _sub_chunk_runs(a: Tensor, flush: bool = True) -> list:
     """``a (M, n, c, D)`` per-position decays -> ``runs``: ``runs[d] (M, n, c - d, D)`` holds, at
     s, the product ``a_{s+1} ... a_{s+d}`` = ``exp(b_{s+d} - b_s)`` for the pairs s < t = s + d of
     a sub-chunk (``runs[0]`` is None: s = t has a decay of 1). Products of at most c - 1 factors in
-    [0, 1]: no difference of sums, so no digit is lost and a reset (a = 0) gives an exact 0."""
+    [0, 1]: no difference of sums, so no digit is lost and a reset (a = 0) gives an exact 0.
+    ``flush``: each product's negligible factors set to 0 (:func:`_flush_low`)."""
     c = a.shape[2]
     runs = [None, a[:, :, 1:]] if c > 1 else [None]
     for d in range(2, c):
-        runs.append(_flush_low(runs[d - 1][:, :, :-1] * a[:, :, d:]))
+        run = runs[d - 1][:, :, :-1] * a[:, :, d:]
+        runs.append(_flush_low(run) if flush else run)
     return runs
 
 
@@ -561,6 +563,10 @@ class ChannelDecays(NamedTuple):
     sub-chunks of ``c`` positions, as products of the decays ``exp(g)`` (no difference of sums:
     see the comment above :func:`sub_chunk_length`). With b the cumulative log decay from the
     chunk's start and r_i its value at the end of sub-chunk i:
+
+    ``flush``: the CPU strategy's choice, every product of factors formed here and by the methods
+    below with its negligible factors set to 0 (:func:`_flush_low`: subnormal numbers slow a CPU's
+    products); the accelerator's keeps them (computed at full speed there), all but the resets.
 
     ``a (M, n, c, D)``: ``exp(g)``, 0 at a reset (``g < RESET_LOG_DECAY``); ``runs``:
     ``runs[d] (M, n, c - d, D)`` = ``exp(b_{s+d} - b_s)`` within a sub-chunk
@@ -574,17 +580,21 @@ class ChannelDecays(NamedTuple):
     inner: Tensor
     rev: Tensor
     total: Tensor
+    flush: bool = True
+
+    def _low(self, factors: Tensor) -> Tensor:
+        return _flush_low(factors) if self.flush else factors
 
     def before(self) -> Tensor:
         """``(M, n, 1, D)``: ``exp(r_{i-1})``, the product over the sub-chunks before i."""
         t = self.total
-        return _flush_low(torch.cat([t.new_ones(t.shape[0], 1, t.shape[2]), t[:, :-1].cumprod(1)], dim=1)).unsqueeze(2)
+        return self._low(torch.cat([t.new_ones(t.shape[0], 1, t.shape[2]), t[:, :-1].cumprod(1)], dim=1)).unsqueeze(2)
 
     def from_start(self, before: Tensor) -> Tensor:
         """``(M, C, D)``: ``exp(b_t)``, the decay from the chunk's start to t (``before`` from
         :meth:`before`)."""
         M, n, c, D = self.inner.shape
-        return _flush_low(self.inner * before).view(M, n * c, D)
+        return self._low(self.inner * before).view(M, n * c, D)
 
     def to_end(self) -> Tensor:
         """``(M, C, D)``: ``exp(b_C - b_t)``, the decay after t to the chunk's end."""
@@ -592,11 +602,11 @@ class ChannelDecays(NamedTuple):
         t = self.total
         # exp(b_C - r_i): the product over the sub-chunks after i (reverse, exclusive)
         after = torch.cat([t[:, 1:].flip(1).cumprod(1).flip(1), t.new_ones(M, 1, D)], dim=1).unsqueeze(2)
-        return _flush_low(self.rev * after).view(M, n * c, D)
+        return self._low(self.rev * after).view(M, n * c, D)
 
     def whole(self, before: Tensor) -> Tensor:
         """``(M, D)``: ``exp(b_C)``, the decay over the whole chunk."""
-        return _flush_low(before[:, -1, 0] * self.total[:, -1])
+        return self._low(before[:, -1, 0] * self.total[:, -1])
 
     def between(self) -> Tensor:
         """``(M, n-1 (i), n-1 (j), D)``: ``exp(r_{i-1} - r_j)`` for a query sub-chunk i >= 1 and a
@@ -609,7 +619,7 @@ class ChannelDecays(NamedTuple):
         mid.diagonal(dim1=1, dim2=2).fill_(1)  # j = i - 1: no sub-chunk between
         for i in range(2, n):  # row i - 1 = row i - 2 times total_{i-1}, for j < i - 1
             # flushed row by row, so that no product of factors each above the threshold goes subnormal
-            _flush_low(torch.mul(mid[:, i - 2, : i - 1], self.total[:, i - 1 : i], out=mid[:, i - 1, : i - 1]))
+            self._low(torch.mul(mid[:, i - 2, : i - 1], self.total[:, i - 1 : i], out=mid[:, i - 1, : i - 1]))
         return mid
 
 
@@ -617,22 +627,24 @@ def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
     """:class:`ChannelDecays` of the log decays ``g (M, C, D)`` (<= 0, -inf allowed) in sub-chunks
     of ``c`` positions; ``batched`` (the accelerator): the cumulative products within sub-chunks
     as one ``cumprod``, else from the sub-chunks' runs (c - 1 products of (M, n, D), which on a
-    CPU took about 0.6 of the time of a ``cumprod`` along a short inner dimension)."""
+    CPU took about 0.6 of the time of a ``cumprod`` along a short inner dimension), and no
+    product's negligible factors flushed (``ChannelDecays.flush`` False)."""
     M, C, D = g.shape
     n = C // c
     # a reset an exact 0 (log_decays.py); clamped first, as exp of far below its range takes a
     # slow path on CPUs. In float32 every factor below log_decays.negligible_decay (2**-40) is
-    # flushed to 0 as it is formed (_flush_low): products of such factors fell into the subnormal
-    # range, where every product with them runs several times slower (KDA with strong per-channel
-    # decays: docs/benchmarks/README.md, History). That flush also makes a reset's exp(-40) an
-    # exact 0; float64's factors are not flushed, so there it is masked
+    # flushed to 0 (_flush_low), which makes a reset's exp(-40) an exact 0 on both strategies;
+    # float64's factors are not flushed, so there it is masked. On a CPU every product of factors
+    # is flushed as it is formed too: such products fell into the subnormal range, where every
+    # product with them runs several times slower (KDA with strong per-channel decays:
+    # docs/benchmarks/README.md, History); an accelerator computes subnormal numbers at full speed
     a = g.clamp(min=RESET_LOG_DECAY).exp_()
     if a.dtype == torch.float64:
         a.masked_fill_(g < RESET_LOG_DECAY, 0)
     a = _flush_low(a).view(M, n, c, D)
-    runs = _sub_chunk_runs(a)
+    runs = _sub_chunk_runs(a, flush=not batched)
     if batched:
-        inner = _flush_low(a.cumprod(2))
+        inner = a.cumprod(2)
     else:  # a_0 ... a_t = a_0 runs[t] at s = 0, within a sub-chunk (two flushed factors: none subnormal)
         inner = a.new_empty(M, n, c, D)
         inner[:, :, 0] = a[:, :, 0]
@@ -644,7 +656,7 @@ def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
     rev[:, :, -1] = 1
     for t in range(c - 1):
         rev[:, :, t] = runs[c - 1 - t][:, :, t]
-    return ChannelDecays(a, runs, inner, rev, inner[:, :, -1])
+    return ChannelDecays(a, runs, inner, rev, inner[:, :, -1], flush=not batched)
 
 
 def channel_scores(x: Tensor, k: Tensor, decays: ChannelDecays, operand: torch.dtype | None = None,

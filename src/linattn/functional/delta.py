@@ -321,9 +321,11 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
     (``sub_chunk_size``: the per-channel scores' sub-chunks), or E, KK and P in those of ``kept``
     (:class:`_Solved`) where it has them: formed there (``form``), or taken as they are. ``operand``:
     the products' operand dtype (:func:`~linattn.functional.strategy.mixed_bmm`), None for as they
-    are; ``batched``: a per-channel gate's scores in the accelerator's batched form
-    (:func:`~linattn.functional.decayed.channel_scores`); ``saves`` False (the forward): a per-channel
-    gate's scores keep nothing for their backward (``channel``'s saved parts None)."""
+    are; ``batched``: the accelerator strategy's scores: a per-channel gate's in its batched form
+    (:func:`~linattn.functional.decayed.channel_scores`), and no decay factor flushed to 0 below
+    :func:`~linattn.functional.log_decays.negligible_decay` (a CPU's choice: subnormal numbers slow
+    a CPU's products, not an accelerator's); ``saves`` False (the forward): a per-channel gate's
+    scores keep nothing for their backward (``channel``'s saved parts None)."""
     if g is not None and g.dim() == 3:
         return _channel_scores(q, k, g, sub_chunk_size, qk, operand, batched, saves)
     m, C, D = k.shape
@@ -336,15 +338,20 @@ def _scores(q: Tensor, k: Tensor, g: Tensor | None, buf: TileBuffers, sub_chunk_
         # digits without float64 (log_decays.py). G does not increase, so the differences are <= 0
         # on and below the diagonal; clamping those above it to 0 before the exp (then zeroing
         # them) keeps every exponentiated number <= 0.
-        # Factors below negligible_decay(dtype) are flushed to exactly 0: they would leave subnormal
-        # numbers in the products below (log_decays.py).
+        # On a CPU, factors below negligible_decay(dtype) are flushed to exactly 0: they would leave
+        # subnormal numbers in the products below (log_decays.py), which a CPU computes several times
+        # slower; an accelerator computes them at full speed, so the passes are left out there.
         G = CumulativeLogDecay.of(g, -1)
         if not take:
             E = G[:, :, None].sub(G[:, None, :], buf("E", m, C, C) if into is None else into.E,
                                   buf("E scratch", m, C, C))
-            E = flush_negligible(E.clamp_(max=0).exp_().tril_())  # (m, C, C)
-        gam = flush_negligible(G.exp())
-        delta = flush_negligible((G[:, -1:] - G).exp_())
+            E = E.clamp_(max=0).exp_().tril_()  # (m, C, C)
+        gam = G.exp()
+        delta = (G[:, -1:] - G).exp_()
+        if not batched:
+            for factors in (E, gam, delta):
+                if factors is not None:
+                    flush_negligible(factors)  # in place
         gC = gam[:, -1]
     if take:
         E, KK, P = into.E, into.KK, into.P
@@ -382,12 +389,13 @@ def _channel_scores(q, k, g, sub_chunk_size, qk=None, operand=None, batched=Fals
 
 
 def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: TileBuffers,
-           out: _Solved | None = None, operand: torch.dtype | None = None) -> _Solved:
+           out: _Solved | None = None, operand: torch.dtype | None = None, flush: bool = True) -> _Solved:
     """The triangular inverse of m chunks and its two products (:class:`_Solved`), into ``out``
     when given, else into the tile buffers ``buf``: ``k (m, C, D)``, ``bv (m, C, Dv)`` the values
     times beta (``diag(beta) V``, as the block took them), ``b (m, C)``, the chunks'
     :class:`_Scores` (``solve_block``: see :func:`_unit_lower_inverse`). The inverse in the compute
-    dtype; its two products with operands in ``operand`` (None: as they are)."""
+    dtype; its two products with operands in ``operand`` (None: as they are). ``flush`` (the CPU
+    strategy): the inverse's negligible entries set to 0."""
     m, C, D = k.shape
     Dv = bv.shape[-1]
     bcol = b[:, :, None]
@@ -399,10 +407,11 @@ def _solve(x: _Scores, k: Tensor, bv: Tensor, b: Tensor, solve_block: int, buf: 
         (A.copy_(x.KK) if x.E is None else torch.mul(x.KK, x.E, out=A)).tril_(-1).mul_(bcol)
     out = out or _Solved(buf("T", m, C, C), buf("U", m, C, Dv), buf("W", m, C, D))
     T = _unit_lower_inverse(A, solve_block, out.T)  # (I + A)^-1
-    # Entries negligible beside T's unit diagonal to exactly 0: under strong decays T holds products
-    # of many small entries of A, down into the subnormal range, which every product with T would
-    # then compute several times slower (log_decays.negligible_decay)
-    torch.hardshrink(T, negligible_decay(T.dtype), out=T)
+    # Entries negligible beside T's unit diagonal to exactly 0 on a CPU: under strong decays T holds
+    # products of many small entries of A, down into the subnormal range, which every product with
+    # T would then compute several times slower there (log_decays.negligible_decay)
+    if flush:
+        torch.hardshrink(T, negligible_decay(T.dtype), out=T)
     # Uv and W as two products, each contiguous: the sequential loop then turns Uv into U in place
     # (U = Uv - W S), and two (C, C) x (C, 128) products ran faster than one (C, C) x (C, 256) into a
     # [Uv, W] buffer at m = 128, C = 32 (0.47-0.54 ms against 0.57-0.59 ms, 2 threads)
@@ -490,7 +499,7 @@ def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=No
     n = q.shape[0] // S.shape[0]
     x = _scores(q, k, g, buf, opts.sub_chunk_size, qk=qk, kept=kept, operand=opts.operand,
                 batched=opts.strategy == "accelerator", saves=False)
-    sol = _solve(x, k, bv, b, opts.solve_block, buf, kept, operand=opts.operand)
+    sol = _solve(x, k, bv, b, opts.solve_block, buf, kept, operand=opts.operand, flush=opts.strategy == "cpu")
     # what the recurrence and the outputs read: the decays and scores that only the solve read are
     # let go (a gate per key channel's are several times q's size; the accelerator holds every chunk's)
     x = x._replace(E=None, gam=None, delta=None, KK=None, channel=None)

@@ -128,21 +128,23 @@ class _Layout:
         return full, full.view(self.R, self.m, self.Nc, self.C, self.Dv)
 
 
-def _flush(factors: Tensor) -> Tensor:
-    """Decay factors below :func:`linattn.functional.log_decays.negligible_decay` set to 0 in place,
-    in a float32 compute dtype (float64 left as it is): left in, products of such factors fall into
-    the subnormal range, where CPUs' matrix products run several times slower (Mamba-2's decays at
-    initialisation reach exp(-6) a step: measured 2x on the whole scan)."""
-    return factors if factors.dtype == torch.float64 else flush_negligible(factors)
+def _flush(factors: Tensor, flush: bool = True) -> Tensor:
+    """With ``flush`` (the CPU strategy), decay factors below
+    :func:`linattn.functional.log_decays.negligible_decay` set to 0 in place, in a float32 compute
+    dtype (float64 left as it is): left in, products of such factors fall into the subnormal range,
+    where CPUs' matrix products run several times slower (Mamba-2's decays at initialisation reach
+    exp(-6) a step: measured 2x on the whole scan). An accelerator computes subnormal numbers at
+    full speed: its strategy keeps them, and saves the passes."""
+    return factors if not flush or factors.dtype == torch.float64 else flush_negligible(factors)
 
 
-def _decays(a: Tensor):
+def _decays(a: Tensor, flush: bool = True):
     """``a (R, m, Nc, C)`` log decays -> the decay from each chunk's start to each position
     ``E (R, m, Nc, C)``, from each position to the chunk's end ``Wd (R, m, Nc, C)`` and over the
-    whole chunk ``T (R, m, Nc)``."""
+    whole chunk ``T (R, m, Nc)`` (``flush``: :func:`_flush`)."""
     E = a.cumsum(-1)
-    T = _flush(E[..., -1].exp())
-    return _flush(E.exp_()), _flush(_suffix_sums(a).exp_()), T
+    T = _flush(E[..., -1].exp(), flush)
+    return _flush(E.exp_(), flush), _flush(_suffix_sums(a).exp_(), flush), T
 
 
 # A CPU tile holds about this many entries of its largest per-chunk temporaries (the heads' C x C
@@ -174,18 +176,19 @@ def _product(a: Tensor, b: Tensor, out: Tensor, operand: torch.dtype | None = No
     return out
 
 
-def _masked_scores(G: Tensor, a: Tensor, ws: TileBuffers) -> tuple[Tensor, Tensor]:
+def _masked_scores(G: Tensor, a: Tensor, ws: TileBuffers, flush: bool = True) -> tuple[Tensor, Tensor]:
     """A tile's decay masks ``L`` and masked scores ``M = L * tril(G)`` ``(R, m, n, C, C)`` from the
-    group's causal scores ``G (R, n, C, C)`` and the log decays ``a (R, m, n, C)``."""
+    group's causal scores ``G (R, n, C, C)`` and the log decays ``a (R, m, n, C)`` (``flush``:
+    :func:`_flush`)."""
     shape = (*a.shape, a.shape[-1])
-    L = _flush(_segment_decays(a, out=ws("L", *shape)))
+    L = _flush(_segment_decays(a, out=ws("L", *shape)), flush)
     return L, torch.mul(L, G.unsqueeze(1), out=ws("M", *shape))
 
 
-def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: TileBuffers):
+def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: TileBuffers, flush: bool = True):
     """A tile's within-chunk gradients (``y = M @ vh``): by the values ``(R, m, n, C, Dv)``, by the
     group's scores ``(R, n, C, C)`` and by the log decays ``(R, m, n, C)``, the masks formed again."""
-    L, M = _masked_scores(G, a, ws)
+    L, M = _masked_scores(G, a, ws, flush)
     dv = torch.matmul(M.transpose(-1, -2), dyh, out=ws("dv", *vh.shape))
     dM = torch.matmul(dyh, vh.transpose(-1, -2), out=ws("dM", *M.shape))  # (R, m, n, C, C)
     dG = L.mul_(dM).sum(1).tril_()
@@ -198,7 +201,8 @@ def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: TileBuff
 class _Prepared:
     """The chunked views and per-chunk decays both passes start from."""
 
-    def __init__(self, q, k, v, a, lay: _Layout, value_scale: Tensor | None, skip: Tensor | None):
+    def __init__(self, q, k, v, a, lay: _Layout, value_scale: Tensor | None, skip: Tensor | None, strategy: str):
+        self.flush = strategy == "cpu"  # the decay factors' negligible ones set to 0: a CPU's choice (_flush)
         self.qc, self.kc = lay.chunks(q), lay.chunks(k)  # (R, Nc, C, D)
         self.xh = lay.head_chunks(v)  # (R, m, Nc, C, Dv): the values before value_scale
         self.dt = None if value_scale is None else lay.chunks(value_scale).view(lay.R, lay.m, lay.Nc, lay.C, 1)
@@ -206,7 +210,7 @@ class _Prepared:
         self.skip = None if skip is None else skip.view(1, lay.Hk, lay.m).expand(lay.B, -1, -1).reshape(
             lay.R, lay.m, 1, 1, 1)
         self.ac = lay.chunks(a).view(lay.R, lay.m, lay.Nc, lay.C)
-        self.E, self.Wd, self.T = _decays(self.ac)
+        self.E, self.Wd, self.T = _decays(self.ac, self.flush)
         self.G = (self.qc @ self.kc.transpose(-1, -2)).tril_()  # (R, Nc, C, C), once per group, causal
 
     def values(self, tt: slice, ws: TileBuffers) -> tuple[Tensor, Tensor]:
@@ -225,7 +229,7 @@ def _forward(q, k, v, a, s0, value_scale, skip, lay: _Layout, strategy: str, til
     A tile at a time: its outputs within the chunks, what its chunks add to the state, the state
     carried across them (:func:`chunk_recurrence`), and every state of the tile read by the queries.
     On a CPU a tile's states are about a MiB, so the state products run in cache."""
-    p = _Prepared(q, k, v, a, lay, value_scale, skip)
+    p = _Prepared(q, k, v, a, lay, value_scale, skip, strategy)
     t = tiles[0].stop
     S = q.new_empty(lay.Nc + 1 if keep else t + 1, lay.R, lay.W, lay.D)
     if s0 is None:
@@ -240,7 +244,7 @@ def _forward(q, k, v, a, s0, value_scale, skip, lay: _Layout, strategy: str, til
         if not keep and i:
             states[0] = S[t]  # the last tile's final state (every tile but the last is full)
         x, vh = p.values(tt, ws)
-        yt = _product(_masked_scores(p.G[:, tt], p.ac[:, :, tt], ws)[1], vh, ws("y", *vh.shape), operand)
+        yt = _product(_masked_scores(p.G[:, tt], p.ac[:, :, tt], ws, p.flush)[1], vh, ws("y", *vh.shape), operand)
         # what each chunk adds to the transposed state: (v * decay to the chunk's end)^T k, (R, n, W, D)
         vw = lay.columns_scaled(vh, p.Wd[:, :, tt], ws, "vw")
         Ut = _product(vw.transpose(-1, -2), p.kc[:, tt], ws("U", lay.R, n, lay.W, lay.D), operand)
@@ -261,7 +265,7 @@ def _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, lay: _Layout, strate
     ``dy (B, H, N, Dv)`` and the final state ``ds (B, H, D, Dv)`` or None; ``S`` the forward's
     transposed states. The tiles in reverse, the state's gradient carried back across them (the
     reverse recurrence)."""
-    p = _Prepared(q, k, v, a, lay, value_scale, skip)
+    p = _Prepared(q, k, v, a, lay, value_scale, skip, strategy)
     dyh = lay.head_chunks(dy)  # (R, m, Nc, C, Dv)
     dq, dk = torch.empty_like(p.qc), torch.empty_like(p.kc)
     dv, dvh = lay.values_like(v)
@@ -300,7 +304,7 @@ def _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, lay: _Layout, strate
         # the chunks' additions: Ut = (vh * Wd)^T k
         dkt = torch.matmul(lay.columns_scaled(vh, Wd, ws, "vw"), dU, out=ws("dk", *narrow))
         dvw = lay.heads(torch.matmul(kc, dU.transpose(-1, -2), out=ws("Z", *wide)))  # (R, m, n, C, Dv)
-        dv_within, dG, da[:, :, tt] = _within_backward(p.G[:, tt], p.ac[:, :, tt], vh, dyt, ws)
+        dv_within, dG, da[:, :, tt] = _within_backward(p.G[:, tt], p.ac[:, :, tt], vh, dyt, ws, p.flush)
         if p.dt is None and p.skip is None:
             torch.addcmul(dv_within, dvw, Wd.unsqueeze(-1), out=dvh[:, :, tt])
         else:  # the gradient by the scaled values, then by value_scale, the values and skip

@@ -43,7 +43,8 @@ RESET_STEP = -1.0e4
 # float's resolution, and left in, the products of such factors fall into the subnormal range,
 # where CPUs compute several times slower (matrix products on several threads: flush-to-zero modes are
 # per thread). Trained Gated DeltaNet layers have such decays (A up to 16: a chunk's cumulative
-# decay reaches exp(-100) and less).
+# decay reaches exp(-100) and less). The CPU strategy flushes them; the accelerator strategy keeps
+# them (GPUs compute subnormal numbers at full speed), all but a reset's, which is exactly 0 on both.
 NEGLIGIBLE_DECAY = 4.248354255291589e-18  # exp(RESET_LOG_DECAY)
 # The same for a float32 compute dtype (float32 and half inputs): 2**-40 (9.1e-13), still 6e4 times
 # below float32's resolution (6e-8) of what it multiplies, and the product of two such factors
