@@ -416,3 +416,17 @@ def test_subnormal_flushes_stay_in_the_cpu_strategy():
             assert flushes["cpu"] >= flushes["accelerator"], (form, pass_, flushes)
             if form in ("gated_delta", "kda", "gla_channel", "ssd"):  # decays strong enough to need them on a CPU
                 assert flushes["cpu"] > flushes["accelerator"], (form, pass_, flushes)
+
+
+def test_bit_reversed_order_is_each_steps_binary_digits_reversed():
+    """The scan's order: position l holds step bitrev(l), its binary digits over log2(n) bits read
+    backwards (an involution), for lengths up to 2**17 (past 16 dimensions, MPS's limit, had the index
+    been a permute of a (2,) * log2(n) view)."""
+    from linattn.functional.recurrence import _bit_reversed
+
+    for n in (1, 2, 4, 8, 64, 1 << 17):
+        bits = (n - 1).bit_length()
+        got = _bit_reversed(n, torch.device("cpu"))
+        want = [int(format(i, f"0{bits}b")[::-1], 2) if bits else 0 for i in range(n)]
+        assert got.dtype == torch.int64 and got.tolist() == want, n
+        assert torch.equal(got[got], torch.arange(n))

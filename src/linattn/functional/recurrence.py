@@ -115,10 +115,16 @@ def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: boo
 def _bit_reversed(n: int, device: torch.device) -> Tensor:
     """``(n,)`` int64: ``bitrev(l)`` for l < n, n a power of two (the position of step l in
     :func:`_scan`'s order, and the step at position l: the permutation is its own inverse). Made on
-    the device by one permuted copy of an ``arange`` (no host-to-device transfer, which would wait for
-    the queue), once per length and device: only read, never written, by the calls that share it."""
+    the device from an ``arange``, bit by bit (no host-to-device transfer, which would wait for the
+    queue; not as a permute of a ``(2,) * log2(n)`` view, whose dimensions would pass MPS's limit of
+    16 beyond 2**16 chunks), once per length and device: only read, never written, by the calls
+    that share it."""
     bits = (n - 1).bit_length()
-    return torch.arange(n, device=device).view((2,) * bits).permute(tuple(reversed(range(bits)))).reshape(n)
+    steps = torch.arange(n, device=device)
+    out = torch.zeros_like(steps)
+    for b in range(bits):
+        out.bitwise_or_(steps.bitwise_right_shift(b).bitwise_and_(1).bitwise_left_shift_(bits - 1 - b))
+    return out
 
 
 def _transposed(A: Tensor | None, kind: str) -> Tensor | None:
