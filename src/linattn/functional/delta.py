@@ -299,7 +299,7 @@ def _unit_lower_inverse(A: Tensor, solve_block: int, out: Tensor | None = None) 
     T[:, :h, h:] = 0
     T[:, :h, :h] = T11
     T[:, h:, h:] = T22
-    T[:, h:, :h] = torch.bmm(T22, torch.bmm(A[:, h:, :h], T11)).neg_()
+    T[:, h:, :h] = mixed_bmm(T22, torch.bmm(A[:, h:, :h], T11), None, negate=True)
     return T
 
 
@@ -535,7 +535,7 @@ def _transitions(x: _Scores, W: Tensor, n: int, operand: torch.dtype | None = No
     after the chunk is ``that S + Kd^T Uv``; ``gamma_C`` 1 without a decay, a number per head or one
     per key channel), from the chunks' :class:`_Scores` and ``W (n*R, C, D)``."""
     m, C, D = W.shape
-    A = mixed_bmm(x.Kd.transpose(1, 2), W, operand).neg_()  # (m, D, D)
+    A = mixed_bmm(x.Kd.transpose(1, 2), W, operand, negate=True)  # (m, D, D)
     A.diagonal(dim1=1, dim2=2).add_(1.0 if x.gC is None else x.gC.view(m, -1))
     return A.view(n, m // n, D, D)
 

@@ -102,15 +102,23 @@ class EngineOptions:
         return HALF_DTYPES.get(self.operands)
 
 
-def mixed_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | None = None) -> Tensor:
+def mixed_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | None = None, *,
+              negate: bool = False) -> Tensor:
     """``bmm(a, b)`` of float32 ``a (M, X, Y)``, ``b (M, Y, Z)`` with the operands rounded to
     ``operand`` (a half dtype; None: as they are) and a float32 result accumulated in float32, into
     ``out`` when given. On CUDA one product on tensor cores (``out_dtype``); on other devices the
     rounded operands multiplied in float32: the same numbers up to the order of the sums, so a CPU
-    checks the accuracy a GPU gets."""
+    checks the accuracy a GPU gets. ``negate``: ``-(a b)``, in the product itself (no pass over the
+    result): ``baddbmm`` with ``beta=0, alpha=-1`` (its input ignored, NaN and all, as documented)
+    in float32, the rounded ``a`` negated (exactly) with half operands."""
     if operand is None:
-        return torch.bmm(a, b, out=out)
-    a, b = a.to(operand), b.to(operand)
+        if not negate:
+            return torch.bmm(a, b, out=out)
+        out = a.new_empty(a.shape[0], a.shape[1], b.shape[2]) if out is None else out
+        return torch.baddbmm(out, a, b, beta=0, alpha=-1, out=out)
+    rounded, b = a.to(operand), b.to(operand)
+    # negated in place only when rounding made a copy: the caller's a is never written
+    a = rounded if not negate else rounded.neg_() if rounded is not a else rounded.neg()
     if a.device.type in OUT_DTYPE_DEVICES:  # straight into out: no float32 temporary and copy
         return torch.bmm(a, b, out_dtype=torch.float32, out=out)
     # labelled, so that a profile tells these products from float32 ones (bench/tensor_cores.py)
