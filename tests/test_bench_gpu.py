@@ -277,14 +277,20 @@ def test_targets_are_judged_from_the_rows():
             row("gla_channel", 4096, "prefill", "fla", **_timed(1e-3, **fla_ratio)),
             row("gla_channel", 4096, "train", "linattn", **_timed(4e-3)),
             row("gla_channel", 4096, "train", "fla", status="error", detail="RuntimeError: Triton on Hopper"),
+            row("gated_delta", 4096, "prefill", bench.GRAPHED, **_timed(1.5e-3)),
             row("linear", 16384, "prefill", "linattn", **_timed(1e-3)),
             row("linear", 16384, "prefill", "sdpa", **_timed(2e-3, ratio_to_linattn={"runs": [2.0, 1.5, 3.0]})),
+            row("linear", 16384, "prefill", bench.GRAPHED, **_timed(5e-4, ratio_to_linattn={"runs": [0.5, 0.5, 0.5]})),
             row(bench.MODEL_FORM, 4096, "prefill", "linattn", **_timed(0.02)),
             row(bench.MODEL_FORM, 4096, "prefill", "transformers", **_timed(0.01, ratio_to_linattn={"runs": [1.0]})),
         ]}
     judged = {(t["form"], t["n"], t["pass"], t["target"]): (t["value"], t["holds"], t["why"])
               for t in bench.targets(result)}
     assert judged["gated_delta", 4096, "prefill", "linattn <= 3 ms"] == ("2.9 ms", True, "")
+    graphed = {(t["form"], t["n"], t["pass"], t["target"]): t["graphed"] for t in bench.targets(result)}
+    assert graphed["gated_delta", 4096, "prefill", "linattn <= 3 ms"] == "1.5 ms"
+    assert graphed["linear", 16384, "prefill", "linattn's time <= 1x that of sdpa"] == "0.25x"  # 0.5 / 2.0 run by run
+    assert graphed["gated_delta", 16384, "prefill", "linattn <= 4 ms"] == "-"  # no graphed row there
     assert judged["gated_delta", 16384, "prefill", "linattn <= 4 ms"] == ("4.1 ms", False, "")
     assert judged["gated_delta", 4096, "train", "linattn <= 8 ms"] == ("-", False, "linattn: error: RuntimeError: boom")
     assert judged["gated_delta", 16384, "train", "linattn <= 15 ms"][1:] == (None, "not measured (the run stopped "

@@ -1076,10 +1076,28 @@ def _judge(target: Target, rows: dict[str, dict], kernels) -> tuple[str, bool | 
     return f"{mine:.1e} vs {theirs:.1e}", mine <= theirs, ""
 
 
+def _graphed(target: Target, rows: dict[str, dict]) -> str:
+    """The value a time or ratio ``target`` takes for linattn replayed from CUDA graphs
+    (:data:`GRAPHED`, ``--cuda-graphs``) in one setting's ``rows``; "-" where that row or the
+    other contender is missing or failed, and for the errors (the same products)."""
+    mine = rows.get(GRAPHED)
+    if target.kind == "error" or mine is None or mine["status"] != "ok":
+        return "-"
+    if target.kind == "time":
+        return _time(mine["time_s"]["median"])
+    other = rows.get(target.other)
+    if other is None or other["status"] != "ok" or "ratio_to_linattn" not in mine:
+        return "-"
+    ratios = [g / o for g, o in zip(mine["ratio_to_linattn"]["runs"], other["ratio_to_linattn"]["runs"])]
+    return f"{statistics.median(ratios):.2f}x"
+
+
 def targets(result: dict) -> list[dict]:
     """Issue 44's :data:`TARGETS` judged from ``result``'s rows, one entry per target and N:
-    ``{"form", "n", "pass", "target", "value", "holds", "why"}`` (holds None: the run does not say;
-    a setting outside the run's forms and Ns is "not in this run")."""
+    ``{"form", "n", "pass", "target", "value", "holds", "why", "graphed"}`` (holds None: the run does
+    not say; a setting outside the run's forms and Ns is "not in this run"; ``graphed``: the value
+    for linattn replayed from CUDA graphs, :func:`_graphed`, beside the verdict on linattn as
+    called)."""
     cfg = result["config"]
     by: dict[tuple, dict[str, dict]] = {}
     for r in result["rows"]:
@@ -1087,12 +1105,13 @@ def targets(result: dict) -> list[dict]:
     out = []
     for t in TARGETS:
         for n in ([t.n] if t.n is not None else cfg["n"]):
+            rows = by.get((t.form, n, t.pass_), {})
             if t.form not in cfg["forms"] or n not in cfg["n"]:
                 value, holds, why = "-", None, "not in this run"
             else:
-                value, holds, why = _judge(t, by.get((t.form, n, t.pass_), {}), result.get("transformers_kernels"))
+                value, holds, why = _judge(t, rows, result.get("transformers_kernels"))
             out.append({"form": t.form, "n": n, "pass": t.pass_, "target": t.text(), "value": value, "holds": holds,
-                        "why": why})
+                        "why": why, "graphed": _graphed(t, rows)})
     return out
 
 
@@ -1130,11 +1149,14 @@ def _format_targets(result: dict, on_gpu: bool) -> list[str]:
     lines = ["", "## Issue 44's targets", "",
              "The limits are issue 44's for an H200 (bf16, B = 1)" + ("" if on_gpu else
              "; this run is on a CPU, so its verdicts check the script, not the targets") + ". A ratio is the "
-             "median over the runs of linattn's time / the other's, both timed in the same rounds.", "",
-             "| form | N | pass | target | value | verdict | why not measured |", "| --- | ---: | --- | --- | ---: | --- | --- |"]
+             "median over the runs of linattn's time / the other's, both timed in the same rounds. The verdict "
+             "is on linattn as called; with CUDA graphs: the same value for linattn replayed from CUDA graphs "
+             "(`--cuda-graphs`), its kernels without the launches' host overhead.", "",
+             "| form | N | pass | target | value | verdict | with CUDA graphs | why not measured |",
+             "| --- | ---: | --- | --- | ---: | --- | ---: | --- |"]
     for e in entries:
         lines.append(f"| {e['form']} | {e['n']} | {e['pass']} | {e['target']} | {e['value']} | {verdict[e['holds']]} | "
-                     f"{e['why'].replace('|', '/')} |")
+                     f"{e.get('graphed', '-')} | {e['why'].replace('|', '/')} |")
     return lines
 
 
