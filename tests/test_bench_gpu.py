@@ -174,14 +174,24 @@ def test_other_chunk_sizes_are_contenders_beside_the_default(tmp_path):
     assert set(bench.tunings("kda", (32,), (2,))) == {"linattn chunk_size=32", "linattn sub_chunk_size=2",
                                                       "linattn chunk_size=32 sub_chunk_size=2"}
     assert bench.tunings("ssd", (32,)) == {} and bench.tunings(bench.MODEL_FORM, (32,)) == {}
+    # solve blocks: the delta rule's, with the default chunk and each chunk size, not crossed with sub-chunks
+    assert bench.tunings("gated_delta", (32,), (), (16,)) == {
+        "linattn chunk_size=32": {"chunk_size": 32}, "linattn solve_block=16": {"solve_block": 16},
+        "linattn chunk_size=32 solve_block=16": {"chunk_size": 32, "solve_block": 16}}
+    assert set(bench.tunings("kda", (), (2,), (16,))) == {"linattn sub_chunk_size=2", "linattn solve_block=16"}
+    assert bench.tunings("gla_head", (), (), (16,)) == {} and bench.tunings("linear", (), (), (16,)) == {}
+    with pytest.raises(ValueError, match=r"solve_blocks \[16\] given, but none of the forms"):
+        bench.check_tunings(("linear", "gla_channel"), (), (), (16,))
     argv = ["bench", "gpu", "--device", "cpu", "--quick", "--n", "48", "--runs", "1", "--repeats", "1", "--no-fla",
-            "--forms", "kda,linear", "--dtype", "float32", "--chunk-sizes", "8", "--sub-chunk-sizes", "2", "--out", str(tmp_path)]
+            "--forms", "kda,linear", "--dtype", "float32", "--chunk-sizes", "8", "--sub-chunk-sizes", "2",
+            "--solve-blocks", "4", "--out", str(tmp_path)]
     assert main(argv) == 0
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert result["command"] == "linattn " + " ".join(argv)
     assert result["config"]["chunk_sizes"] == [8] and result["config"]["sub_chunk_sizes"] == [2]
+    assert result["config"]["solve_blocks"] == [4]
     rows = {(r["form"], r["pass"], r["contender"]): r for r in result["rows"]}
-    for form, names in (("kda", bench.tunings("kda", (8,), (2,))), ("linear", {"linattn chunk_size=8": {}})):
+    for form, names in (("kda", bench.tunings("kda", (8,), (2,), (4,))), ("linear", {"linattn chunk_size=8": {}})):
         for name in names:
             for pass_ in bench.PASSES:
                 assert rows[form, pass_, name]["status"] == "ok" and rows[form, pass_, name]["ratio_to_linattn"]
@@ -194,10 +204,10 @@ def test_other_chunk_sizes_are_contenders_beside_the_default(tmp_path):
     try:
         bench.delta_rule_attention = lambda *a, **kw: calls.append(kw) or real(*a, **kw)
         x = bench.make_inputs(spec, 8, 1, 4, dtype=torch.float32, device=torch.device("cpu"))
-        bench.form_function(spec, chunk_size=4, sub_chunk_size=2)(*x)
+        bench.form_function(spec, chunk_size=4, sub_chunk_size=2, solve_block=2)(*x)
     finally:
         bench.delta_rule_attention = real
-    assert calls[0]["chunk_size"] == 4 and calls[0]["sub_chunk_size"] == 2
+    assert calls[0]["chunk_size"] == 4 and calls[0]["sub_chunk_size"] == 2 and calls[0]["solve_block"] == 2
     with pytest.raises(SystemExit) as e:
         main(["bench", "gpu", "--device", "cpu", "--forms", "ssd,gated_delta", "--sub-chunk-sizes", "2",
               "--out", str(tmp_path / "no")])

@@ -385,22 +385,27 @@ def form_function(form: Form, *, strategy: str = "auto", projection: Tensor | No
     return lambda q, k, v, g: gated_linear_attention(q, k, v, g, **kw)
 
 
-def tunings(form: str, chunk_sizes: Sequence[int] = (), sub_chunk_sizes: Sequence[int] = ()) -> dict[str, dict]:
+def tunings(form: str, chunk_sizes: Sequence[int] = (), sub_chunk_sizes: Sequence[int] = (),
+            solve_blocks: Sequence[int] = ()) -> dict[str, dict]:
     """The extra linattn contenders of ``form`` that try other tuning knobs, by their names in the
-    table: ``{"linattn chunk_size=128": {"chunk_size": 128}, ...}``, every chunk size, and for a gate
-    per key channel (``kda``, ``gla_channel``) every pair of a chunk size or the default with a
-    sub-chunk size. None for SSD (``integrations.transformers.ssd``, transformers' signature, takes no
-    chunk size) and the model (the backend runs the defaults). Timed beside the default
-    ``linattn``, so that the accelerator's defaults (``CHUNK_SIZES`` of ``decayed.py`` and
-    ``delta.py``) are chosen by measurement on the device."""
+    table: ``{"linattn chunk_size=128": {"chunk_size": 128}, ...}``: every chunk size; for a gate per
+    key channel (``kda``, ``gla_channel``) every pair of a chunk size or the default with a
+    sub-chunk size; for the delta rule (``gated_delta``, ``delta``, ``kda``) every pair of a chunk
+    size or the default with a solve block (the largest block of a chunk's triangular inverse
+    solved directly: one solve of the whole chunk, or blocks of it joined by products). None for
+    SSD (``integrations.transformers.ssd``, transformers' signature, takes no chunk size) and the
+    model (the backend runs the defaults). Timed beside the default ``linattn``, so that the
+    accelerator's defaults (``CHUNK_SIZES`` of ``decayed.py`` and ``delta.py``, ``solve_block``)
+    are chosen by measurement on the device."""
     spec = KERNEL_FORMS.get(form)
     if spec is None or spec.state is not None:
         return {}
     subs = (None, *sub_chunk_sizes) if spec.decay == "channel" else (None,)
+    solves = (None, *solve_blocks) if spec.delta else (None,)
     out = {}
     for C in (None, *chunk_sizes):
-        for c in subs:
-            kw = {k: v for k, v in (("chunk_size", C), ("sub_chunk_size", c)) if v is not None}
+        for c, b in [(c, None) for c in subs] + [(None, b) for b in solves[1:]]:
+            kw = {k: v for k, v in (("chunk_size", C), ("sub_chunk_size", c), ("solve_block", b)) if v is not None}
             if kw:
                 out["linattn " + " ".join(f"{k}={v}" for k, v in kw.items())] = kw
     return out
@@ -520,16 +525,19 @@ def _graphed_subject(fn: Callable[..., Tensor], tensors: list[Tensor], train: bo
     return Subject(_graphed_runner(fn, tensors, train), lambda o: o.clone())
 
 
-def check_tunings(forms: Sequence[str], chunk_sizes: Sequence[int], sub_chunk_sizes: Sequence[int]) -> None:
+def check_tunings(forms: Sequence[str], chunk_sizes: Sequence[int], sub_chunk_sizes: Sequence[int],
+                  solve_blocks: Sequence[int] = ()) -> None:
     """ValueError, naming the argument, for sizes that are not distinct integers >= 1, or sizes given
     where none of ``forms`` takes them (:func:`tunings`)."""
-    for name, sizes, takes in (("chunk_sizes", chunk_sizes, [f for f in forms if tunings(f, (1,))]),
-                               ("sub_chunk_sizes", sub_chunk_sizes, [f for f in forms if tunings(f, (), (1,))])):
+    for name, sizes, probe, who in (
+            ("chunk_sizes", chunk_sizes, ((1,),), "every kernel form but ssd does"),
+            ("sub_chunk_sizes", sub_chunk_sizes, ((), (1,)), "kda and gla_channel do"),
+            ("solve_blocks", solve_blocks, ((), (), (1,)), "gated_delta, delta and kda do")):
         if any(not isinstance(x, int) or x < 1 for x in sizes) or len(set(sizes)) < len(sizes):
             raise ValueError(f"run_gpu: {name} must be distinct integers >= 1, got {list(sizes)}")
-        if sizes and not takes:
+        if sizes and not [f for f in forms if tunings(f, *probe)]:
             raise ValueError(f"run_gpu: {name} {list(sizes)} given, but none of the forms {list(forms)} takes them "
-                             f"({'every kernel form but ssd does' if name == 'chunk_sizes' else 'kda and gla_channel do'})")
+                             f"({who})")
 
 
 def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, device: torch.device, train: bool,
@@ -601,7 +609,8 @@ def _ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, dt_b
 
 
 def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, dtype: torch.dtype,
-                 device: torch.device, train: bool, fla: bool, cuda_graphs: bool = False) -> dict[str, Subject | Unavailable]:
+                 device: torch.device, train: bool, fla: bool,
+                 cuda_graphs: bool = False) -> dict[str, Subject | Unavailable]:
     """Every contender of the SSD form at ``n``: linattn's ``ssd``, transformers' ``mamba2_chunk_scan``
     (its torch path), FLA's simple GLA on the same recurrence (inputs formed before timing) and SDPA
     at the form's heads and width; outputs ``(B, N, H, P)`` each."""
@@ -877,14 +886,15 @@ def profile_gated_delta(n: int, *, quick: bool, dtype: torch.dtype, device: torc
 
 
 def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, chunk_sizes, sub_chunk_sizes,
-             cuda_graphs) -> str:
+             cuda_graphs, solve_blocks=()) -> str:
     """The command line that reproduces a call of :func:`run_gpu` made without one."""
     parts = ["linattn bench gpu", f"--device {device}"]
     if n is not None:
         parts.append("--n " + ",".join(map(str, n)))
     if tuple(forms) != FORMS:
         parts.append("--forms " + ",".join(forms))
-    for flag, sizes in (("--chunk-sizes", chunk_sizes), ("--sub-chunk-sizes", sub_chunk_sizes)):
+    for flag, sizes in (("--chunk-sizes", chunk_sizes), ("--sub-chunk-sizes", sub_chunk_sizes),
+                        ("--solve-blocks", solve_blocks)):
         if sizes:
             parts.append(f"{flag} " + ",".join(map(str, sizes)))
     parts += [f"--dtype {dtype}", f"--runs {runs}", f"--repeats {repeats}"]
@@ -896,15 +906,17 @@ def _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, c
 def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n: Sequence[int] | None = None,
             forms: Sequence[str] = FORMS, dtype: str = "bfloat16", runs: int = RUNS, repeats: int = REPEATS,
             fla: bool = True, quick: bool = False, profile: bool = False, chunk_sizes: Sequence[int] = (),
-            sub_chunk_sizes: Sequence[int] = (), cuda_graphs: bool = False, command: str | None = None,
+            sub_chunk_sizes: Sequence[int] = (), solve_blocks: Sequence[int] = (), cuda_graphs: bool = False,
+            command: str | None = None,
             quiet: bool = False) -> dict:
     """Measure every form of ``forms`` at every N of ``n`` (default 4096 and 16384; 64 and 128 with
     ``quick``, which also takes 2 heads of 16 everywhere), write gpu.json and gpu.md into ``out``
     (after every form and N: a run stopped midway leaves what it measured), print the Markdown, and
-    return the result. ``chunk_sizes``, ``sub_chunk_sizes``: linattn contenders with those knobs beside
-    the default one (:func:`tunings`). ``cuda_graphs``: linattn replayed from CUDA graphs beside it
-    (every kernel form, on CUDA; a "left out" row elsewhere). ``command``: the command line recorded (None: one rebuilt from
-    the arguments). ValueError before any work for a bad argument or a device that is not here."""
+    return the result. ``chunk_sizes``, ``sub_chunk_sizes``, ``solve_blocks``: linattn contenders
+    with those knobs beside the default one (:func:`tunings`). ``cuda_graphs``: linattn replayed from
+    CUDA graphs beside it (every kernel form, on CUDA; a "left out" row elsewhere). ``command``: the
+    command line recorded (None: one rebuilt from the arguments). ValueError before any work for a
+    bad argument or a device that is not here."""
     for name, value in (("runs", runs), ("repeats", repeats)):
         if value < 1:
             raise ValueError(f"run_gpu: {name} must be >= 1, got {value}")
@@ -916,8 +928,8 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
     ns = tuple(n) if n is not None else (QUICK_NS if quick else DEFAULT_NS)
     if not ns or any(x < 1 for x in ns):
         raise ValueError(f"run_gpu: n must be sequence lengths >= 1, got {n}")
-    chunk_sizes, sub_chunk_sizes = tuple(chunk_sizes), tuple(sub_chunk_sizes)
-    check_tunings(forms, chunk_sizes, sub_chunk_sizes)
+    chunk_sizes, sub_chunk_sizes, solve_blocks = tuple(chunk_sizes), tuple(sub_chunk_sizes), tuple(solve_blocks)
+    check_tunings(forms, chunk_sizes, sub_chunk_sizes, solve_blocks)
     dev = check_device(device)
     output_folder(out)
     torch_dtype = getattr(torch, dtype)
@@ -927,14 +939,15 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
         kernels = transformers_kernels() if MODEL_FORM in forms else None
     result: dict = {
         "command": command or _command(out, device, n, forms, dtype, runs, repeats, fla, quick, profile, chunk_sizes,
-                                       sub_chunk_sizes, cuda_graphs),
+                                       sub_chunk_sizes, cuda_graphs, solve_blocks),
         "complete": False,
         "device": describe_device(dev),
         "versions": versions(),
         "transformers_kernels": kernels,
         "config": {"forms": list(forms), "n": list(ns), "dtype": dtype, "batch_size": 1, "runs": runs,
                    "repeats": repeats, "warmup": WARMUP, "fla": fla, "quick": quick, "profile": profile,
-                   "chunk_sizes": list(chunk_sizes), "sub_chunk_sizes": list(sub_chunk_sizes), "cuda_graphs": cuda_graphs,
+                   "chunk_sizes": list(chunk_sizes), "sub_chunk_sizes": list(sub_chunk_sizes),
+                   "solve_blocks": list(solve_blocks), "cuda_graphs": cuda_graphs,
                    "widths": {name: width_record(f, quick) for name, f in KERNEL_FORMS.items() if name in forms},
                    "model": MODEL_DIMS[quick] if MODEL_FORM in forms else None},
         "machine": machine_info(),
@@ -978,7 +991,8 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                     subjects = model_subjects(model, x, device=dev, train=train)
                 else:
                     subjects = kernel_subjects(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev,
-                                               train=train, fla=fla, tuned=tunings(form, chunk_sizes, sub_chunk_sizes),
+                                               train=train, fla=fla,
+                                               tuned=tunings(form, chunk_sizes, sub_chunk_sizes, solve_blocks),
                                                cuda_graphs=cuda_graphs)
                 reference = None
                 if model is None and not train:
@@ -1184,8 +1198,9 @@ def format_gpu(result: dict) -> str:
               "linattn's largest entry; error vs float64: the same against linattn's function in float64 on "
               "the CPU (strategy cpu) from the same input values. A first call over a second (FLA's "
               "autotuning) is noted."]
-    if cfg.get("chunk_sizes") or cfg.get("sub_chunk_sizes"):
-        lines += ["", "`linattn chunk_size=...` and `sub_chunk_size=...`: linattn with those knobs instead of its "
+    if cfg.get("chunk_sizes") or cfg.get("sub_chunk_sizes") or cfg.get("solve_blocks"):
+        lines += ["", "`linattn chunk_size=...`, `sub_chunk_size=...`, `solve_block=...`: linattn with those knobs "
+                  "instead of its "
                   "defaults (the row `linattn`), timed in the same rounds: a vs linattn below 1.00x is faster than "
                   "the defaults."]
     if not result.get("complete"):

@@ -291,6 +291,10 @@ def build_parser(prog: str) -> CommandParser:
     gpu.add_argument("--sub-chunk-sizes", type=int_list, default=(), metavar="c,c",
                      help="Also time linattn with these sub-chunk sizes, with the default and every --chunk-sizes "
                      "(kda and gla_channel, a gate per key channel) (default: none).")
+    gpu.add_argument("--solve-blocks", type=int_list, default=(), metavar="b,b",
+                     help="Also time linattn with these solve blocks (the largest block of a chunk's triangular "
+                     "inverse solved directly), with the default and every --chunk-sizes (gated_delta, delta, kda) "
+                     "(default: none).")
     gpu.add_argument("--cuda-graphs", action="store_true",
                      help="Also time linattn replayed from CUDA graphs (every kernel form): its kernels without the "
                      "host's launch overhead (CUDA only; a row 'left out' elsewhere).")
@@ -434,10 +438,11 @@ def run(parser: CommandParser, args: argparse.Namespace, argv: list[str]) -> int
 
         with reported(chosen, ValueError):  # before any work: no CUDA here is one line, not a traceback
             check_device(args.device)
-            check_tunings(args.forms, args.chunk_sizes, args.sub_chunk_sizes)
+            check_tunings(args.forms, args.chunk_sizes, args.sub_chunk_sizes, args.solve_blocks)
         run_gpu(out=args.out, device=args.device, n=args.n, forms=args.forms, dtype=args.dtype, repeats=args.repeats,
                 fla=args.fla, quick=args.quick, profile=args.profile, chunk_sizes=args.chunk_sizes,
-                sub_chunk_sizes=args.sub_chunk_sizes, cuda_graphs=args.cuda_graphs, command=command_line(argv),
+                sub_chunk_sizes=args.sub_chunk_sizes, solve_blocks=args.solve_blocks, cuda_graphs=args.cuda_graphs,
+                command=command_line(argv),
                 **_given(args, "runs"))
     elif args.suite == "launches":
         from ..bench.launches import run_launches
