@@ -58,9 +58,13 @@ def test_bench_gpu_quick_on_the_cpu(tmp_path, capsys):
     assert prof["n"] == 64 and prof["prefill"]["kernels"] is None
     assert 0 < prof["prefill"]["computing_leaf_aten_ops"] <= prof["prefill"]["leaf_aten_ops"]
     assert prof["train"]["leaf_aten_ops"] > prof["prefill"]["leaf_aten_ops"]
-    for form in bench.KERNEL_FORMS:  # bf16 outputs against float64 from the same values: the rounding of bf16, no more
-        assert 0 < rows[form, 64, "prefill", "linattn"]["error_to_float64"] < 0.02, form
-        assert "error_to_float64" not in rows[form, 64, "train", "linattn"]
+    for name, form in bench.KERNEL_FORMS.items():  # bf16 against float64 from the same values: bf16's rounding
+        assert 0 < rows[name, 64, "prefill", "linattn"]["error_to_float64"] < 0.02, name
+        train = rows[name, 64, "train", "linattn"]  # every input's gradient, the largest error the row's
+        n_inputs = 7 if form.state is not None else 3 + form.delta + (form.decay is not None)
+        assert len(train["gradient_errors"]) == n_inputs and train["error_to_float64"] == max(train["gradient_errors"])
+        assert 0 < train["error_to_float64"] < 0.05, name
+    assert rows["ssd", 64, "train", "transformers"]["error_to_float64"] > 0  # the same inputs: compared too
     judged = {(t["form"], t["n"], t["pass"], t["target"]): t for t in result["targets"]}
     assert len(judged) == len(result["targets"])
     assert judged["gated_delta", 4096, "prefill", "linattn <= 3 ms"]["why"] == "not in this run"
@@ -291,6 +295,8 @@ def test_targets_are_judged_from_the_rows():
             row("linear", 16384, "prefill", "linattn", **_timed(1e-3)),
             row("linear", 16384, "prefill", "sdpa", **_timed(2e-3, ratio_to_linattn={"runs": [2.0, 1.5, 3.0]})),
             row("linear", 16384, "prefill", bench.GRAPHED, **_timed(5e-4, ratio_to_linattn={"runs": [0.5, 0.5, 0.5]})),
+            row("kda", 4096, "train", "linattn", **_timed(0.03, error_to_float64=4e-3)),
+            row("kda", 4096, "train", "fla", **_timed(0.01, error_to_float64=2e-3)),
             row(bench.MODEL_FORM, 4096, "prefill", "linattn", **_timed(0.02)),
             row(bench.MODEL_FORM, 4096, "prefill", "transformers", **_timed(0.01, ratio_to_linattn={"runs": [1.0]})),
         ]}
@@ -308,6 +314,10 @@ def test_targets_are_judged_from_the_rows():
     error = "linattn's error against float64 <= that of fla"
     assert judged["gated_delta", 4096, "prefill", error] == ("3.0e-03 vs 6.0e-03", True, "")
     assert judged["gated_delta", 16384, "prefill", error] == ("5.0e-03 vs 4.0e-03", False, "")
+    assert judged["kda", 4096, "train", "linattn's largest gradient error against float64 <= that of fla"] == (
+        "4.0e-03 vs 2.0e-03", False, "")
+    assert judged["kda", 4096, "train", "linattn <= 20 ms"] == ("30 ms", False, "")
+    assert not any(k[0] == "ssd" and k[2] == "train" and "error" in k[3] for k in judged)  # FLA's SSD: other inputs
     assert judged["gla_channel", 4096, "prefill", "linattn's time <= 3x that of fla"] == ("4.00x", False, "")
     assert judged["gla_channel", 4096, "train", "linattn's time <= 3x that of fla"] == (
         "-", None, "fla: error: RuntimeError: Triton on Hopper")
@@ -319,3 +329,20 @@ def test_targets_are_judged_from_the_rows():
     judged = {(t["form"], t["n"], t["pass"], t["target"]): t["holds"] for t in bench.targets(result)}
     assert judged[bench.MODEL_FORM, 4096, "prefill", "linattn's time <= 2x that of transformers + FLA"] is True
     assert judged["delta", 4096, "prefill", "linattn's error against float64 <= that of fla"] is None  # not in the run
+
+
+def test_gradient_errors_say_what_they_could_not_compare():
+    """A training step's gradients against float64, input by input; an input left without a gradient
+    is the row's comparison note, not an error of the run."""
+    import torch
+
+    ref = [torch.ones(2, 3, dtype=torch.float64), torch.full((2,), 2.0, dtype=torch.float64)]
+    a, b = torch.ones(2, 3, requires_grad=True), torch.ones(2, requires_grad=True)
+    (a.sum() * 1.01 + (b * 2).sum()).backward()
+    row: dict = {}
+    bench._gradient_errors(row, bench.Subject(lambda: None, lambda t: t, [a, b]), ref)
+    assert row["gradient_errors"] == pytest.approx([0.01, 0.0], abs=1e-6) and row["error_to_float64"] == max(row["gradient_errors"])
+    c = torch.ones(2, requires_grad=True)
+    row = {}
+    bench._gradient_errors(row, bench.Subject(lambda: None, lambda t: t, [a, c]), ref)
+    assert row == {"comparison": "gradients of 1 of 2 inputs, against 2 in the reference"}

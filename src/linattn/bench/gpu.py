@@ -47,7 +47,8 @@ with min and max; its ratio to linattn is taken run by run. A prefill row also g
 difference of the contender's output from linattn's, relative to linattn's largest entry (SDPA
 computes another function: none there), which catches a wrong calling convention, and its error
 against float64 (:func:`float64_reference`: linattn's function in float64 on the CPU from the
-same values), which issue 44 asks to be no worse than FLA's. :func:`targets` judges issue 44's
+same values), which issue 44 asks to be no worse than FLA's; a training row, its gradients'
+errors against float64's, the largest in the table. :func:`targets` judges issue 44's
 H200 targets (:data:`TARGETS`) from the rows.
 
 ``cuda_graphs``: also ``linattn+cudagraph``, linattn's call captured in CUDA graphs and replayed
@@ -300,11 +301,28 @@ def _import(path: str) -> Callable:
 @dataclass
 class Subject:
     """One contender at one setting: ``call()`` is one timed call (it returns the output of a
-    prefill, None for a training step); ``canonical`` puts a prefill's output into linattn's layout
-    for the agreement check (None: not comparable)."""
+    prefill, None for a training step); ``canonical`` puts a prefill's output, or a gradient of one
+    of ``inputs``, into linattn's layout for the checks (None: not comparable); ``inputs``: the
+    tensors a training step leaves gradients in, in the order of linattn's (None: not comparable)."""
 
     call: Callable[[], Tensor | None]
     canonical: Callable[[Tensor], Tensor] | None = None
+    inputs: list[Tensor] | None = None
+
+
+def _subject(fn: Callable[..., Tensor], tensors: list[Tensor], train: bool,
+             canonical: Callable[[Tensor], Tensor] | None) -> Subject:
+    """``fn`` on its own ``tensors`` (:func:`_runner`), their gradients checked when ``canonical``."""
+    return Subject(_runner(fn, tensors, train), canonical, tensors if canonical is not None else None)
+
+
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
+def _bhnd(x: Tensor) -> Tensor:
+    # (B, N, H, ...) -> (B, H, N, ...): a FLA or transformers tensor, or its gradient, in linattn's layout
+    return x.transpose(1, 2)
 
 
 def _bnhd(x: Tensor) -> Tensor:
@@ -485,8 +503,8 @@ def _graphed_runner(fn: Callable[..., Tensor], tensors: list[Tensor], train: boo
     call on its own copies of the inputs, after two warm-up calls on a side stream (lazy
     initialisation and the scan's cached index happen outside the capture); its output tensor is
     rewritten by every replay. Train: ``torch.cuda.make_graphed_callables``, a graph of the forward
-    and one of the backward."""
-    leaves = [t.detach().clone() for t in tensors]
+    and one of the backward. ``tensors``: its own, which the capture keeps (the graph reads them)."""
+    leaves = tensors
     captured: list[Callable[[], Tensor | None]] = []
 
     def capture() -> Callable[[], Tensor | None]:
@@ -518,11 +536,12 @@ def _graphed_runner(fn: Callable[..., Tensor], tensors: list[Tensor], train: boo
 
 def _graphed_subject(fn: Callable[..., Tensor], tensors: list[Tensor], train: bool,
                      device: torch.device) -> Subject | Unavailable:
-    """linattn replayed from CUDA graphs (:func:`_graphed_runner`), its prefill's output copied
-    before the next replay rewrites it; "left out" off CUDA."""
+    """linattn replayed from CUDA graphs (:func:`_graphed_runner`) on its own copies of ``tensors``,
+    its prefill's output copied before the next replay rewrites it; "left out" off CUDA."""
     if device.type != "cuda":
         return Unavailable("left out", "CUDA graphs need a CUDA device")
-    return Subject(_graphed_runner(fn, tensors, train), lambda o: o.clone())
+    leaves = [t.detach().clone() for t in tensors]
+    return Subject(_graphed_runner(fn, leaves, train), lambda o: o.clone(), leaves)
 
 
 def check_tunings(forms: Sequence[str], chunk_sizes: Sequence[int], sub_chunk_sizes: Sequence[int],
@@ -558,21 +577,21 @@ def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, devi
         return [(_bnhd(t) if layout == "bnhd" else t.clone()).detach() for t in base]
 
     fn = _linattn_fn(form, head_dim, dtype, device)
-    out["linattn"] = Subject(_runner(fn, mine("bhnd"), train), lambda o: o)
+    out["linattn"] = _subject(fn, mine("bhnd"), train, _same)
     for name, kw in (tuned or {}).items():
-        out[name] = Subject(_runner(_linattn_fn(form, head_dim, dtype, device, **kw), mine("bhnd"), train), lambda o: o)
+        out[name] = _subject(_linattn_fn(form, head_dim, dtype, device, **kw), mine("bhnd"), train, _same)
     if cuda_graphs:
         out[GRAPHED] = _graphed_subject(fn, mine("bhnd"), train, device)
     if form.fla is not None:
         try:
             if not fla:
                 raise Unavailable("left out", "--no-fla")
-            out["fla"] = Subject(_runner(_fla_fn(form, head_dim), mine("bnhd"), train), _bnhd)
+            out["fla"] = _subject(_fla_fn(form, head_dim), mine("bnhd"), train, _bhnd)
         except Unavailable as u:
             out["fla"] = u
     if form.transformers is not None:
         try:
-            out["transformers"] = Subject(_runner(_transformers_fn(form), mine("bnhd"), train), _bnhd)
+            out["transformers"] = _subject(_transformers_fn(form), mine("bnhd"), train, _bhnd)
         except Unavailable as u:
             out["transformers"] = u
     out["sdpa"] = Subject(_runner(_sdpa, mine("bhnd")[:3], train))
@@ -622,7 +641,7 @@ def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, d
     def mine() -> list[Tensor]:
         return [base[k].clone() for k in SSD_KEYS]
 
-    out: dict[str, Subject | Unavailable] = {"linattn": Subject(_runner(_ssd, mine(), train), lambda o: o)}
+    out: dict[str, Subject | Unavailable] = {"linattn": _subject(_ssd, mine(), train, _same)}
     if cuda_graphs:
         out[GRAPHED] = _graphed_subject(_ssd, mine(), train, device)
     try:
@@ -637,7 +656,8 @@ def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, d
         def theirs(q, k, v, g, x, D):
             return kernel(q, k, v, g=g, scale=1.0)[0] + x * D[:, None]
 
-        out["fla"] = Subject(_runner(theirs, [t.detach() for t in inputs], train), lambda o: o)
+        # other inputs than linattn's (C and B per head, x dt, A dt): its output compares, its gradients do not
+        out["fla"] = Subject(_runner(theirs, [t.detach() for t in inputs], train), _same)
     except Unavailable as u:
         out["fla"] = u
     try:
@@ -647,7 +667,7 @@ def ssd_subjects(form: Form, n: int, heads: int, head_dim: int, state: int, *, d
             y = scan(x, dt, A, B, C, chunk_size=256, D=D, dt_bias=dt_bias, dt_softplus=True)
             return y[0] if isinstance(y, tuple) else y
 
-        out["transformers"] = Subject(_runner(torch_path, mine(), train), lambda o: o)
+        out["transformers"] = _subject(torch_path, mine(), train, _same)
     except Unavailable as u:
         out["transformers"] = u
     qkv = [base["x"].transpose(1, 2).clone() for _ in range(3)]  # (B, H, N, P)
@@ -716,25 +736,50 @@ def relative_error(out: Tensor, reference: Tensor) -> float:
     return float((out - reference).abs().max() / reference.abs().max().clamp_min(1e-300))
 
 
-def float64_reference(form: Form, n: int, *, quick: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """What every contender's prefill of ``form`` at ``n`` is measured against: linattn's function
-    in float64 on the CPU, strategy ``"cpu"`` (the engines' tests hold it to the per-position
-    reference in float64), on the very values the contenders read: their inputs drawn again on
-    ``device`` from the same seeds in ``dtype`` (FAVOR+'s projection too), then widened. ``(B, H, N,
-    D)``, SSD's ``(B, N, H, P)``: the contenders' outputs in linattn's layout."""
+def float64_reference(form: Form, n: int, *, quick: bool, dtype: torch.dtype, device: torch.device,
+                      train: bool = False) -> Tensor | list[Tensor]:
+    """What every contender of ``form`` at ``n`` is measured against: linattn's function in float64
+    on the CPU, strategy ``"cpu"`` (the engines' tests hold it to the per-position reference in
+    float64), on the very values the contenders read: their inputs drawn again on ``device`` from
+    the same seeds in ``dtype`` (FAVOR+'s projection too), then widened. A prefill's: the output,
+    ``(B, H, N, D)``, SSD's ``(B, N, H, P)``, in linattn's layout; ``train``: the gradients of every
+    input (in linattn's order and layout) from a cotangent of ones, as the training steps take."""
     heads, head_dim, state = widths(form, quick)
     cpu = torch.device("cpu")
 
     def widened(t: Tensor) -> Tensor:
-        return t.to(device=cpu, dtype=torch.float64)
+        return t.to(device=cpu, dtype=torch.float64).requires_grad_(train)
 
-    with torch.no_grad():
-        if state is not None:
-            m = ssd_inputs(n, heads, head_dim, state, dtype=dtype, device=device)
-            return _ssd(*(widened(m[k]) for k in SSD_KEYS))
+    if state is not None:
+        m = ssd_inputs(n, heads, head_dim, state, dtype=dtype, device=device)
+        fn, inputs = _ssd, [widened(m[k]) for k in SSD_KEYS]
+    else:
         projection = form_projection(form, head_dim, dtype=dtype, device=device)
-        fn = form_function(form, strategy="cpu", projection=None if projection is None else widened(projection))
-        return fn(*map(widened, make_inputs(form, n, heads, head_dim, dtype=dtype, device=device)))
+        fn = form_function(form, strategy="cpu",
+                           projection=None if projection is None else projection.to(cpu, torch.float64))
+        inputs = [widened(t) for t in make_inputs(form, n, heads, head_dim, dtype=dtype, device=device)]
+    with torch.set_grad_enabled(train):
+        out = fn(*inputs)
+    if not train:
+        return out
+    out.backward(torch.ones_like(out))
+    return [t.grad for t in inputs]
+
+
+def _gradient_errors(row: dict, subject: Subject, reference: list[Tensor]) -> None:
+    """Into ``row``: the errors of the gradients a training step of ``subject`` left in its inputs
+    against the float64 ``reference`` (one per input), the largest as ``error_to_float64``; a
+    missing gradient or another shape is said as its ``comparison``."""
+    try:
+        if len(subject.inputs) != len(reference) or any(t.grad is None for t in subject.inputs):
+            raise ValueError(f"gradients of {sum(t.grad is not None for t in subject.inputs)} of "
+                             f"{len(subject.inputs)} inputs, against {len(reference)} in the reference")
+        errors = [relative_error(subject.canonical(t.grad), r) for t, r in zip(subject.inputs, reference)]
+    except ValueError as e:
+        row["comparison"] = str(e)
+        return
+    row["gradient_errors"] = errors
+    row["error_to_float64"] = max(errors)
 
 
 def _release(dev: torch.device) -> None:
@@ -756,11 +801,12 @@ def _peak_bytes(call: Callable[[], object], dev: torch.device, sync: Callable[[]
 
 
 def measure(subjects: dict[str, Subject | Unavailable], *, runs: int, repeats: int, dev: torch.device,
-            compare: bool, reference: Tensor | None = None) -> dict[str, dict]:
+            compare: bool, reference: Tensor | list[Tensor] | None = None) -> dict[str, dict]:
     """Warm up, measure peak memory, then time ``subjects`` interleaved (see the module docstring);
     ``{contender: row}`` with ``status`` "ok", "error", "not installed" or "left out". ``compare``:
-    each output's ``difference_to_linattn``, and with a ``reference`` (:func:`float64_reference`)
-    its ``error_to_float64``."""
+    each prefill output's ``difference_to_linattn``. With a ``reference`` (:func:`float64_reference`),
+    ``error_to_float64``: a prefill's output against it, or for a training step (a list: one
+    gradient per input) the largest of its gradients' errors, each in ``gradient_errors``."""
     sync = _synchronizer(dev)
     rows: dict[str, dict] = {}
     live: dict[str, Subject] = {}
@@ -785,13 +831,15 @@ def measure(subjects: dict[str, Subject | Unavailable], *, runs: int, repeats: i
         rows[name] = {"status": "ok", "first_call_s": first}
         if compare and out is not None and subject.canonical is not None:
             outputs[name] = subject.canonical(out)
+        if isinstance(reference, list) and subject.inputs is not None:
+            _gradient_errors(rows[name], subject, reference)
         del out
         live[name] = subject
     for name, out in outputs.items():
         try:
             if name != "linattn" and "linattn" in outputs:
                 rows[name]["difference_to_linattn"] = relative_error(out, outputs["linattn"])
-            if reference is not None:
+            if isinstance(reference, Tensor):
                 rows[name]["error_to_float64"] = relative_error(out, reference)
         except ValueError as e:  # a contender's output in another shape: said in its row, the timing goes on
             rows[name]["comparison"] = str(e)
@@ -995,9 +1043,10 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                                                tuned=tunings(form, chunk_sizes, sub_chunk_sizes, solve_blocks),
                                                cuda_graphs=cuda_graphs)
                 reference = None
-                if model is None and not train:
+                if model is None:
                     try:
-                        reference = float64_reference(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev)
+                        reference = float64_reference(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev,
+                                                      train=train)
                     except Exception as e:  # noqa: BLE001 - a row that says so; the timings still matter
                         result["rows"].append({"form": form, "n": x, "pass": pass_, "contender": REFERENCE,
                                                "status": "error", "detail": _first_line(e)})
@@ -1043,7 +1092,8 @@ class Target:
         other = self.label or self.other
         if self.kind == "ratio":
             return f"linattn's time <= {self.limit:g}x that of {other}"
-        return f"linattn's error against float64 <= that of {other}"
+        what = "error" if self.pass_ == "prefill" else "largest gradient error"
+        return f"linattn's {what} against float64 <= that of {other}"
 
 
 TARGETS = (
@@ -1061,6 +1111,9 @@ TARGETS = (
     Target(MODEL_FORM, 16384, "prefill", "ratio", 2.0, "transformers", "transformers + FLA"),
     Target(MODEL_FORM, 4096, "train", "time", 60e-3),
     *(Target(name, None, "prefill", "error", other="fla") for name, f in KERNEL_FORMS.items() if f.fla is not None),
+    # gradients where FLA's inputs are linattn's (SSD's stand-in takes others)
+    *(Target(name, None, "train", "error", other="fla") for name, f in KERNEL_FORMS.items()
+      if f.fla is not None and f.state is None),
 )
 
 
@@ -1086,7 +1139,8 @@ def _judge(target: Target, rows: dict[str, dict], kernels) -> tuple[str, bool | 
         return f"{r:.2f}x", r <= target.limit, ""
     mine, theirs = ours.get("error_to_float64"), other.get("error_to_float64")
     if mine is None or theirs is None:
-        return "-", None, "no error against float64 (its reference failed)"
+        missing = [name for name, row in (("linattn", ours), (target.other, other)) if "error_to_float64" not in row]
+        return "-", None, f"no error against float64 for {' and '.join(missing)} (the reference or the comparison failed)"
     return f"{mine:.1e} vs {theirs:.1e}", mine <= theirs, ""
 
 
@@ -1196,7 +1250,8 @@ def format_gpu(result: dict) -> str:
               + ("" if on_gpu else " (none on a CPU, which has no allocator statistics)")
               + "; agreement: the largest difference of the prefill's output from linattn's, relative to "
               "linattn's largest entry; error vs float64: the same against linattn's function in float64 on "
-              "the CPU (strategy cpu) from the same input values. A first call over a second (FLA's "
+              "the CPU (strategy cpu) from the same input values, for a training step the largest over the "
+              "inputs' gradients (from a cotangent of ones). A first call over a second (FLA's "
               "autotuning) is noted."]
     if cfg.get("chunk_sizes") or cfg.get("sub_chunk_sizes") or cfg.get("solve_blocks"):
         lines += ["", "`linattn chunk_size=...`, `sub_chunk_size=...`, `solve_block=...`: linattn with those knobs "
