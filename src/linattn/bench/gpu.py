@@ -1000,6 +1000,7 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                    "model": MODEL_DIMS[quick] if MODEL_FORM in forms else None},
         "machine": machine_info(),
         "rows": [],
+        "references": [],  # the float64 references' CPU time, setting by setting
     }
     say(f"linattn bench gpu on {result['device']['name']} ({dev}): {', '.join(forms)} at N = "
         f"{', '.join(map(str, ns))}, {dtype}, {runs} runs of {repeats} interleaved calls")
@@ -1045,8 +1046,11 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                 reference = None
                 if model is None:
                     try:
+                        t0 = time.perf_counter()
                         reference = float64_reference(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev,
                                                       train=train)
+                        result["references"].append({"form": form, "n": x, "pass": pass_,
+                                                     "seconds": time.perf_counter() - t0})
                     except Exception as e:  # noqa: BLE001 - a row that says so; the timings still matter
                         result["rows"].append({"form": form, "n": x, "pass": pass_, "contender": REFERENCE,
                                                "status": "error", "detail": _first_line(e)})
