@@ -1,13 +1,13 @@
-"""The accelerator strategy, this checkout against an earlier revision: kernel launches, an estimate
-of the memory traffic, peak memory and the time of one call on this CPU, for chosen (form, pass)
-cases.
+"""The accelerator strategy (or with ``--strategy cpu`` the CPU's), this checkout against an earlier
+revision: kernel launches, an estimate of the memory traffic, peak memory and the time of one call on
+this CPU, for chosen (form, pass) cases.
 
     .venv/bin/python docs/benchmarks/accelerator_ab.py OLD_REV --cases kda:prefill,kda:train --out DIR \
-        [--runs 3] [--n 4096] [--title TEXT]
+        [--runs 3] [--n 4096] [--title TEXT] [--strategy accelerator|cpu]
 
 OLD_REV is checked out into a temporary git worktree and put first on PYTHONPATH for its side. Each
 sample is a fresh process (2 threads) running ``linattn.bench.launches.form_call`` (the form at its
-checkpoint width, B = 1, float32, the accelerator strategy forced, on the CPU) after one warm-up
+checkpoint width, B = 1, float32, the strategy forced (the accelerator unless --strategy), on the CPU) after one warm-up
 call: the peak resident memory of a call above its inputs, the launches (computing leaf aten ops,
 ``count_launches``), the traffic estimate (every such op's input bytes plus what it allocates, from
 one profiled call: what a memory-bound GPU would move, a lower bound that ignores caches), and the
@@ -41,8 +41,8 @@ from torch.profiler import ProfilerActivity, profile
 from linattn.bench.harness import peak_rss_bytes, release_free_heap
 from linattn.bench.launches import OWN_KERNEL, _computes, count_launches, form_call
 
-form, n, pass_ = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-call = form_call(form, n, pass_, "accelerator")
+form, n, pass_, strategy = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+call = form_call(form, n, pass_, strategy)
 call()
 release_free_heap()
 peak = peak_rss_bytes(call)
@@ -72,10 +72,10 @@ print(json.dumps({"launches": launches, "traffic_bytes": traffic, "peak_bytes": 
 KEYS = ("launches", "traffic_bytes", "peak_bytes", "time_s")
 
 
-def _sample(form: str, n: int, pass_: str, src: Path) -> dict:
+def _sample(form: str, n: int, pass_: str, src: Path, strategy: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, form, str(n), pass_], capture_output=True, text=True, env=env,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", _CHILD, form, str(n), pass_, strategy], capture_output=True, text=True,
+                         env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -95,7 +95,7 @@ def _rows(cases: list[tuple[str, str]], runs: list[dict]) -> list[dict]:
 
 
 def compare(old_rev: str, cases: list[tuple[str, str]], out: Path, *, runs: int, n: int, title: str, command: str,
-            name: str) -> None:
+            name: str, strategy: str = "accelerator") -> None:
     """``runs`` runs of every case on both sides; writes ``out/name.json`` and ``out/name.md``."""
     from linattn.bench.harness import git_state, machine_info
 
@@ -103,7 +103,7 @@ def compare(old_rev: str, cases: list[tuple[str, str]], out: Path, *, runs: int,
         samples = {f"{f} {p_}": {} for f, p_ in cases}
         for i, (form, pass_) in enumerate(cases):
             for side in order(i + r):
-                samples[f"{form} {pass_}"][side] = _sample(form, n, pass_, sides[side])
+                samples[f"{form} {pass_}"][side] = _sample(form, n, pass_, sides[side], strategy)
         return samples
 
     rev, done = separate_runs(old_rev, runs, one_run)
@@ -113,7 +113,7 @@ def compare(old_rev: str, cases: list[tuple[str, str]], out: Path, *, runs: int,
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# {title}: this checkout against {rev[:7]}", "", f"Command: `{command}`", "",
-             f"N = {n}, B = 1, float32, checkpoint widths (`linattn.bench.gpu.widths`), the accelerator strategy "
+             f"N = {n}, B = 1, float32, checkpoint widths (`linattn.bench.gpu.widths`), the {strategy} strategy "
              f"forced on this CPU, a fresh process per sample, the sides alternating; {runs} runs. Each figure: "
              "the median over runs; new / old: the median over runs of each run's ratio (min-max). Launches and "
              "traffic (every computing leaf op's input bytes plus its allocations: what a memory-bound GPU would "
@@ -153,12 +153,14 @@ def main() -> None:
     p.add_argument("--title", default="The accelerator strategy")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--strategy", choices=("accelerator", "cpu"), default="accelerator",
+                   help="the engines' strategy forced on both sides (default: accelerator)")
     a = p.parse_args()
     cases = parse_cases(a.cases)
     out = Path(a.out)
     command = "python docs/benchmarks/accelerator_ab.py " + shlex.join(sys.argv[1:])
     compare(a.old_rev, cases, out, runs=a.runs, n=a.n, title=a.title, command=command,
-            name=a.name or f"{out.resolve().name}_ab")
+            name=a.name or f"{out.resolve().name}_ab", strategy=a.strategy)
 
 
 if __name__ == "__main__":

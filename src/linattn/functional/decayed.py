@@ -858,12 +858,22 @@ def channel_scores_backward(x: Tensor, k: Tensor, c: int, saved, dA: Tensor) -> 
     return dx.view(M, S, C, D), dk.view(M, C, D)
 
 
-def _tile_decays(g: Tensor) -> tuple[CumulativeLogDecay, Tensor, Tensor]:
-    """``g (m, R, C, G)`` -> cumulative ``b (m, R, C, G)``, ``exp(b) (m, R, C, G)`` and
-    ``exp(b_C - b) (m, R, C, G)``, all in g's dtype; every exponent <= 0. b keeps the digits of
-    small decays after a large one (a reset) without float64: see log_decays.py."""
-    b = CumulativeLogDecay.of(g, 2)
-    return b, b.exp(), (b[:, :, -1:] - b).exp_()
+def _tile_decays(g: Tensor, c: int, batched: bool) -> tuple[CumulativeLogDecay | ChannelDecays, Tensor, Tensor]:
+    """``g (m, R, C, G)`` -> the tile's decays as its scores take them (:func:`_tile_intra`),
+    ``exp(b) (m, R, C, G)`` and ``exp(b_C - b) (m, R, C, G)``, b the cumulative log decay from
+    the chunk's start; every exponent <= 0, all in g's dtype. A gate per head: b itself, whose
+    differences keep the digits of small decays after a large one (a reset) without float64
+    (log_decays.py). A gate per key channel: the :class:`ChannelDecays` of its sub-chunks of ``c``
+    (``batched``: the accelerator's form), both factors products of them, as the scores' are: one
+    representation formed once (as the delta rule's KDA takes them), not a second one of cumulative
+    sums beside it."""
+    if g.shape[-1] == 1:
+        b = CumulativeLogDecay.of(g, 2)
+        return b, b.exp(), (b[:, :, -1:] - b).exp_()
+    m, R, C, D = g.shape
+    decays = channel_decays(g.reshape(m * R, C, D), c, batched)
+    before = decays.before()
+    return decays, decays.from_start(before).view(m, R, C, D), decays.to_end().view(m, R, C, D)
 
 
 def _g_sum(x: Tensor, G: int) -> Tensor:
@@ -871,21 +881,21 @@ def _g_sum(x: Tensor, G: int) -> Tensor:
     return x.sum(-1, keepdim=True) if G == 1 else x
 
 
-def _tile_intra(q: Tensor, k: Tensor, g: Tensor, b: CumulativeLogDecay, c: int, opts: EngineOptions | None = None,
+def _tile_intra(q: Tensor, k: Tensor, decays: CumulativeLogDecay | ChannelDecays, opts: EngineOptions | None = None,
                 saves: bool = True):
-    """``A (m, R, C, C)`` of a tile and what its backward needs, from its log decays ``g`` and
-    their cumulative sums ``b`` ``(m, R, C, G)`` (``opts``: the products' operand dtype and, for a
-    gate per key channel, the accelerator's batched scores; None in the backward). ``saves`` False:
-    a gate per key channel's scores keep nothing for a backward (:func:`channel_scores`)."""
+    """``A (m, R, C, C)`` of a tile and what its backward needs, from its decays (:func:`_tile_decays`:
+    per head the cumulative log decays ``(m, R, C, 1)``, per key channel the :class:`ChannelDecays`
+    of its ``m R`` chunks) (``opts``: the products' operand dtype and, for a gate per key channel,
+    the accelerator's batched scores; None in the backward). ``saves`` False: a gate per key
+    channel's scores keep nothing for a backward (:func:`channel_scores`)."""
     m, R, C, D = q.shape
-    q2, k2, g2, b2 = (t.reshape(m * R, C, t.shape[-1]) for t in (q, k, g, b))
+    q2, k2 = (t.reshape(m * R, C, D) for t in (q, k))
     operand = None if opts is None else opts.operand
-    if b.shape[-1] == 1:
-        A, saved = _intra_head(q2, k2, b2, operand)
+    if isinstance(decays, CumulativeLogDecay):
+        A, saved = _intra_head(q2, k2, decays.reshape(m * R, C, 1), operand)
     else:  # one set of queries
         batched = opts is not None and opts.strategy == "accelerator"
-        A, saved = channel_scores(q2.unsqueeze(1), k2, channel_decays(g2, c, batched), operand, batched=batched,
-                                  saves=saves)
+        A, saved = channel_scores(q2.unsqueeze(1), k2, decays, operand, batched=batched, saves=saves)
     return A.view(m, R, C, C), saved
 
 
@@ -933,11 +943,11 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
     for sl in lay.tiles():
         q_ = lay.take_scaled(q3, sl, scale)  # (m, R, C, D)
         k_, v_, g_ = (lay.take(t, sl) for t in (k3, v3, g3))
-        b, eb, ek = _tile_decays(g_)
+        decays, eb, ek = _tile_decays(g_, c, strategy == "accelerator")
         u = _mm((k_ * ek).transpose(-1, -2), v_, operand)  # (m, R, D, Dv): what the chunk writes
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
         chunk_recurrence(a, u, states[sl.start], strategy=strategy, out=states[sl.start: sl.stop + 1])
-        A, _ = _tile_intra(q_, k_, g_, b, c, opts, saves=False)
+        A, _ = _tile_intra(q_, k_, decays, opts, saves=False)
         # the state in two half parts (strategy.split_bmm): its rounding cost the bf16 output the most
         lay.put(o, sl, _mm(q_ * eb, states[sl], operand, split=True).add_(_mm(A, v_, operand)))
     return lay.unchunked(o).reshape(B, H, N, Dv).contiguous(), states[Nc].reshape(B, H, D, Dv).clone(), states
@@ -963,13 +973,13 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
     for sl in reversed(lay.tiles()):
         q_ = lay.take_scaled(q3, sl, scale)  # (m, R, C, D)
         k_, v_, g_, do_ = (lay.take(t, sl) for t in (k3, v3, g3, do3))
-        b, eb, ek = _tile_decays(g_)
+        decays, eb, ek = _tile_decays(g_, c, strategy == "accelerator")
         qd = q_ * eb
         gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
         chunk_recurrence(a, gs, T[sl.stop], strategy=strategy, reverse=True, out=T[sl.start: sl.stop + 1])
         s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
-        A, saved = _tile_intra(q_, k_, g_, b, c, replace(opts, operands=""))
+        A, saved = _tile_intra(q_, k_, decays, replace(opts, operands=""))
         dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)
         lay.put(dv3, sl, (k_ * ek) @ t_ + A.transpose(-1, -2) @ do_)
         dq = (do_ @ s_.transpose(-1, -2)).mul_(eb)  # through the state before the chunk
