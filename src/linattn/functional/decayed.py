@@ -52,7 +52,7 @@ from torch import Tensor
 from .checks import EngineOp, once_differentiable
 from .chunks import ChunkLayout
 from .feature_maps import ELEMENTWISE_MAPS
-from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible
+from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_low
 from .normaliser import guarded_normaliser, normaliser_floor
 from .recurrence import chunk_recurrence
 from .strategy import EngineOptions, mixed_bmm, operand_dtype, resolve_strategy, split_bmm
@@ -536,25 +536,17 @@ def _intra_head(q: Tensor, k: Tensor, b: CumulativeLogDecay,
     return mixed_bmm(q, k.transpose(1, 2), operand).mul_(E), E
 
 
-def _flush_low(factors: Tensor) -> Tensor:
-    """``factors`` (per-channel decay factors in [0, 1]) with the negligible ones flushed to 0 in
-    place (log_decays.flush_negligible), in a float32 or half compute dtype; float64's are left
-    as they are (no subnormal slowdown there above 1e-308, and flushing them at exp(-40) moved
-    KDA's float64 result by 6e-11 of its scale under strong decays, against 4e-16 without)."""
-    return factors if factors.dtype == torch.float64 else flush_negligible(factors)
-
-
 def _sub_chunk_runs(a: Tensor, flush: bool = True) -> list:
     """``a (M, n, c, D)`` per-position decays -> ``runs``: ``runs[d] (M, n, c - d, D)`` holds, at
     s, the product ``a_{s+1} ... a_{s+d}`` = ``exp(b_{s+d} - b_s)`` for the pairs s < t = s + d of
     a sub-chunk (``runs[0]`` is None: s = t has a decay of 1). Products of at most c - 1 factors in
     [0, 1]: no difference of sums, so no digit is lost and a reset (a = 0) gives an exact 0.
-    ``flush``: each product's negligible factors set to 0 (:func:`_flush_low`)."""
+    ``flush``: each product's negligible factors set to 0 (:func:`~linattn.functional.log_decays.flush_low`)."""
     c = a.shape[2]
     runs = [None, a[:, :, 1:]] if c > 1 else [None]
     for d in range(2, c):
         run = runs[d - 1][:, :, :-1] * a[:, :, d:]
-        runs.append(_flush_low(run) if flush else run)
+        runs.append(flush_low(run, flush))
     return runs
 
 
@@ -565,7 +557,7 @@ class ChannelDecays(NamedTuple):
     chunk's start and r_i its value at the end of sub-chunk i:
 
     ``flush``: the CPU strategy's choice, every product of factors formed here and by the methods
-    below with its negligible factors set to 0 (:func:`_flush_low`: subnormal numbers slow a CPU's
+    below with its negligible factors set to 0 (``log_decays.flush_low``: subnormal numbers slow a CPU's
     products); the accelerator's keeps them (computed at full speed there), all but the resets.
 
     ``a (M, n, c, D)``: ``exp(g)``, 0 at a reset (``g < RESET_LOG_DECAY``); ``runs``:
@@ -582,19 +574,17 @@ class ChannelDecays(NamedTuple):
     total: Tensor
     flush: bool = True
 
-    def _low(self, factors: Tensor) -> Tensor:
-        return _flush_low(factors) if self.flush else factors
-
     def before(self) -> Tensor:
         """``(M, n, 1, D)``: ``exp(r_{i-1})``, the product over the sub-chunks before i."""
         t = self.total
-        return self._low(torch.cat([t.new_ones(t.shape[0], 1, t.shape[2]), t[:, :-1].cumprod(1)], dim=1)).unsqueeze(2)
+        return flush_low(torch.cat([t.new_ones(t.shape[0], 1, t.shape[2]), t[:, :-1].cumprod(1)], dim=1),
+                         self.flush).unsqueeze(2)
 
     def from_start(self, before: Tensor) -> Tensor:
         """``(M, C, D)``: ``exp(b_t)``, the decay from the chunk's start to t (``before`` from
         :meth:`before`)."""
         M, n, c, D = self.inner.shape
-        return self._low(self.inner * before).view(M, n * c, D)
+        return flush_low(self.inner * before, self.flush).view(M, n * c, D)
 
     def to_end(self) -> Tensor:
         """``(M, C, D)``: ``exp(b_C - b_t)``, the decay after t to the chunk's end."""
@@ -602,11 +592,11 @@ class ChannelDecays(NamedTuple):
         t = self.total
         # exp(b_C - r_i): the product over the sub-chunks after i (reverse, exclusive)
         after = torch.cat([t[:, 1:].flip(1).cumprod(1).flip(1), t.new_ones(M, 1, D)], dim=1).unsqueeze(2)
-        return self._low(self.rev * after).view(M, n * c, D)
+        return flush_low(self.rev * after, self.flush).view(M, n * c, D)
 
     def whole(self, before: Tensor) -> Tensor:
         """``(M, D)``: ``exp(b_C)``, the decay over the whole chunk."""
-        return self._low(before[:, -1, 0] * self.total[:, -1])
+        return flush_low(before[:, -1, 0] * self.total[:, -1], self.flush)
 
     def between(self) -> Tensor:
         """``(M, n-1 (i), n-1 (j), D)``: ``exp(r_{i-1} - r_j)`` for a query sub-chunk i >= 1 and a
@@ -619,7 +609,8 @@ class ChannelDecays(NamedTuple):
         mid.diagonal(dim1=1, dim2=2).fill_(1)  # j = i - 1: no sub-chunk between
         for i in range(2, n):  # row i - 1 = row i - 2 times total_{i-1}, for j < i - 1
             # flushed row by row, so that no product of factors each above the threshold goes subnormal
-            self._low(torch.mul(mid[:, i - 2, : i - 1], self.total[:, i - 1 : i], out=mid[:, i - 1, : i - 1]))
+            flush_low(torch.mul(mid[:, i - 2, : i - 1], self.total[:, i - 1 : i], out=mid[:, i - 1, : i - 1]),
+                      self.flush)
         return mid
 
 
@@ -633,7 +624,7 @@ def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
     n = C // c
     # a reset an exact 0 (log_decays.py); clamped first, as exp of far below its range takes a
     # slow path on CPUs. In float32 every factor below log_decays.negligible_decay (2**-40) is
-    # flushed to 0 (_flush_low), which makes a reset's exp(-40) an exact 0 on both strategies;
+    # flushed to 0 (log_decays.flush_low), which makes a reset's exp(-40) an exact 0 on both strategies;
     # float64's factors are not flushed, so there it is masked. On a CPU every product of factors
     # is flushed as it is formed too: such products fell into the subnormal range, where every
     # product with them runs several times slower (KDA with strong per-channel decays:
@@ -641,7 +632,7 @@ def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
     a = g.clamp(min=RESET_LOG_DECAY).exp_()
     if a.dtype == torch.float64:
         a.masked_fill_(g < RESET_LOG_DECAY, 0)
-    a = _flush_low(a).view(M, n, c, D)
+    a = flush_low(a).view(M, n, c, D)
     runs = _sub_chunk_runs(a, flush=not batched)
     if batched:
         inner = a.cumprod(2)
@@ -650,7 +641,7 @@ def channel_decays(g: Tensor, c: int, batched: bool = False) -> ChannelDecays:
         inner[:, :, 0] = a[:, :, 0]
         for t in range(1, c):
             torch.mul(a[:, :, 0], runs[t][:, :, 0], out=inner[:, :, t])
-        inner = _flush_low(inner)
+        inner = flush_low(inner)
     # the products to the end of the sub-chunk are runs already formed: a_{t+1} .. a_c = runs[c-1-t][t]
     rev = a.new_empty(M, n, c, D)
     rev[:, :, -1] = 1

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .checks import check_positive_int
 from .chunks import TileBuffers
-from .log_decays import flush_negligible
+from .log_decays import flush_low
 from .recurrence import chunk_recurrence
 from .strategy import mixed_bmm, split_bmm
 
@@ -128,23 +128,14 @@ class _Layout:
         return full, full.view(self.R, self.m, self.Nc, self.C, self.Dv)
 
 
-def _flush(factors: Tensor, flush: bool = True) -> Tensor:
-    """With ``flush`` (the CPU strategy), decay factors below
-    :func:`linattn.functional.log_decays.negligible_decay` set to 0 in place, in a float32 compute
-    dtype (float64 left as it is): left in, products of such factors fall into the subnormal range,
-    where CPUs' matrix products run several times slower (Mamba-2's decays at initialisation reach
-    exp(-6) a step: measured 2x on the whole scan). An accelerator computes subnormal numbers at
-    full speed: its strategy keeps them, and saves the passes."""
-    return factors if not flush or factors.dtype == torch.float64 else flush_negligible(factors)
-
-
 def _decays(a: Tensor, flush: bool = True):
     """``a (R, m, Nc, C)`` log decays -> the decay from each chunk's start to each position
     ``E (R, m, Nc, C)``, from each position to the chunk's end ``Wd (R, m, Nc, C)`` and over the
-    whole chunk ``T (R, m, Nc)`` (``flush``: :func:`_flush`)."""
+    whole chunk ``T (R, m, Nc)`` (``flush``: :func:`~linattn.functional.log_decays.flush_low`; Mamba-2's
+    decays at initialisation reach exp(-6) a step, and unflushed the CPU's scan took 2x as long)."""
     E = a.cumsum(-1)
-    T = _flush(E[..., -1].exp(), flush)
-    return _flush(E.exp_(), flush), _flush(_suffix_sums(a).exp_(), flush), T
+    T = flush_low(E[..., -1].exp(), flush)
+    return flush_low(E.exp_(), flush), flush_low(_suffix_sums(a).exp_(), flush), T
 
 
 # A CPU tile holds about this many entries of its largest per-chunk temporaries (the heads' C x C
@@ -179,9 +170,9 @@ def _product(a: Tensor, b: Tensor, out: Tensor, operand: torch.dtype | None = No
 def _masked_scores(G: Tensor, a: Tensor, ws: TileBuffers, flush: bool = True) -> tuple[Tensor, Tensor]:
     """A tile's decay masks ``L`` and masked scores ``M = L * tril(G)`` ``(R, m, n, C, C)`` from the
     group's causal scores ``G (R, n, C, C)`` and the log decays ``a (R, m, n, C)`` (``flush``:
-    :func:`_flush`)."""
+    :func:`~linattn.functional.log_decays.flush_low`)."""
     shape = (*a.shape, a.shape[-1])
-    L = _flush(_segment_decays(a, out=ws("L", *shape)), flush)
+    L = flush_low(_segment_decays(a, out=ws("L", *shape)), flush)
     return L, torch.mul(L, G.unsqueeze(1), out=ws("M", *shape))
 
 
@@ -202,7 +193,7 @@ class _Prepared:
     """The chunked views and per-chunk decays both passes start from."""
 
     def __init__(self, q, k, v, a, lay: _Layout, value_scale: Tensor | None, skip: Tensor | None, strategy: str):
-        self.flush = strategy == "cpu"  # the decay factors' negligible ones set to 0: a CPU's choice (_flush)
+        self.flush = strategy == "cpu"  # the decay factors' negligible ones set to 0: a CPU's choice (flush_low)
         self.qc, self.kc = lay.chunks(q), lay.chunks(k)  # (R, Nc, C, D)
         self.xh = lay.head_chunks(v)  # (R, m, Nc, C, Dv): the values before value_scale
         self.dt = None if value_scale is None else lay.chunks(value_scale).view(lay.R, lay.m, lay.Nc, lay.C, 1)
