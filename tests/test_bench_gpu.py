@@ -246,8 +246,8 @@ def test_the_float64_reference_is_the_function_on_the_contenders_values():
 
     dev = torch.device("cpu")
     for name, form in bench.KERNEL_FORMS.items():
-        ref = bench.float64_reference(form, 40, quick=True, dtype=torch.float32, device=dev)
-        assert ref.dtype == torch.float64
+        ref, grads = bench.float64_reference(form, 40, quick=True, dtype=torch.float32, device=dev)
+        assert ref.dtype == torch.float64 and all(g.dtype == torch.float64 for g in grads)
         if form.state is not None:
             m = bench.ssd_inputs(40, 2, 16, 16, dtype=torch.float32, device=dev)
             out = bench._ssd(*(m[k] for k in bench.SSD_KEYS))
@@ -258,7 +258,7 @@ def test_the_float64_reference_is_the_function_on_the_contenders_values():
     form = bench.KERNEL_FORMS["gated_delta"]
     q, k, v, beta, g = (t.double() for t in bench.make_inputs(form, 40, 2, 16, dtype=torch.bfloat16, device=dev))
     plain = delta_rule_attention_reference(q, k, v, beta, log_decay=g)
-    ref = bench.float64_reference(form, 40, quick=True, dtype=torch.bfloat16, device=dev)
+    ref, _ = bench.float64_reference(form, 40, quick=True, dtype=torch.bfloat16, device=dev)
     torch.testing.assert_close(ref, plain, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match=r"out \(2, 3\) and reference \(3,\) differ in shape"):
         bench.relative_error(torch.ones(2, 3), torch.ones(3))

@@ -115,7 +115,7 @@ REPEATS = 5
 # FLA autotunes its Triton kernels in the first call of each shape; the second call is warm
 WARMUP = 2
 FAVOR_FEATURES = FavorConfig().num_features  # the registry's default m
-REFERENCE = "float64 reference"  # the row of a prefill whose float64 reference failed
+REFERENCE = "float64 reference"  # the row of a setting whose float64 reference failed
 
 
 @dataclass(frozen=True)
@@ -320,13 +320,9 @@ def _same(x: Tensor) -> Tensor:
     return x
 
 
-def _bhnd(x: Tensor) -> Tensor:
-    # (B, N, H, ...) -> (B, H, N, ...): a FLA or transformers tensor, or its gradient, in linattn's layout
-    return x.transpose(1, 2)
-
-
 def _bnhd(x: Tensor) -> Tensor:
-    # (B, H, N, ...) -> (B, N, H, ...) contiguous: FLA's and transformers' layout
+    # (B, H, N, ...) <-> (B, N, H, ...) contiguous: FLA's and transformers' layout, and back (its own
+    # inverse) for their outputs and gradients
     return x.transpose(1, 2).contiguous()
 
 
@@ -586,12 +582,12 @@ def kernel_subjects(form: Form, n: int, *, quick: bool, dtype: torch.dtype, devi
         try:
             if not fla:
                 raise Unavailable("left out", "--no-fla")
-            out["fla"] = _subject(_fla_fn(form, head_dim), mine("bnhd"), train, _bhnd)
+            out["fla"] = _subject(_fla_fn(form, head_dim), mine("bnhd"), train, _bnhd)
         except Unavailable as u:
             out["fla"] = u
     if form.transformers is not None:
         try:
-            out["transformers"] = _subject(_transformers_fn(form), mine("bnhd"), train, _bhnd)
+            out["transformers"] = _subject(_transformers_fn(form), mine("bnhd"), train, _bnhd)
         except Unavailable as u:
             out["transformers"] = u
     out["sdpa"] = Subject(_runner(_sdpa, mine("bhnd")[:3], train))
@@ -736,19 +732,20 @@ def relative_error(out: Tensor, reference: Tensor) -> float:
     return float((out - reference).abs().max() / reference.abs().max().clamp_min(1e-300))
 
 
-def float64_reference(form: Form, n: int, *, quick: bool, dtype: torch.dtype, device: torch.device,
-                      train: bool = False) -> Tensor | list[Tensor]:
+def float64_reference(form: Form, n: int, *, quick: bool, dtype: torch.dtype,
+                      device: torch.device) -> tuple[Tensor, list[Tensor]]:
     """What every contender of ``form`` at ``n`` is measured against: linattn's function in float64
     on the CPU, strategy ``"cpu"`` (the engines' tests hold it to the per-position reference in
     float64), on the very values the contenders read: their inputs drawn again on ``device`` from
-    the same seeds in ``dtype`` (FAVOR+'s projection too), then widened. A prefill's: the output,
-    ``(B, H, N, D)``, SSD's ``(B, N, H, P)``, in linattn's layout; ``train``: the gradients of every
-    input (in linattn's order and layout) from a cotangent of ones, as the training steps take."""
+    the same seeds in ``dtype`` (FAVOR+'s projection too), then widened. One forward and backward
+    for both passes: the output, ``(B, H, N, D)``, SSD's ``(B, N, H, P)``, in linattn's layout (a
+    prefill's reference), and the gradients of every input (in linattn's order and layout) from a
+    cotangent of ones, as the training steps take (a training step's)."""
     heads, head_dim, state = widths(form, quick)
     cpu = torch.device("cpu")
 
     def widened(t: Tensor) -> Tensor:
-        return t.to(device=cpu, dtype=torch.float64).requires_grad_(train)
+        return t.to(device=cpu, dtype=torch.float64).requires_grad_(True)
 
     if state is not None:
         m = ssd_inputs(n, heads, head_dim, state, dtype=dtype, device=device)
@@ -758,12 +755,9 @@ def float64_reference(form: Form, n: int, *, quick: bool, dtype: torch.dtype, de
         fn = form_function(form, strategy="cpu",
                            projection=None if projection is None else projection.to(cpu, torch.float64))
         inputs = [widened(t) for t in make_inputs(form, n, heads, head_dim, dtype=dtype, device=device)]
-    with torch.set_grad_enabled(train):
-        out = fn(*inputs)
-    if not train:
-        return out
+    out = fn(*inputs)
     out.backward(torch.ones_like(out))
-    return [t.grad for t in inputs]
+    return out.detach(), [t.grad for t in inputs]
 
 
 def _gradient_errors(row: dict, subject: Subject, reference: list[Tensor]) -> None:
@@ -1000,7 +994,7 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                    "model": MODEL_DIMS[quick] if MODEL_FORM in forms else None},
         "machine": machine_info(),
         "rows": [],
-        "references": [],  # the float64 references' CPU time, setting by setting
+        "references": [],  # the float64 references' CPU time, form and N by form and N
     }
     say(f"linattn bench gpu on {result['device']['name']} ({dev}): {', '.join(forms)} at N = "
         f"{', '.join(map(str, ns))}, {dtype}, {runs} runs of {repeats} interleaved calls")
@@ -1033,6 +1027,16 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                 save()
                 continue
         for x in ns:
+            references: dict[str, Tensor | list[Tensor]] = {}  # by pass: the output, the gradients
+            failed = None
+            if model is None:
+                try:
+                    t0 = time.perf_counter()
+                    references["prefill"], references["train"] = float64_reference(
+                        KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev)
+                    result["references"].append({"form": form, "n": x, "seconds": time.perf_counter() - t0})
+                except Exception as e:  # noqa: BLE001 - rows that say so; the timings still matter
+                    failed = _first_line(e)
             for pass_ in PASSES:
                 say(f"  {form}, N = {x}, {pass_} ...")
                 train = pass_ == "train"
@@ -1043,19 +1047,12 @@ def run_gpu(*, out: str | Path = "docs/benchmarks/gpu", device: str = "cuda", n:
                                                train=train, fla=fla,
                                                tuned=tunings(form, chunk_sizes, sub_chunk_sizes, solve_blocks),
                                                cuda_graphs=cuda_graphs)
-                reference = None
-                if model is None:
-                    try:
-                        t0 = time.perf_counter()
-                        reference = float64_reference(KERNEL_FORMS[form], x, quick=quick, dtype=torch_dtype, device=dev,
-                                                      train=train)
-                        result["references"].append({"form": form, "n": x, "pass": pass_,
-                                                     "seconds": time.perf_counter() - t0})
-                    except Exception as e:  # noqa: BLE001 - a row that says so; the timings still matter
-                        result["rows"].append({"form": form, "n": x, "pass": pass_, "contender": REFERENCE,
-                                               "status": "error", "detail": _first_line(e)})
-                rows = measure(subjects, runs=runs, repeats=repeats, dev=dev, compare=not train, reference=reference)
-                del subjects, reference
+                if failed is not None:
+                    result["rows"].append({"form": form, "n": x, "pass": pass_, "contender": REFERENCE,
+                                           "status": "error", "detail": failed})
+                rows = measure(subjects, runs=runs, repeats=repeats, dev=dev, compare=not train,
+                               reference=references.pop(pass_, None))
+                del subjects
                 _release(dev)
                 for name, row in rows.items():
                     result["rows"].append({"form": form, "n": x, "pass": pass_, "contender": name, **row})
