@@ -1076,8 +1076,9 @@ class Target:
 
     ``kind``: ``"time"``, linattn's median time at most ``limit`` seconds; ``"ratio"``, linattn's
     time at most ``limit`` times ``other``'s (the median over the runs of the ratio, both timed in
-    the same rounds); ``"error"``, linattn's prefill error against float64 at most ``other``'s on
-    the same inputs. ``n`` None: at every N of the run."""
+    the same rounds); ``"error"``, linattn's error against float64 (a prefill's output, a training
+    step's largest gradient error) at most ``other``'s on the same inputs. ``n`` None: at every N
+    of the run."""
 
     form: str
     n: int | None
