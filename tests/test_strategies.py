@@ -61,6 +61,10 @@ def test_chunk_recurrence_equals_its_reference(kind, Nc, reverse, strategy):
     got = chunk_recurrence(None if A is None else A.clone(), U.clone(), seed, strategy=strategy, reverse=reverse,
                            consume=True)
     assert rel(got, want) < 1e-12
+    # and laid out chunk-minor, (R, Nc, ...) in memory, as the grouped engine passes them
+    minor = U.transpose(0, 1).contiguous().transpose(0, 1)
+    got = chunk_recurrence(A, minor, seed, strategy=strategy, reverse=reverse, consume=True)
+    assert rel(got, want) < 1e-12
 
 
 def test_the_strategy_argument():

@@ -937,7 +937,8 @@ def _gated_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s0: Tensor | None
         decays, eb, ek = _tile_decays(g_, c, strategy == "accelerator")
         u = _mm((k_ * ek).transpose(-1, -2), v_, operand)  # (m, R, D, Dv): what the chunk writes
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1): its decay of the state before
-        chunk_recurrence(a, u, states[sl.start], strategy=strategy, out=states[sl.start: sl.stop + 1])
+        chunk_recurrence(a, u, states[sl.start], strategy=strategy, out=states[sl.start: sl.stop + 1],
+                         consume=True)
         A, _ = _tile_intra(q_, k_, decays, opts, saves=False)
         # the state in two half parts (strategy.split_bmm): its rounding cost the bf16 output the most
         lay.put(o, sl, _mm(q_ * eb, states[sl], operand, split=True).add_(_mm(A, v_, operand)))
@@ -968,7 +969,8 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
         qd = q_ * eb
         gs = qd.transpose(-1, -2) @ do_  # (m, R, D, Dv): the outputs' gradient of the state before
         a = eb[:, :, -1].unsqueeze(-1)  # (m, R, G, 1)
-        chunk_recurrence(a, gs, T[sl.stop], strategy=strategy, reverse=True, out=T[sl.start: sl.stop + 1])
+        chunk_recurrence(a, gs, T[sl.stop], strategy=strategy, reverse=True, out=T[sl.start: sl.stop + 1],
+                         consume=True)
         s_, t_ = states[sl], T[sl.start + 1: sl.stop + 1]  # before, gradient after each chunk
         A, saved = _tile_intra(q_, k_, decays, replace(opts, operands=""))
         dA = do_ @ v_.transpose(-1, -2)  # (m, R, C, C)

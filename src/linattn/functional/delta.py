@@ -800,7 +800,8 @@ def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dR
     R, Dv = start.shape[0], start.shape[-1]
     A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
     added = torch.bmm(x.Kd.transpose(1, 2), U).view(n, R, D, Dv)
-    ST = chunk_recurrence(A, added, start, strategy="accelerator")[:n].reshape(m, D, Dv).transpose(1, 2)
+    ST = chunk_recurrence(A, added, start, strategy="accelerator", consume=True)[:n]
+    ST = ST.reshape(m, D, Dv).transpose(1, 2)
     torch.bmm(dO, ST, out=dOS)
     torch.bmm(dRv, ST, out=mdRw)
     if dgC is not None:

@@ -240,7 +240,7 @@ def _forward(q, k, v, a, s0, value_scale, skip, lay: _Layout, strategy: str, til
         vw = lay.columns_scaled(vh, p.Wd[:, :, tt], ws, "vw")
         Ut = _product(vw.transpose(-1, -2), p.kc[:, tt], ws("U", lay.R, n, lay.W, lay.D), operand)
         chunk_recurrence(lay.transitions(p.T[:, :, tt]), Ut.transpose(0, 1), states[0], strategy=strategy,
-                         out=states)
+                         out=states, consume=True)
         # the states read, (R, n, C, W)
         Z = _product(p.qc[:, tt], states[:-1].transpose(0, 1).transpose(-1, -2), ws("Z", lay.R, n, lay.C, lay.W),
                      operand, split=True)
@@ -288,7 +288,8 @@ def _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, lay: _Layout, strate
         dSt_read = torch.matmul(dZ.transpose(-1, -2), qc, out=ws("dS", lay.R, n, lay.W, lay.D))
         gs = g[: n + 1]
         # gs[c]: the gradient by the state before chunk c of the tile; gs[n] after its last
-        chunk_recurrence(lay.transitions(T), dSt_read.transpose(0, 1), seed, strategy=strategy, reverse=True, out=gs)
+        chunk_recurrence(lay.transitions(T), dSt_read.transpose(0, 1), seed, strategy=strategy, reverse=True, out=gs,
+                         consume=True)
         dU = gs[1:].transpose(0, 1)  # (R, n, W, D): what chunk c added reaches the state after it
         dSt_read.copy_(dU).mul_(St)  # the buffer is free again: the products of the tile's states and gradients
         dT[:, :, tt] = dSt_read.sum(-1).view(lay.R, n, lay.m, lay.Dv).sum(-1).transpose(1, 2) * T  # d log T

@@ -16,10 +16,13 @@ transposed transitions. :func:`chunk_recurrence` is that stage, with two strateg
 - **accelerator** (a log-depth scan): neighbouring chunks paired, each pair composed into one
   affine map (``A' = A_odd A_even``, ``U' = A_odd U_even + U_odd``), the half-length recurrence
   solved the same way, and the state between the two members of each pair filled in from the
-  state before the pair. The chunks are held in bit-reversed order, so that the pairs of every
-  round are two contiguous halves: ``log2(Nc)`` rounds of three batched products written in
-  place (and one copy), launches that grow with log N instead of N, every product as large as
-  the whole sequence's, and no host read. The price is arithmetic: full transitions
+  state before the pair: ``log2(Nc)`` rounds of three batched operations written in place,
+  launches that grow with log N instead of N, every operation as large as the whole sequence's,
+  and no host read. Elementwise transitions (a number or a diagonal) take the chunks in their own
+  order, a round's pair members as strided views, which elementwise operations read as they are;
+  full ones hold the chunks in bit-reversed order, so that the pairs of every round are two
+  contiguous halves, each one batch for a matrix product (a gather in and one out). The price is
+  arithmetic: full transitions
   cost one ``(D, D) x (D, D)`` product per chunk (about ``D / C`` times the sequential work of the
   delta rule's loop), diagonal ones an elementwise product.
 
@@ -77,20 +80,25 @@ def _compose(later: Tensor, earlier: Tensor, kind: str, out: Tensor | None = Non
 
 
 def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: bool, work: Tensor | None = None) -> Tensor:
-    """Exclusive affine scan over ``n`` steps (a power of two) stored in bit-reversed order along
-    dim 0: ``X (n, R, D, Dv)`` what each step adds, ``M (n, R, D, D | 1)`` its transition (for
-    ``reverse``, the transposed ones), step ``l`` at position ``bitrev(l)``. Writes into ``E (n, R,
-    D, Dv)``, in the same order, the state before each step in the order they run (forward: step 0
-    first from ``seed (R, D, Dv)``, ``E_{l+1} = M_l E_l + X_l``; ``reverse``: step n - 1 first), and
-    returns the state after the last one. ``X`` is consumed (overwritten); ``M`` is read only.
+    """Exclusive affine scan over ``n`` steps: ``X (n, R, D, Dv)`` what each step adds, ``M (n, R,
+    D, D | 1)`` its transition (for ``reverse``, the transposed ones). Writes into ``E (n, R, D, Dv)``
+    the state before each step in the order they run (forward: step 0 first from ``seed (R, D, Dv)``,
+    ``E_{l+1} = M_l E_l + X_l``; ``reverse``: step n - 1 first), and returns the state after the last
+    one. ``X`` is consumed (overwritten); ``M`` is read only. ``E`` may hold the seed itself (the
+    slot of the step that runs first).
 
-    Why bit-reversed: the neighbours (2j, 2j+1) then sit at positions p and p + n/2, so the steps
-    paired at every level are the two contiguous halves of the buffers, each a plain batch of
-    ``(n/2) R`` matrices for one product, and the pairs' own order is bit-reversed again in the first
-    half. Each level: the pair as one step (in place in the half of the member that runs second:
-    ``X_s <- M_s X_f + X_s``), its transition ``M_s M_f``, the half-length scan into the half of the
-    member that runs first (its state is the pair's), then the second's state ``M_f E_f + X_f``:
-    log2(n) levels of three products, no copy but the one into the second's half of ``E``.
+    Each level pairs neighbouring steps: the pair as one step (in place in the member that runs
+    second: ``X_s <- M_s X_f + X_s``), its transition ``M_s M_f``, the half-length scan of the pairs
+    into the slots of the members that run first (the state before a pair is its first member's),
+    then the second's state ``M_f E_f + X_f``: log2(n) levels of three batched operations, no copy.
+
+    Where the steps of a level sit (see :func:`_halves`): elementwise transitions (a number or a
+    diagonal) in the steps' own order, a pair's members strided views (every other step); an
+    elementwise operation reads those as they are, so there is no gather, no padding, and an odd
+    count folds the step that runs first into the seed. Full transitions in bit-reversed order
+    (step ``l`` at position ``bitrev(l)``, n a power of two): the pairs' members are the two
+    contiguous halves, each one batch of ``(n/2) R`` matrices for one matrix product, which a
+    strided batch would first have to copy.
 
     ``work``: None, or a flat buffer of at least ``(n - 1)`` transitions' size that the levels'
     composed transitions are written into, each level's after the one before (none is read after
@@ -99,16 +107,29 @@ def _scan(M: Tensor, X: Tensor, seed: Tensor, kind: str, E: Tensor, reverse: boo
     if n == 1:
         E[0].copy_(seed)
         return _add_applied(M[0], kind, seed, X[0])
-    h = n // 2
-    first, second = (slice(h, n), slice(0, h)) if reverse else (slice(0, h), slice(h, n))  # even steps in [0, h)
-    Mf, Ms = M[first].flatten(0, 1), M[second].flatten(0, 1)  # (h R, D, D | 1)
-    Xf, Xs, Ef = X[first].flatten(0, 1), X[second].flatten(0, 1), E[first]
-    _add_applied(Ms, kind, Xf, Xs)  # each pair as one step
+    if n % 2:  # the elementwise order only (the bit-reversed one has n a power of two)
+        at, others = (n - 1, slice(0, n - 1)) if reverse else (0, slice(1, n))
+        E[at].copy_(seed)  # before the seed is replaced: E may hold the seed itself
+        seed = _add_applied(M[at], kind, seed, X[at])
+        return _scan(M[others], X[others], seed, kind, E[others], reverse, work)
+    first, second = _halves(n, kind, reverse)
+    batch = (lambda t: t.flatten(0, 1)) if kind == "full" else (lambda t: t)  # (h R, D, D): one product
+    Mf, Ms, Xf = batch(M[first]), batch(M[second]), batch(X[first])
+    _add_applied(Ms, kind, Xf, batch(X[second]))  # each pair as one step
     size = Mf.numel()
     into, rest = (None, None) if work is None else (work[:size].view(Mf.shape), work[size:])
-    total = _scan(_compose(Ms, Mf, kind, into).view(M[first].shape), X[second], seed, kind, Ef, reverse, rest)
-    _apply(Mf, kind, Ef.flatten(0, 1), Xf, out=E[second].flatten(0, 1))
+    total = _scan(_compose(Ms, Mf, kind, into).view(M[first].shape), X[second], seed, kind, E[first], reverse, rest)
+    _apply(Mf, kind, batch(E[first]), Xf, out=batch(E[second]))
     return total
+
+
+def _halves(n: int, kind: str, reverse: bool) -> tuple[slice, slice]:
+    """The positions of the pairs' members (steps 2j, 2j + 1) that run first and second among ``n``
+    (even) steps: every other step in the steps' own order (elementwise transitions), the two
+    contiguous halves in bit-reversed order (full ones, :func:`_scan`)."""
+    h = n // 2
+    even, odd = (slice(0, h), slice(h, n)) if kind == "full" else (slice(0, n, 2), slice(1, n, 2))
+    return (odd, even) if reverse else (even, odd)
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,14 +154,16 @@ def _transposed(A: Tensor | None, kind: str) -> Tensor | None:
 
 def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool, out: Tensor | None,
              consume: bool = False) -> Tensor:
-    """:func:`chunk_recurrence` for the accelerator. The chunks are gathered into :func:`_scan`'s
+    """:func:`chunk_recurrence` for the accelerator, by :func:`_scan`. Elementwise transitions: the
+    chunks as they are, the states written straight into the output (strided views, no gather); ``U``
+    copied once, unless ``consume`` lets the scan work in it. Full ones: the chunks gathered into the
     bit-reversed order (one gather each for ``U`` and ``A``, the size of the copy any batched layout
-    would cost) and padded to a power of two with identity steps (no change to any state; at most
-    as many again, none when the number of chunks is a power of two already, as it is for N a power
-    of two); the states are gathered back in one more. A reverse recurrence runs the pairs the
-    other way round on the transposed transitions (views): nothing is flipped. With ``consume``,
-    once gathered, ``U``'s memory holds the scan's states and ``A``'s the levels' composed
-    transitions (where their layouts and sizes allow it: contiguous, no padding)."""
+    would cost) and padded to a power of two with identity steps (no change to any state; at most as
+    many again, none when the number of chunks is a power of two already, as it is for N a power of
+    two), the states gathered back in one more; with ``consume``, once gathered, ``U``'s memory holds
+    the scan's states and ``A``'s the levels' composed transitions (where their layouts and sizes
+    allow it: contiguous, no padding). A reverse recurrence runs the pairs the other way round on the
+    transposed transitions (views): nothing is flipped."""
     Nc, R, D, Dv = U.shape
     states = U.new_empty(Nc + 1, R, D, Dv) if out is None else out
     if kind == "identity":  # prefix sums
@@ -152,6 +175,12 @@ def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool
             states[1:] = csum
             states[0] = seed
         return states
+    if kind != "full":
+        # entry c of E: the state before step c runs: S_c forward, S_{c + 1} reverse
+        E = states[1:] if reverse else states[:Nc]
+        total = _scan(A, U if consume else U.clone(), seed, kind, E, reverse)
+        states[0 if reverse else Nc] = total
+        return states
     n = 1 << (Nc - 1).bit_length()
     order = _bit_reversed(n, U.device)
     chunks = order[:Nc]  # the position of every chunk
@@ -159,11 +188,8 @@ def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool
         X, Ar = U.index_select(0, order), A.index_select(0, order)
     else:  # identity steps after the last chunk
         X = U.new_zeros(n, R, D, Dv).index_copy_(0, chunks, U)
-        Ar = A.new_empty(n, *A.shape[1:])
-        if kind == "full":
-            Ar.zero_().diagonal(dim1=-2, dim2=-1).fill_(1)
-        else:
-            Ar.fill_(1)
+        Ar = A.new_zeros(n, *A.shape[1:])
+        Ar.diagonal(dim1=-2, dim2=-1).fill_(1)
         Ar.index_copy_(0, chunks, A)
     own = consume and n == Nc
     E = U if own and U.is_contiguous() else torch.empty_like(X)
