@@ -1,10 +1,11 @@
 """The one chunk layout (functional/chunks.py): both tile orders cover every chunk of every row
-exactly once, and row tiles are views of the unchunked tensor except the filled last chunk."""
+exactly once, and row tiles are views of the unchunked tensor except the filled last chunk; the
+cumulative sums within chunks."""
 
 import pytest
 import torch
 
-from linattn.functional.chunks import ChunkLayout
+from linattn.functional.chunks import ChunkLayout, cumsum_in_chunks
 
 
 @pytest.mark.parametrize("R,N,C,tile", [(1, 1, 64, 4096), (3, 7, 2, 4), (2, 100, 16, 40), (5, 64, 16, 4096),
@@ -121,3 +122,26 @@ def test_results_like_an_input_keep_its_layout(N):
     result = lay.unchunked_like(out, x)
     assert result.stride() == x.stride()
     torch.testing.assert_close(result, x * 2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("C", [1, 2, 7, 16])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_cumsum_in_chunks_is_the_running_sum_along_either_dimension(C, reverse, exclusive):
+    """Entry t: the sum of the terms at s <= t (from the end: s >= t), t's own left out when
+    exclusive; along the last dimension and the one before, as a loop of additions gives it, in float64."""
+    x = torch.randn(3, 2, C, 5, generator=torch.Generator().manual_seed(C), dtype=torch.float64)
+    want = torch.zeros_like(x)
+    for t in range(C):
+        for s in range(C):
+            if (s > t if reverse else s < t) or (s == t and not exclusive):
+                want[:, :, t] += x[:, :, s]
+    torch.testing.assert_close(cumsum_in_chunks(x, -2, reverse=reverse, exclusive=exclusive), want, rtol=1e-13,
+                               atol=1e-13)
+    along_last = cumsum_in_chunks(x.transpose(-1, -2), -1, reverse=reverse, exclusive=exclusive)
+    torch.testing.assert_close(along_last, want.transpose(-1, -2), rtol=1e-13, atol=1e-13)
+
+
+def test_cumsum_in_chunks_names_a_dimension_it_does_not_take():
+    with pytest.raises(ValueError, match="cumsum_in_chunks: dim must be -1 or -2, got 0"):
+        cumsum_in_chunks(torch.zeros(2, 3), 0)

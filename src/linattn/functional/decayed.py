@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import EngineOp, once_differentiable
-from .chunks import ChunkLayout
+from .chunks import ChunkLayout, cumsum_in_chunks
 from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_low
 from .normaliser import guarded_normaliser, normaliser_floor
@@ -990,7 +990,8 @@ def _gated_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor, states: Tensor, 
         x = _g_sum(q_ * dqi - k_ * dki, G)
         # Decay of the state through the whole chunk: (m, R, 1, G), the same for every position.
         whole = _g_sum((a * s_ * t_).sum(-1), G).unsqueeze(2)
-        dg = (x + y).flip(2).cumsum(2).flip(2) + z.cumsum(2) - z + whole
+        dg = cumsum_in_chunks(x.add_(y), -2, reverse=True).add_(cumsum_in_chunks(z, -2, exclusive=True))
+        dg.add_(whole)
         # 0 at a reset (a log decay below -40, -inf included): each term carries a decay of
         # exactly 0 there, but the cumulative sums above leave rounding noise
         lay.put(dg3, sl, dg.masked_fill_(g_ < RESET_LOG_DECAY, 0))

@@ -103,7 +103,7 @@ from .checks import (
     sanitize_padded,
     shape_str,
 )
-from .chunks import ChunkLayout, TileBuffers
+from .chunks import ChunkLayout, TileBuffers, cumsum_in_chunks
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
@@ -926,7 +926,7 @@ def _head_block_grads(x: _Scores, sol: _Solved, qf, kf, vf, bf, g, dRv, dOS, mdR
             # <Sn, dSn>, the next chunk's "energy": telescoped from the block's end (see above)
             dG[:, -1].add_(_energies(energy, torch.mul(dgam, x.gam).sum(-1).sub_(ddel.sum(-1)).view(n, R)).view(m))
             # G = cumsum(g); 0 at a reset (a decay of exactly 0 there: the sums leave only noise)
-            dg = dG.flip(-1).cumsum_(-1).flip(-1).masked_fill_(g < RESET_LOG_DECAY, 0)
+            dg = cumsum_in_chunks(dG, -1, reverse=True).masked_fill_(g < RESET_LOG_DECAY, 0)
         db.addcmul_(t_w, x.gam)
     return db, dg
 
@@ -973,7 +973,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
         ddel = k * t  # (d loss / d delta_td) delta_td
         dG[:, -1].add_(ddel.sum(1)).addcmul_(dgC, x.gC)  # the state's rows decay by gamma_C
         # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
-        dg = dG.flip(1).cumsum_(1).flip(1).masked_fill_(g < RESET_LOG_DECAY, 0)
+        dg = cumsum_in_chunks(dG, -2, reverse=True).masked_fill_(g < RESET_LOG_DECAY, 0)
     dk = dkey.add_(u).add_(t)
     return dq, dk, dv, db, dg
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_positive_int
-from .chunks import TileBuffers
+from .chunks import TileBuffers, cumsum_in_chunks
 from .log_decays import flush_low
 from .recurrence import chunk_recurrence
 from .strategy import mixed_bmm, split_bmm
@@ -185,7 +185,7 @@ def _within_backward(G: Tensor, a: Tensor, vh: Tensor, dyh: Tensor, ws: TileBuff
     dG = L.mul_(dM).sum(1).tril_()
     dL = dM.mul_(M).tril_(-1)  # d log L below the diagonal (log L is 0 on it, M is 0 above it)
     # log L[i, j] = sum a(j, i]: a[s] is in it for j < s <= i, the rows i >= s less their columns j >= s
-    da = dL.sum(-1).flip(-1).cumsum(-1).flip(-1) - dL.sum(-2).flip(-1).cumsum(-1).flip(-1)
+    da = cumsum_in_chunks(dL.sum(-1).sub_(dL.sum(-2)), -1, reverse=True)
     return dv, dG, da
 
 
@@ -314,8 +314,8 @@ def _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, lay: _Layout, strate
         seed = gs[0]  # copied into the next tile's last entry before anything overwrites it
     ds0 = None if s0 is None else lay.state(seed)
     # the other log decays: log E[i] = sum a[..i], log Wd[j] = sum a(j..], log T = sum a
-    da += (dE * p.E).flip(-1).cumsum(-1).flip(-1)  # a[t] is in log E[i] for i >= t
-    da += F.pad(dWd.cumsum(-1), (1, 0))[..., :-1]  # a[t] is in log Wd[j] for j < t
+    da += cumsum_in_chunks(dE.mul_(p.E), -1, reverse=True)  # a[t] is in log E[i] for i >= t
+    da += cumsum_in_chunks(dWd, -1, exclusive=True)  # a[t] is in log Wd[j] for j < t
     da += dT.unsqueeze(-1)
     unchunk = lambda x, heads: x.reshape(lay.B, heads, lay.Nc * lay.C, *x.shape[3:])[:, :, : lay.N]  # noqa: E731
     by_position = lambda x: x.reshape(lay.B, lay.Hk * lay.m, lay.Nc * lay.C)[:, :, : lay.N]  # noqa: E731
