@@ -706,15 +706,15 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     dSn = dst[1:].reshape(m, D, Dv)
     dq_to, dk_to, dv_to = into
     if x.channel is not None:
-        dq, dk, dv, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dRv, dOS, mdRw, XU, dSn,
-                                                  None if dgC is None else dgC.view(m, D), need_g)
+        # dk's and dv's last passes write into their targets; dq's last is its scale
+        dq, dk, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dRv, dOS, mdRw, XU, dSn,
+                                              None if dgC is None else dgC.view(m, D), need_g,
+                                              dk_to if norms is None else None, dv_to)
         if norms is None:
             torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
-            dk_to.copy_(dk.view(dk_to.shape))
         else:
             _unnormalized_grad(dq.mul_(norms[0][:, :, None]), qf, scale, dq_to)
             _unnormalized_grad(dk.mul_(norms[1][:, :, None]), kf, 1.0, dk_to)
-        dv_to.copy_(dv.view(dv_to.shape))
         return db, dg
     return _head_block_grads(x, sol, q, k, v, b, g, dRv, dOS, mdRw, XU, dSn, energy, need_g, scale, into, buf,
                              norms)
@@ -931,7 +931,8 @@ def _head_block_grads(x: _Scores, sol: _Solved, qf, kf, vf, bf, g, dRv, dOS, mdR
     return db, dg
 
 
-def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, XU, dSn, dgC, need_g):
+def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, XU, dSn, dgC, need_g,
+                         dk_to: Tensor | None, dv_to: Tensor):
     """The end of :func:`_block_backward` for a gate per key channel (KDA): the same gradients,
     with the decayed scores' through the per-channel engine's backward
     (:func:`~linattn.functional.decayed.channel_scores_backward`) and one decay per channel in
@@ -940,7 +941,9 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
     case, channel by channel. ``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T, ``XU (m, 2C, C)``
     = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``, ``dgC (m, D)``: <S, dSn> row by row (None
-    unless ``need_g``), as :func:`_block_backward` formed them."""
+    unless ``need_g``), as :func:`_block_backward` formed them. Writes v's gradient into ``dv_to``
+    and k's into ``dk_to`` when given, chunk-major ``(n, R, C, Dv | D)`` views of their targets (a
+    temporary of k's otherwise); returns ``dq, dk (m, C, D)``, ``db (m, C)`` and ``dg (m, C, D)``."""
     c, qk, saved, g = x.channel
     m, C, D = q.shape
     dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
@@ -958,7 +961,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     dxs, dkey = channel_scores_backward(qk, k, c, saved, dscores)
     dq, d1 = dxs[:, 0], dxs[:, 1]
     dq.addcmul_(dOS, x.gam)
-    dv = dRv * bcol
+    torch.mul(dRv.view(dv_to.shape), bcol.view(*dv_to.shape[:3], 1), out=dv_to)
     # k's gradient: dkey + d1 + (beta gamma) dRw + delta dKd; its parts through the two ends of
     # the scores, through W (beta gamma k) and through Kd (delta k)
     u = d1.addcmul(dRw, bcol * x.gam)  # through the query side of KK and through W
@@ -974,8 +977,9 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
         dG[:, -1].add_(ddel.sum(1)).addcmul_(dgC, x.gC)  # the state's rows decay by gamma_C
         # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
         dg = cumsum_in_chunks(dG, -2, reverse=True).masked_fill_(g < RESET_LOG_DECAY, 0)
-    dk = dkey.add_(u).add_(t)
-    return dq, dk, dv, db, dg
+    dkey.add_(u)
+    dk = dkey.add_(t) if dk_to is None else torch.add(dkey.view(dk_to.shape), t.view(dk_to.shape), out=dk_to)
+    return dq, dk, db, dg
 
 
 def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, need_g, l2=None,
