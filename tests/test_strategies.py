@@ -67,6 +67,45 @@ def test_chunk_recurrence_equals_its_reference(kind, Nc, reverse, strategy):
     assert rel(got, want) < 1e-12
 
 
+@pytest.mark.parametrize("kind", ["scalar", "diagonal", "full"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_accelerator_scan_gathers_only_full_transitions(kind, reverse):
+    """Elementwise transitions are scanned in the chunks' own order: at 33 chunks (not a power of
+    two) and with the caller's temporaries handed over, no gather, scatter, fill, padding or copy
+    of U, only the levels' products and sums (log2 steps) and each odd level's fold; full ones are
+    gathered into the bit-reversed order and back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    Nc, R, D, Dv = 33, 2, 3, 4
+    A = {"scalar": torch.rand(Nc, R, 1, 1, generator=g), "diagonal": torch.rand(Nc, R, D, 1, generator=g),
+         "full": torch.randn(Nc, R, D, D, generator=g) / 3}[kind]
+    U, seed = torch.randn(Nc, R, D, Dv, generator=g), torch.randn(R, D, Dv, generator=g)
+    want = chunk_recurrence_reference(A.double(), U.double(), seed.double(), reverse=reverse)
+    out, handed = torch.empty(Nc + 1, R, D, Dv), U.clone()
+    with Ops() as ops:
+        chunk_recurrence(A, handed, seed, strategy="accelerator", reverse=reverse, out=out, consume=True)
+    assert rel(out, want) < 1e-5
+    moved = {"index_select", "index_copy", "index_copy_", "gather", "scatter", "clone", "zeros", "new_zeros",
+             "constant_pad_nd", "fill_", "zero_"}
+    if kind == "full":
+        assert {"index_select", "index_copy_"} <= set(ops.names), ops.names
+    else:
+        assert not moved & set(ops.names), ops.names
+        # 33 -> fold 1 + 16 pairs -> 8 -> 4 -> 2 -> 1: six levels of at most three ops, one fold of two
+        computing = [n for n in ops.names if n not in ("slice", "select", "view", "as_strided", "detach")]
+        assert len(computing) <= 3 * 6 + 2 + 2, ops.names
+
+
 def test_the_strategy_argument():
     assert resolve_strategy("auto", torch.device("cpu")) == "cpu"
     assert resolve_strategy("auto", torch.device("meta")) == "accelerator"  # any other device
