@@ -97,9 +97,9 @@ def cumsum_in_chunks(x: Tensor, dim: int, *, reverse: bool = False, exclusive: b
     ``exclusive``. A new tensor of x's shape.
 
     One product with a ``(C, C)`` triangle of ones, a sum of at most C terms like a cumsum's: one
-    launch where a reverse sum as flip, cumsum, flip took three (and on a CPU 4.5x the time at
-    ``(256, 16, 64)``). For finite terms, as gradients are: the triangle's zeros would turn an
-    infinite term into NaN across its chunk (a sum of log decays, which may be -inf, is a cumsum)."""
+    launch where a reverse sum as flip, cumsum, flip took three (docs/benchmarks/cumsum). For finite
+    terms, as gradients are: the triangle's zeros would turn an infinite term into NaN across its
+    chunk (a sum of log decays, which may be -inf, is a cumsum)."""
     if dim not in (-1, -2):
         raise ValueError(f"cumsum_in_chunks: dim must be -1 or -2, got {dim}")
     ones = _ones_triangle(x.shape[dim], reverse, exclusive, x.dtype, x.device)
