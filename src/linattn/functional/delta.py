@@ -681,10 +681,12 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # then accumulate in place: no separate buffers, and no out= pass that copies them over
     dU = torch.bmm(x.P.transpose(1, 2), dof, out=buf("dU", m, C, Dv))
     torch.bmm(x.GQ.transpose(1, 2), dof, out=dst[:n].view(m, D, Dv))
-    # <S, dS> after the block, for a per-head decay's gradient (the chunks' are telescoped from it)
+    # <S, dS> after the block, for a decay's gradient (the chunks' are telescoped from it:
+    # _energies): a number per head, or per key channel one per row of the state
     energy = None
-    if need_g and x.channel is None and x.gC is not None:
-        energy = torch.linalg.vecdot(end.view(R, D * Dv), dst[n].view(R, D * Dv))  # (R,)
+    if need_g and x.gC is not None:
+        energy = (torch.linalg.vecdot(end, dst[n]) if x.channel is not None  # (R, D)
+                  else torch.linalg.vecdot(end.view(R, D * Dv), dst[n].view(R, D * Dv)))  # (R,)
     (_state_grads_by_scan if opts.strategy == "accelerator" else _state_grads_by_loop)(x, sol, dU, dst, n)
     # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
@@ -695,11 +697,10 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # dot products with q and k below are batched products too (of a (m, 2C, D) buffer's halves,
     # torch.linalg.vecdot formed a temporary)
     dOS, mdRw = buf("dO S^T", m, C, D), buf("-dRw", m, C, D)  # mdRw: the sign rides on its factors
-    dgC = q.new_empty(n, R, D) if need_g and x.channel is not None else None
     if opts.strategy == "accelerator":
-        _state_products_by_scan(x, U, start, dof, dRv, dst, n, dOS, mdRw, dgC)
+        _state_products_by_scan(x, U, start, dof, dRv, n, dOS, mdRw)
     else:
-        _state_products_by_loop(x, U, start, st, dof, dRv, dst, n, dOS, mdRw, dgC)
+        _state_products_by_loop(x, U, start, st, dof, dRv, n, dOS, mdRw)
     # [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
     XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     qf, kf, vf, bf = q, k, v, b
@@ -707,8 +708,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     dq_to, dk_to, dv_to = into
     if x.channel is not None:
         # dk's and dv's last passes write into their targets; dq's last is its scale
-        dq, dk, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dRv, dOS, mdRw, XU, dSn,
-                                              None if dgC is None else dgC.view(m, D), need_g,
+        dq, dk, db, dg = _channel_block_grads(x, sol, qf, kf, vf, bf, dRv, dOS, mdRw, XU, dSn, energy, need_g,
                                               dk_to if norms is None else None, dv_to)
         if norms is None:
             torch.mul(dq.view(dq_to.shape), scale, out=dq_to)  # the block saw scale * q
@@ -739,40 +739,30 @@ def _state_grads_by_loop(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: i
         dSl[c].baddbmm_(WTl[c], dUl[c], alpha=-1)
 
 
-def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO: Tensor, dRv: Tensor, dst: Tensor,
-                            n: int, dOS: Tensor, mdRw: Tensor, dgC: Tensor | None) -> None:
+def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO: Tensor, dRv: Tensor, n: int,
+                            dOS: Tensor, mdRw: Tensor) -> None:
     """:func:`_block_backward`'s products with the states on a CPU: the state before each chunk formed
     again from ``start (R, D, Dv)`` and the kept pseudo-values ``U`` (one product a chunk), in place
     in one workspace ``st (R, Dv, D)`` that stays in cache (a state kept for every chunk of the
-    block, read again by one batched product, took longer), and with it ``dO S^T``, ``dRv S^T``
-    (into ``dOS``, ``mdRw (n*R, C, D)``) and, with a gate per key channel, ``<S, dSn>`` row by row
-    (into ``dgC (n, R, D)``).
+    block, read again by one batched product, took longer), and with it ``dO S^T`` and ``dRv S^T``
+    (into ``dOS``, ``mdRw (n*R, C, D)``).
 
     The state is formed transposed, S^T (R, Dv, D) contiguous: a product with a transposed view as
     its right factor (dO S^T with S^T a view) ran 1.4x as long as with a contiguous one
     (docs/benchmarks/README.md, History), and the update S^T <- gamma_C S^T + U^T Kd reads U^T as a
-    left factor, which costs nothing. Not where a gate per key channel needs <S, dSn> row by row:
-    there S's rows stay contiguous, S^T is a view of it and S is updated in its own layout (a vecdot
-    of S^T's columns took 2.5x as long as the rows' batched products, and the update through the
-    view S^T was slower too: KDA's forward+backward took 1.02-1.04x the time)."""
+    left factor, which costs nothing; gamma_C, per head or per key channel, scales S^T's columns."""
     m, C, D = x.Kd.shape
     R, Dv = start.shape[0], start.shape[-1]
-    Ul, Kdl, dSl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind(), dst.unbind()
+    Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
     dOSl, mdRwl = dOS.view(n, R, C, D).unbind(), mdRw.view(n, R, C, D).unbind()
     dol, dRvl = dO.view(n, R, C, Dv).unbind(), dRv.view(n, R, C, Dv).unbind()
-    gCl = None if x.gC is None else x.gC.view(n, R, -1, 1).unbind()  # (R, 1 | D, 1): scales S's rows
     gCT = None if x.gC is None else x.gC.view(n, R, 1, -1).unbind()  # (R, 1, 1 | D): scales S^T's columns
-    S = None if dgC is None else st.view(R, D, Dv).copy_(start)
-    ST = st.copy_(start.transpose(1, 2)) if S is None else S.transpose(1, 2)
+    ST = st.copy_(start.transpose(1, 2))
     for c in range(n):
         torch.bmm(dol[c], ST, out=dOSl[c])
         torch.bmm(dRvl[c], ST, out=mdRwl[c])
-        if dgC is not None:
-            torch.bmm(S.view(R * D, 1, Dv), dSl[c + 1].view(R * D, Dv, 1), out=dgC[c].view(R * D, 1, 1))
-        if c < n - 1 and S is None:  # S^T <- gamma_C S^T + U^T Kd
+        if c < n - 1:  # S^T <- gamma_C S^T + U^T Kd
             (ST if gCT is None else ST.mul_(gCT[c])).baddbmm_(Ul[c].transpose(1, 2), Kdl[c])
-        elif c < n - 1:  # S <- gamma_C S + Kd^T U
-            S.mul_(gCl[c]).baddbmm_(Kdl[c].transpose(1, 2), Ul[c])
 
 
 def _state_grads_by_scan(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: int) -> None:
@@ -788,14 +778,12 @@ def _state_grads_by_scan(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: i
     dU.baddbmm_(x.Kd, dst[1:].reshape(m, D, Dv))
 
 
-def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dRv: Tensor, dst: Tensor, n: int,
-                            dOS: Tensor, mdRw: Tensor, dgC: Tensor | None) -> None:
+def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dRv: Tensor, n: int,
+                            dOS: Tensor, mdRw: Tensor) -> None:
     """:func:`_block_backward`'s forward loop for the accelerator: the state before every chunk again,
     from ``start (R, D, Dv)`` and the kept pseudo-values ``U (n*R, C, Dv)`` (``S <- gamma_C S +
     Kd^T U``: a diagonal recurrence, one scan), then ``dO S^T`` and ``dRv S^T`` (``dO, dRv (n*R, C,
-    Dv)``) into ``dOS``, ``mdRw``
-    ``(n*R, C, D)`` and, with a gate per key channel, ``<S, dSn>`` row by row into ``dgC (n, R, D)``,
-    one product each for all chunks."""
+    Dv)``) into ``dOS``, ``mdRw`` ``(n*R, C, D)``, one product each for all chunks."""
     m, C, D = x.Kd.shape
     R, Dv = start.shape[0], start.shape[-1]
     A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
@@ -804,16 +792,16 @@ def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dR
     ST = ST.reshape(m, D, Dv).transpose(1, 2)
     torch.bmm(dO, ST, out=dOS)
     torch.bmm(dRv, ST, out=mdRw)
-    if dgC is not None:
-        torch.linalg.vecdot(ST.transpose(1, 2), dst[1:].reshape(m, D, Dv), out=dgC.view(m, D))
 
 
 def _energies(end: Tensor, change: Tensor) -> Tensor:
     """``<S_c+1, dS_c+1>`` ``(n, R)`` for the chunks c of a block, the state after each and its
     gradient, from ``end (R,)``, that after the block's last chunk, and each chunk's ``change
-    (n, R)``, ``<S_c, dS_c> - <S_c+1, dS_c+1>``.
+    (n, R)``, ``<S_c, dS_c> - <S_c+1, dS_c+1>``; with a gate per key channel the same row by row of
+    the state, ``end (R, D)`` and ``change (n, R, D)`` (gamma_C then scales S's rows, and each
+    identity below holds for each row).
 
-    Why: a per-head decay's gradient needs ``gamma_C <S_c, dS_c+1>`` for every chunk, one pass
+    Why: a decay's gradient needs ``gamma_C <S_c, dS_c+1>`` for every chunk, one pass
     over two (D, Dv) states each; but from the chunk's recurrences,
     ``S_c+1 = gamma_C S_c + Kd^T U`` and ``dS_c = gamma_C dS_c+1 + (diag(gamma) Q)^T dO - W^T dU``,
     ``gamma_C <S_c, dS_c+1> = <S_c+1, dS_c+1> - <Kd, dKd>`` and
@@ -931,7 +919,7 @@ def _head_block_grads(x: _Scores, sol: _Solved, qf, kf, vf, bf, g, dRv, dOS, mdR
     return db, dg
 
 
-def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, XU, dSn, dgC, need_g,
+def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, XU, dSn, energy, need_g,
                          dk_to: Tensor | None, dv_to: Tensor):
     """The end of :func:`_block_backward` for a gate per key channel (KDA): the same gradients,
     with the decayed scores' through the per-channel engine's backward
@@ -939,11 +927,12 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     gamma, delta and gamma_C. A per-channel cumulative decay G_td enters a score
     ``sum_d x_td y_id exp(G_td - G_id)`` as ``x_td dx_td - y_id dy_id`` (dx, dy the score's
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
-    case, channel by channel. ``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T, ``XU (m, 2C, C)``
-    = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``, ``dgC (m, D)``: <S, dSn> row by row (None
-    unless ``need_g``), as :func:`_block_backward` formed them. Writes v's gradient into ``dv_to``
-    and k's into ``dk_to`` when given, chunk-major ``(n, R, C, Dv | D)`` views of their targets (a
-    temporary of k's otherwise); returns ``dq, dk (m, C, D)``, ``db (m, C)`` and ``dg (m, C, D)``."""
+    case, channel by channel. ``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T
+    (both overwritten), ``XU (m, 2C, C)`` = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``,
+    ``energy (R, D)``: <S, dS> row by row after the block (None unless ``need_g``), as
+    :func:`_block_backward` formed them. Writes v's gradient into ``dv_to`` and k's into ``dk_to``
+    when given, chunk-major ``(n, R, C, Dv | D)`` views of their targets (a temporary of k's
+    otherwise); returns ``dq, dk (m, C, D)``, ``db (m, C)`` and ``dg (m, C, D)``."""
     c, qk, saved, g = x.channel
     m, C, D = q.shape
     dKd = torch.bmm(sol.U, dSn.transpose(1, 2))  # (m, C, D)
@@ -953,14 +942,15 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     dscores = XU.view(m, 2, C, C)
     dA = dscores[:, 1].neg_().tril_(-1)  # d loss / d A, A = diag(beta) KK
     bcol = b[:, :, None]
-    kdRw = k * dRw
-    db = torch.linalg.vecdot(dRv, v, dim=-1).add_((dA * x.KK).sum(-1)).add_(torch.linalg.vecdot(kdRw, x.gam, dim=-1))
+    gkdRw = torch.mul(k, dRw).mul_(x.gam)  # gamma_td k_td dRw_td, (d loss / d beta_t gamma_td) beta_t gamma_td / beta_t
+    db = torch.linalg.vecdot(dRv, v, dim=-1).add_((dA * x.KK).sum(-1)).add_(gkdRw.sum(-1))
     dA.mul_(bcol)  # now d loss / d KK
     # dxs[:, 0]: through q's side of P, dxs[:, 1]: through KK's query-side factor k; dkey: through
     # the key side of both
     dxs, dkey = channel_scores_backward(qk, k, c, saved, dscores)
     dq, d1 = dxs[:, 0], dxs[:, 1]
-    dq.addcmul_(dOS, x.gam)
+    gdOS = dOS.mul_(x.gam)  # q's gradient through GQ = gamma o Q
+    dq.add_(gdOS)
     torch.mul(dRv.view(dv_to.shape), bcol.view(*dv_to.shape[:3], 1), out=dv_to)
     # k's gradient: dkey + d1 + (beta gamma) dRw + delta dKd; its parts through the two ends of
     # the scores, through W (beta gamma k) and through Kd (delta k)
@@ -973,8 +963,14 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
         # +delta_t d loss / d delta_t at C, gamma_C (the state's row decay) at C. With dq already
         # holding q's part through GQ: dG = q dq + k (u - dkey - t), plus the terms at C.
         dG = (u - dkey).sub_(t).mul_(k).addcmul_(q, dq)
-        ddel = k * t  # (d loss / d delta_td) delta_td
-        dG[:, -1].add_(ddel.sum(1)).addcmul_(dgC, x.gC)  # the state's rows decay by gamma_C
+        # At C, gamma_C <S, dSn> + sum_t ddel_t (ddel = delta d loss / d delta = Kd o dKd) row by
+        # row is <Sn, dSn>, the next chunk's energy, telescoped from the block's end as per head
+        # (_energies), with the change sum_t (gamma_t dgamma_t - ddel_t) channel by channel: one
+        # pass over two states a block instead of a product of the two a chunk, and on the CPU the
+        # state kept transposed as for every other gate (_state_products_by_loop)
+        change = gkdRw.mul_(bcol).addcmul_(q, gdOS).addcmul_(k, t, value=-1).sum(1)  # (m, D)
+        R = energy.shape[0]
+        dG[:, -1].add_(_energies(energy, change.view(m // R, R, D)).view(m, D))
         # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
         dg = cumsum_in_chunks(dG, -2, reverse=True).masked_fill_(g < RESET_LOG_DECAY, 0)
     dkey.add_(u)
