@@ -632,3 +632,31 @@ def test_strong_decays_leave_no_subnormal_numbers_in_the_kept_inverse(strategy):
     assert float((out[0].double() - want[0]).abs().max() / want[0].abs().max()) < 1e-5
     flushed = flush_negligible(torch.tensor([NEGLIGIBLE_DECAY_FLOAT32 / 2, NEGLIGIBLE_DECAY_FLOAT32 * 2]))
     assert flushed[0] == 0 and flushed[1] > 0
+
+
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_the_telescoped_decay_gradient_stays_close_over_a_long_sequence(strategy, per_channel):
+    """gamma_C's gradient at each chunk's end is telescoped from the block's end (delta._energies):
+    its rounding grows with the chunks summed, and the accelerator's block is the whole sequence (128
+    chunks here). Under weak decays, where the states and their energies are largest against the
+    gradient, the float32 log-decay gradient stays within 1e-5 of float64's (1-2e-6 here when
+    written; 2-5e-6 at N = 4096 in docs/benchmarks/kda_energies/accuracy.md). A 0.1% error in one
+    term of a chunk's change fails it."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, N, D = 1, 2, 2048, 16
+    q = torch.randn(B, H, N, D, dtype=f64, generator=gen)
+    k = F.normalize(torch.randn(B, H, N, D, dtype=f64, generator=gen), dim=-1)
+    v = torch.randn(B, H, N, D, dtype=f64, generator=gen)
+    beta = torch.rand(B, H, N, dtype=f64, generator=gen)
+    g = -torch.rand(*((B, H, N, D) if per_channel else (B, H, N)), dtype=f64, generator=gen) * 1e-3
+    weights = torch.randn(B, H, N, D, dtype=f64, generator=gen)
+
+    def decay_grad(fn, dtype, **kw):
+        xs = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v, beta, g)]
+        (fn(*xs[:4], log_decay=xs[4], **kw) * weights.to(dtype)).sum().backward()
+        return xs[4].grad.double()
+
+    ref = decay_grad(delta_rule_attention_reference, f64)
+    got = decay_grad(delta_rule_attention, torch.float32, chunk_size=16, strategy=strategy)
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
