@@ -942,7 +942,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     dscores = XU.view(m, 2, C, C)
     dA = dscores[:, 1].neg_().tril_(-1)  # d loss / d A, A = diag(beta) KK
     bcol = b[:, :, None]
-    gkdRw = torch.mul(k, dRw).mul_(x.gam)  # gamma_td k_td dRw_td, (d loss / d beta_t gamma_td) beta_t gamma_td / beta_t
+    gkdRw = torch.mul(k, dRw).mul_(x.gam)  # gamma o k o dRw: its row sums are beta's part through W
     db = torch.linalg.vecdot(dRv, v, dim=-1).add_((dA * x.KK).sum(-1)).add_(gkdRw.sum(-1))
     dA.mul_(bcol)  # now d loss / d KK
     # dxs[:, 0]: through q's side of P, dxs[:, 1]: through KK's query-side factor k; dkey: through
