@@ -928,7 +928,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     ``sum_d x_td y_id exp(G_td - G_id)`` as ``x_td dx_td - y_id dy_id`` (dx, dy the score's
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
     case, channel by channel. ``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T
-    (both overwritten), ``XU (m, 2C, C)`` = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``,
+    (mdRw overwritten), ``XU (m, 2C, C)`` = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``,
     ``energy (R, D)``: <S, dS> row by row after the block (None unless ``need_g``), as
     :func:`_block_backward` formed them. Writes v's gradient into ``dv_to`` and k's into ``dk_to``
     when given, chunk-major ``(n, R, C, Dv | D)`` views of their targets (a temporary of k's
@@ -942,19 +942,19 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     dscores = XU.view(m, 2, C, C)
     dA = dscores[:, 1].neg_().tril_(-1)  # d loss / d A, A = diag(beta) KK
     bcol = b[:, :, None]
-    gkdRw = torch.mul(k, dRw).mul_(x.gam)  # gamma o k o dRw: its row sums are beta's part through W
-    db = torch.linalg.vecdot(dRv, v, dim=-1).add_((dA * x.KK).sum(-1)).add_(gkdRw.sum(-1))
+    kdRw = k * dRw
+    db = torch.linalg.vecdot(dRv, v, dim=-1).add_((dA * x.KK).sum(-1)).add_(torch.linalg.vecdot(kdRw, x.gam, dim=-1))
     dA.mul_(bcol)  # now d loss / d KK
     # dxs[:, 0]: through q's side of P, dxs[:, 1]: through KK's query-side factor k; dkey: through
     # the key side of both
     dxs, dkey = channel_scores_backward(qk, k, c, saved, dscores)
     dq, d1 = dxs[:, 0], dxs[:, 1]
-    gdOS = dOS.mul_(x.gam)  # q's gradient through GQ = gamma o Q
-    dq.add_(gdOS)
+    dq.addcmul_(dOS, x.gam)
     torch.mul(dRv.view(dv_to.shape), bcol.view(*dv_to.shape[:3], 1), out=dv_to)
     # k's gradient: dkey + d1 + (beta gamma) dRw + delta dKd; its parts through the two ends of
     # the scores, through W (beta gamma k) and through Kd (delta k)
-    u = d1.addcmul(dRw, bcol * x.gam)  # through the query side of KK and through W
+    bg = bcol * x.gam
+    u = d1.addcmul(dRw, bg)  # through the query side of KK and through W
     t = dKd.mul_(x.delta)  # through Kd
     dg = None
     if need_g:
@@ -968,7 +968,8 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
         # (_energies), with the change sum_t (gamma_t dgamma_t - ddel_t) channel by channel: one
         # pass over two states a block instead of a product of the two a chunk, and on the CPU the
         # state kept transposed as for every other gate (_state_products_by_loop)
-        change = gkdRw.mul_(bcol).addcmul_(q, gdOS).addcmul_(k, t, value=-1).sum(1)  # (m, D)
+        # gamma dgamma = GQ o dO S^T + beta gamma k o dRw, ddel = k o t
+        change = torch.mul(kdRw, bg).addcmul_(x.GQ, dOS).addcmul_(k, t, value=-1).sum(1)  # (m, D)
         R = energy.shape[0]
         dG[:, -1].add_(_energies(energy, change.view(m // R, R, D)).view(m, D))
         # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
