@@ -634,29 +634,73 @@ def test_strong_decays_leave_no_subnormal_numbers_in_the_kept_inverse(strategy):
     assert flushed[0] == 0 and flushed[1] > 0
 
 
+def _decay_grads(per_channel: bool, N: int, D: int, H: int, scale_g: float, seed: int, fns: dict,
+                 resets: bool = False) -> dict:
+    """The log decay's gradient of a weighted sum of the delta rule's outputs, weak decays
+    ``-U(0, scale_g)`` (per head or per key channel), for each ``name: (fn, dtype, kwargs)``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, N, D, dtype=f64, generator=gen)
+    k = F.normalize(torch.randn(1, H, N, D, dtype=f64, generator=gen), dim=-1)
+    v = torch.randn(1, H, N, D, dtype=f64, generator=gen)
+    beta = torch.rand(1, H, N, dtype=f64, generator=gen)
+    g = -torch.rand(*((1, H, N, D) if per_channel else (1, H, N)), dtype=f64, generator=gen) * scale_g
+    if resets:  # a document boundary: the state forgotten there
+        g[:, :, N // 3] = -1e4
+    weights = torch.randn(1, H, N, D, dtype=f64, generator=gen)
+    out = {}
+    for name, (fn, dtype, kw) in fns.items():
+        xs = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v, beta, g)]
+        (fn(*xs[:4], log_decay=xs[4], **kw) * weights.to(dtype)).sum().backward()
+        out[name] = xs[4].grad.double()
+    return out
+
+
 @pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_the_telescoped_decay_gradient_stays_close_over_a_long_sequence(strategy, per_channel):
-    """gamma_C's gradient at each chunk's end is telescoped from the block's end (delta._energies):
-    its rounding grows with the chunks summed, and the accelerator's block is the whole sequence (128
-    chunks here). Under weak decays, where the states and their energies are largest against the
-    gradient, the float32 log-decay gradient stays within 1e-5 of float64's (1-2e-6 here when
-    written; 2-5e-6 at N = 4096 in docs/benchmarks/kda_energies/accuracy.md). A 0.1% error in one
-    term of a chunk's change fails it."""
-    gen = torch.Generator().manual_seed(3)
-    B, H, N, D = 1, 2, 2048, 16
-    q = torch.randn(B, H, N, D, dtype=f64, generator=gen)
-    k = F.normalize(torch.randn(B, H, N, D, dtype=f64, generator=gen), dim=-1)
-    v = torch.randn(B, H, N, D, dtype=f64, generator=gen)
-    beta = torch.rand(B, H, N, dtype=f64, generator=gen)
-    g = -torch.rand(*((B, H, N, D) if per_channel else (B, H, N)), dtype=f64, generator=gen) * 1e-3
-    weights = torch.randn(B, H, N, D, dtype=f64, generator=gen)
-
-    def decay_grad(fn, dtype, **kw):
-        xs = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v, beta, g)]
-        (fn(*xs[:4], log_decay=xs[4], **kw) * weights.to(dtype)).sum().backward()
-        return xs[4].grad.double()
-
-    ref = decay_grad(delta_rule_attention_reference, f64)
-    got = decay_grad(delta_rule_attention, torch.float32, chunk_size=16, strategy=strategy)
+    """gamma_C's gradient at each chunk's end is telescoped between exact energies
+    (delta._energies, every ANCHOR_SPAN chunks): 128 chunks here, in one block on the accelerator.
+    Under weak decays, where the states and their energies are largest against the gradient, the
+    float32 log-decay gradient stays within 1e-5 of float64's (1-2e-6 here when written). A 0.1%
+    error in one term of a chunk's change fails it."""
+    grads = _decay_grads(per_channel, 2048, 16, 2, 1e-3, 3, {
+        "ref": (delta_rule_attention_reference, f64, {}),
+        "got": (delta_rule_attention, torch.float32, dict(chunk_size=16, strategy=strategy))})
+    ref, got = grads["ref"], grads["got"]
     assert float((got - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_the_energies_are_exact_at_every_span_of_a_block(strategy, per_channel):
+    """Blocks of more than ANCHOR_SPAN chunks, of lengths that are no multiple of it (the first
+    span short), with a reset: telescoping between exact energies is exact algebra, so float64
+    gives the reference's log-decay gradient. An energy anchored at the wrong chunk is off by
+    whole terms of the sum."""
+    from linattn.functional.delta import ANCHOR_SPAN
+
+    N, C = 700, 7  # 100 chunks: the accelerator's one block is 3 spans and a short one
+    kw = dict(chunks_per_block=70) if strategy == "cpu" else {}  # CPU blocks of 70 and 30 chunks
+    assert N // C > 3 * ANCHOR_SPAN and (N // C) % ANCHOR_SPAN and 70 % ANCHOR_SPAN
+    grads = _decay_grads(per_channel, N, 8, 2, 0.05, 5, {
+        "ref": (delta_rule_attention_reference, f64, {}),
+        "got": (delta_rule_attention, f64, dict(chunk_size=C, strategy=strategy, **kw))}, resets=True)
+    ref, got = grads["ref"], grads["got"]
+    assert float((got - ref).norm() / ref.norm()) < 1e-10
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_the_decay_gradient_does_not_drift_along_a_sequence(per_channel):
+    """N = 16384 of one narrow head (16 wide): a CPU block is then 1024 chunks and the
+    accelerator's 256 chunks of 64. Telescoped over a whole block, the float32 log-decay gradient
+    drifted to 1.1e-5 of float64's (per head, accelerator) and to 1.5e-5 at N = 65536 (CPU); between
+    exact energies every ANCHOR_SPAN chunks it measured 0.8-3.3e-6 when written
+    (docs/benchmarks/kda_energies/anchors.md). Both strategies stay within the 1e-5 asked of every
+    fast form."""
+    grads = _decay_grads(per_channel, 16384, 16, 1, 1e-3, 3, {
+        "ref": (delta_rule_attention_reference, f64, {}),
+        "cpu": (delta_rule_attention, torch.float32, dict(strategy="cpu")),
+        "accelerator": (delta_rule_attention, torch.float32, dict(strategy="accelerator"))})
+    ref = grads.pop("ref")
+    errors = {name: float((got - ref).norm() / ref.norm()) for name, got in grads.items()}
+    assert max(errors.values()) < 1e-5, errors

@@ -126,6 +126,12 @@ __all__ = ["delta_rule_attention", "delta_rule_attention_reference"]
 # inputs' half dtype (strategy.py).
 CHUNK_SIZES = {"cpu": {"head": 32, "channel": 16}, "accelerator": {"head": 64, "channel": 64}}
 
+# A decay's gradient telescopes the states' energies (_energies) over at most this many chunks
+# between exact ones: a block can be long (a CPU block of narrow rows, the accelerator's whole
+# sequence), and telescoped over 1024 chunks the log decays' gradient lost digits
+# (docs/benchmarks/kda_energies/anchors.md).
+ANCHOR_SPAN = 32
+
 # Default block size (chunks_per_block=None): a block holds about this many (row, chunk) pairs times
 # the width D + Dv, so 32 chunks at R = 8 rows and D = Dv = 64, where 32 was measured best, and 8 at
 # R = 16, D = Dv = 128 (Qwen3.5-0.8B's width), where 32 chunks made every block's temporaries four
@@ -681,26 +687,31 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     # then accumulate in place: no separate buffers, and no out= pass that copies them over
     dU = torch.bmm(x.P.transpose(1, 2), dof, out=buf("dU", m, C, Dv))
     torch.bmm(x.GQ.transpose(1, 2), dof, out=dst[:n].view(m, D, Dv))
-    # <S, dS> after the block, for a decay's gradient (the chunks' are telescoped from it:
-    # _energies): a number per head, or per key channel one per row of the state
-    energy = None
-    if need_g and x.gC is not None:
-        energy = (torch.linalg.vecdot(end, dst[n]) if x.channel is not None  # (R, D)
-                  else torch.linalg.vecdot(end.view(R, D * Dv), dst[n].view(R, D * Dv)))  # (R,)
-    (_state_grads_by_scan if opts.strategy == "accelerator" else _state_grads_by_loop)(x, sol, dU, dst, n)
+    accelerator = opts.strategy == "accelerator"
+    (_state_grads_by_scan if accelerator else _state_grads_by_loop)(x, sol, dU, dst, n)
     # [dRv, dRw] = T^T [dU, -dU S^T] = [T^T dU, -(T^T dU) S^T]: T^T multiplies dU alone, and
     # neither [dUv, dW] nor [dRv, dRw] is assembled in a (m, C, Dv + D) buffer
     dRv = torch.bmm(sol.T.transpose(1, 2), dU, out=buf("dRv", m, C, Dv))
     do[:, C:] = dRv
-    # dO S^T and dRv S^T = -dRw, and with a gate per key channel the gradient of its decay gamma_C,
-    # <S, dSn> row by row: two products into two buffers, not one of [dO; dRv], so that their rows'
-    # dot products with q and k below are batched products too (of a (m, 2C, D) buffer's halves,
-    # torch.linalg.vecdot formed a temporary)
+    # dO S^T and dRv S^T = -dRw: two products into two buffers, not one of [dO; dRv], so that their
+    # rows' dot products with q and k below are batched products too (of a (m, 2C, D) buffer's
+    # halves, torch.linalg.vecdot formed a temporary). With a decay, the exact energies <S_b, dS_b>
+    # at the ends b of ANCHOR_SPAN chunks from the block's end (_energies telescopes the others
+    # from them): a number per head, or per key channel one per row of the state
     dOS, mdRw = buf("dO S^T", m, C, D), buf("-dRw", m, C, D)  # mdRw: the sign rides on its factors
-    if opts.strategy == "accelerator":
-        _state_products_by_scan(x, U, start, dof, dRv, n, dOS, mdRw)
+    energy = None
+    by_row = x.channel is not None
+    first = n % ANCHOR_SPAN or ANCHOR_SPAN  # the first span's end
+    if accelerator:
+        states = _state_products_by_scan(x, U, start, dof, dRv, n, dOS, mdRw)
+        if need_g and x.gC is not None:
+            energy = _Anchors(_state_dots(states[first::ANCHOR_SPAN], dst[first::ANCHOR_SPAN], by_row), ANCHOR_SPAN)
     else:
-        _state_products_by_loop(x, U, start, st, dof, dRv, n, dOS, mdRw)
+        if need_g and x.gC is not None:
+            energy = _Anchors(dst.new_empty(-(-n // ANCHOR_SPAN), R, *((D,) if by_row else ())), ANCHOR_SPAN)
+            _state_dots(end[None], dst[n:], by_row, out=energy.values[-1:])
+        _state_products_by_loop(x, U, start, st, dof, dRv, n, dOS, mdRw,
+                                None if energy is None else (energy.values, first, by_row, dst))
     # [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
     XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     qf, kf, vf, bf = q, k, v, b
@@ -740,7 +751,7 @@ def _state_grads_by_loop(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: i
 
 
 def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO: Tensor, dRv: Tensor, n: int,
-                            dOS: Tensor, mdRw: Tensor) -> None:
+                            dOS: Tensor, mdRw: Tensor, anchors: tuple | None = None) -> None:
     """:func:`_block_backward`'s products with the states on a CPU: the state before each chunk formed
     again from ``start (R, D, Dv)`` and the kept pseudo-values ``U`` (one product a chunk), in place
     in one workspace ``st (R, Dv, D)`` that stays in cache (a state kept for every chunk of the
@@ -750,7 +761,11 @@ def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO
     The state is formed transposed, S^T (R, Dv, D) contiguous: a product with a transposed view as
     its right factor (dO S^T with S^T a view) ran 1.4x as long as with a contiguous one
     (docs/benchmarks/README.md, History), and the update S^T <- gamma_C S^T + U^T Kd reads U^T as a
-    left factor, which costs nothing; gamma_C, per head or per key channel, scales S^T's columns."""
+    left factor, which costs nothing; gamma_C, per head or per key channel, scales S^T's columns.
+
+    ``anchors``: None, or ``(values, first, by_row, dS)``: the exact energies ``<S_b, dS_b>`` of the
+    states before chunks ``b = first, first + ANCHOR_SPAN, ... < n`` go into ``values[0], values[1],
+    ...`` as the loop forms them (:class:`_Anchors`; ``dS (n + 1, R, D, Dv)`` the state gradients)."""
     m, C, D = x.Kd.shape
     R, Dv = start.shape[0], start.shape[-1]
     Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
@@ -759,6 +774,10 @@ def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO
     gCT = None if x.gC is None else x.gC.view(n, R, 1, -1).unbind()  # (R, 1, 1 | D): scales S^T's columns
     ST = st.copy_(start.transpose(1, 2))
     for c in range(n):
+        if anchors is not None and c >= anchors[1] and (c - anchors[1]) % ANCHOR_SPAN == 0:
+            values, first, by_row, dS = anchors
+            j = (c - first) // ANCHOR_SPAN
+            _state_dots(ST.transpose(1, 2)[None], dS[c:c + 1], by_row, out=values[j:j + 1])
         torch.bmm(dol[c], ST, out=dOSl[c])
         torch.bmm(dRvl[c], ST, out=mdRwl[c])
         if c < n - 1:  # S^T <- gamma_C S^T + U^T Kd
@@ -783,23 +802,44 @@ def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dR
     """:func:`_block_backward`'s forward loop for the accelerator: the state before every chunk again,
     from ``start (R, D, Dv)`` and the kept pseudo-values ``U (n*R, C, Dv)`` (``S <- gamma_C S +
     Kd^T U``: a diagonal recurrence, one scan), then ``dO S^T`` and ``dRv S^T`` (``dO, dRv (n*R, C,
-    Dv)``) into ``dOS``, ``mdRw`` ``(n*R, C, D)``, one product each for all chunks."""
+    Dv)``) into ``dOS``, ``mdRw`` ``(n*R, C, D)``, one product each for all chunks. Returns the
+    states ``(n + 1, R, D, Dv)``, entry c the one before chunk c, entry n the block's end."""
     m, C, D = x.Kd.shape
     R, Dv = start.shape[0], start.shape[-1]
     A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
     added = torch.bmm(x.Kd.transpose(1, 2), U).view(n, R, D, Dv)
-    ST = chunk_recurrence(A, added, start, strategy="accelerator", consume=True)[:n]
-    ST = ST.reshape(m, D, Dv).transpose(1, 2)
+    states = chunk_recurrence(A, added, start, strategy="accelerator", consume=True)
+    ST = states[:n].reshape(m, D, Dv).transpose(1, 2)
     torch.bmm(dO, ST, out=dOS)
     torch.bmm(dRv, ST, out=mdRw)
+    return states
 
 
-def _energies(end: Tensor, change: Tensor) -> Tensor:
+class _Anchors(NamedTuple):
+    """Exact energies ``<S_b, dS_b>`` at the ends b of spans of ``span`` chunks counted from a
+    block's end (the last span ends at the block's end, the first may be shorter): ``values
+    (G, R)``, or ``(G, R, D)`` row by row of the state with a gate per key channel, for
+    :func:`_energies`."""
+
+    values: Tensor
+    span: int
+
+
+def _state_dots(S: Tensor, dS: Tensor, by_row: bool, out: Tensor | None = None) -> Tensor:
+    """``<S_i, dS_i>`` of ``(G, R, D, Dv)`` states and gradients (any strides): ``(G, R)``, or by rows
+    ``(G, R, D)``, into ``out`` when given."""
+    if by_row:
+        return torch.linalg.vecdot(S, dS, out=out)
+    return torch.sum(torch.linalg.vecdot(S, dS), -1, out=out)
+
+
+def _energies(anchors: _Anchors, change: Tensor) -> Tensor:
     """``<S_c+1, dS_c+1>`` ``(n, R)`` for the chunks c of a block, the state after each and its
-    gradient, from ``end (R,)``, that after the block's last chunk, and each chunk's ``change
-    (n, R)``, ``<S_c, dS_c> - <S_c+1, dS_c+1>``; with a gate per key channel the same row by row of
-    the state, ``end (R, D)`` and ``change (n, R, D)`` (gamma_C then scales S's rows, and each
-    identity below holds for each row).
+    gradient, from exact ones at the ends of spans of :data:`ANCHOR_SPAN` chunks (``anchors``; a CPU
+    block's last span ends at the block's end, and the accelerator's block is the whole sequence) and each
+    chunk's ``change (n, R)``, ``<S_c, dS_c> - <S_c+1, dS_c+1>``; with a gate per key channel the
+    same row by row of the state, ``(G, R, D)`` anchors and ``change (n, R, D)`` (gamma_C then
+    scales S's rows, and each identity below holds for each row).
 
     Why: a decay's gradient needs ``gamma_C <S_c, dS_c+1>`` for every chunk, one pass
     over two (D, Dv) states each; but from the chunk's recurrences,
@@ -807,11 +847,17 @@ def _energies(end: Tensor, change: Tensor) -> Tensor:
     ``gamma_C <S_c, dS_c+1> = <S_c+1, dS_c+1> - <Kd, dKd>`` and
     ``<S_c, dS_c> = gamma_C <S_c, dS_c+1> + sum_t gamma_t dgamma_t``: the change is
     ``sum_t (gamma_t dgamma_t - ddelta_t)``, chunk-local sums the backward forms anyway, and one
-    pass over the states a block (``end``) replaces one a chunk. Sums are taken within the block
-    only (from its own end): a rounding error that of a few chunks' sums, as within a chunk,
-    not of the whole sequence's."""
-    later = change.flip(0).cumsum(0).flip(0).sub_(change)  # sum over the chunks after each
-    return later.add_(end)
+    pass over two states a span replaces one a chunk. Sums are taken within a span only (from its
+    own end): a rounding error that of a few chunks' sums, not of the whole sequence's."""
+    values, span = anchors
+    n = change.shape[0]  # values: ceil(n / span) of them
+    G = values.shape[0]
+    pad = G * span - n  # the first span is the short one: zeros before it change nothing
+    if pad:
+        change = torch.cat([change.new_zeros(pad, *change.shape[1:]), change])
+    spans = change.view(G, span, *change.shape[1:])
+    later = spans.flip(1).cumsum(1).flip(1).sub_(spans)  # sum over the span's chunks after each
+    return later.add_(values.unsqueeze(1)).view(G * span, *change.shape[1:])[pad:]
 
 
 def _unnormalized_grad(rgrad: Tensor, xb: Tensor, s: float, out: Tensor) -> None:
@@ -829,7 +875,7 @@ def _head_block_grads(x: _Scores, sol: _Solved, qf, kf, vf, bf, g, dRv, dOS, mdR
                       into, buf, norms):
     """The end of :func:`_block_backward` without a gate or with one per head: from the products
     it formed (``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T, ``XU (m, 2C, C)`` =
-    [dO; dRv] U^T, overwritten, ``dSn (m, D, Dv)``, ``energy (R,)`` or None), every gradient
+    [dO; dRv] U^T, overwritten, ``dSn (m, D, Dv)``, ``energy``: :class:`_Anchors` or None), every gradient
     through the scores and the solve: writes dq, dk, dv into ``into`` and returns ``db``, ``dg``."""
     m, C, D = qf.shape
     n, R = into[0].shape[:2]
@@ -929,7 +975,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
     gradients with respect to its two factors), and gamma, delta and gamma_C as in the per-head
     case, channel by channel. ``dRv (m, C, Dv)``, ``dOS, mdRw (m, C, D)``: dO S^T and dRv S^T
     (mdRw overwritten), ``XU (m, 2C, C)`` = [dO; dRv] U^T (overwritten), ``dSn (m, D, Dv)``,
-    ``energy (R, D)``: <S, dS> row by row after the block (None unless ``need_g``), as
+    ``energy``: :class:`_Anchors`, <S, dS> row by row (None unless ``need_g``), as
     :func:`_block_backward` formed them. Writes v's gradient into ``dv_to`` and k's into ``dk_to``
     when given, chunk-major ``(n, R, C, Dv | D)`` views of their targets (a temporary of k's
     otherwise); returns ``dq, dk (m, C, D)``, ``db (m, C)`` and ``dg (m, C, D)``."""
@@ -970,7 +1016,7 @@ def _channel_block_grads(x: _Scores, sol: _Solved, q, k, v, b, dRv, dOS, mdRw, X
         # state kept transposed as for every other gate (_state_products_by_loop)
         # gamma dgamma = GQ o dO S^T + beta gamma k o dRw, ddel = k o t
         change = torch.mul(kdRw, bg).addcmul_(x.GQ, dOS).addcmul_(k, t, value=-1).sum(1)  # (m, D)
-        R = energy.shape[0]
+        R = energy.values.shape[1]
         dG[:, -1].add_(_energies(energy, change.view(m // R, R, D)).view(m, D))
         # G = cumsum(g) along the chunk; 0 at a reset (a decay of exactly 0 there)
         dg = cumsum_in_chunks(dG, -2, reverse=True).masked_fill_(g < RESET_LOG_DECAY, 0)
