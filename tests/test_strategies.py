@@ -314,15 +314,20 @@ def test_forced_accelerator_compiles_whole(form):
 # --- half inputs on the accelerator: half operands, float32 accumulation -------------------------
 
 
-def _half_case(form: str, N: int = 256, H: int = 2, D: int = 64):
-    g = torch.Generator().manual_seed(11)
-    bf = torch.bfloat16
-    q, v = (torch.randn(1, H, N, D, generator=g).to(bf) for _ in range(2))
-    k = F.normalize(torch.randn(1, H, N, D, generator=g), dim=-1).to(bf)
-    beta = torch.rand(1, H, N, generator=g).to(bf)
-    head = F.logsigmoid(torch.randn(1, H, N, generator=g) + 3).to(bf)
-    channel = F.logsigmoid(torch.randn(1, H, N, D, generator=g) + 3).to(bf)
-    P = LF.favor_projection(64, D, generator=torch.Generator().manual_seed(3))
+def _half_case(form: str, N: int = 256, H: int = 2, D: int = 64, inputs: tuple | None = None):
+    """``call(strategy, dtype=None)``: the form without gradients on bf16 inputs of order 1 (or on
+    ``inputs``, ``(q, k, v, beta, head, channel, P)``), cast to ``dtype`` when given."""
+    if inputs is None:
+        g = torch.Generator().manual_seed(11)
+        bf = torch.bfloat16
+        q, v = (torch.randn(1, H, N, D, generator=g).to(bf) for _ in range(2))
+        k = F.normalize(torch.randn(1, H, N, D, generator=g), dim=-1).to(bf)
+        beta = torch.rand(1, H, N, generator=g).to(bf)
+        head = F.logsigmoid(torch.randn(1, H, N, generator=g) + 3).to(bf)
+        channel = F.logsigmoid(torch.randn(1, H, N, D, generator=g) + 3).to(bf)
+        P = LF.favor_projection(64, D, generator=torch.Generator().manual_seed(3))
+    else:
+        q, k, v, beta, head, channel, P = inputs
 
     def call(strategy: str, dtype=None):
         cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
@@ -370,6 +375,67 @@ def test_half_operands_cost_at_most_a_few_bf16_roundings(form):
     err_acc, err_cpu = rel(call("accelerator"), ref), rel(call("cpu"), ref)
     assert err_cpu < 5e-3
     assert err_acc <= max(3 * err_cpu, 1e-3) and err_acc < 1e-2, (form, err_acc, err_cpu)
+
+
+def _float16_case(form: str, N: int = 256, H: int = 2, D: int = 64):
+    """:func:`_half_case`'s forms with float16 inputs whose states pass float16's range (65504)
+    while every output stays inside it: values of 1e4, positive keys (for the forms without a
+    feature map; the delta rule's stay normalised), queries of 1e-3 where the output is not
+    normalised (GLA: q S)."""
+    g = torch.Generator().manual_seed(12)
+    h = torch.float16
+    normalised = form in ("linear_elu", "favor_softmax")
+    q = (torch.randn(1, H, N, D, generator=g) * (1.0 if normalised or form.startswith("delta") else 1e-3)).to(h)
+    k = torch.randn(1, H, N, D, generator=g)
+    k = (F.normalize(k, dim=-1) if form.startswith("delta") else k if normalised else k.abs()).to(h)
+    v = (1e4 * (1 + 0.3 * torch.randn(1, H, N, D, generator=g))).to(h)
+    beta = torch.rand(1, H, N, generator=g).to(h)
+    head = F.logsigmoid(torch.randn(1, H, N, generator=g) + 3).to(h)
+    channel = F.logsigmoid(torch.randn(1, H, N, D, generator=g) + 3).to(h)
+    P = LF.favor_projection(64, D, generator=torch.Generator().manual_seed(3))
+    return _half_case(form, inputs=(q, k, v, beta, head, channel, P))
+
+
+@pytest.mark.parametrize("form", HALF_FORMS)
+def test_float16_states_past_its_range_stay_finite_and_accurate(form):
+    """float16 ends at 65504: a state summed over positions passes it (linear attention's at N ~
+    2e4 at unit scale; here at N = 256 with values of 1e4), and rounded to float16 as the operand of
+    a product it was inf, its lower half NaN (linear attention and GLA returned NaN). Formed
+    matrices are scaled by powers of two into float16's range first (strategy.FLOAT16_TOP): the
+    output is finite and within 3x the error of the CPU strategy's float32 products (1e-3 at least)."""
+    call = _float16_case(form)
+    ref = call("cpu", torch.float64)
+    assert float(ref.abs().max()) < 65504  # every output is representable
+    got = call("accelerator")
+    assert got.dtype == torch.float16 and bool(torch.isfinite(got).all()), form
+    err_acc, err_cpu = rel(got, ref), rel(call("cpu"), ref)
+    assert err_acc <= max(3 * err_cpu, 1e-3), (form, err_acc, err_cpu)
+
+
+def test_float16_operands_are_scaled_by_powers_of_two():
+    """split_bmm and half_operand with float16: each formed matrix scaled into [2^14, 2^15) by an
+    exact power of two (matrices of 1e6 and of 1e-6 alike, and of zeros), and the product scaled
+    back: float16's digits (split_bmm: about twice as many), not inf or flushed to zero."""
+    from linattn.functional.strategy import FLOAT16_TOP, _float16_scales, half_operand, split_bmm
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 8, 40, generator=g)
+    b = torch.randn(4, 40, 6, generator=g) * torch.tensor([1e6, 1e-6, 1.0, 0.0]).view(4, 1, 1)
+    scales = _float16_scales(b)
+    mantissa, _ = torch.frexp(scales)
+    assert bool((mantissa == 0.5).all())  # powers of two
+    top = (b * scales).abs().amax((1, 2))
+    assert bool(((top >= 2 ** (FLOAT16_TOP - 1)) & (top < 2 ** FLOAT16_TOP))[:3].all()) and top[3] == 0
+    want = torch.bmm(a.to(torch.float16).double(), b.double())  # a is rounded as it is
+    scale_of = want.abs().amax((1, 2), keepdim=True).clamp_min(1e-300)
+    got = split_bmm(a, b, torch.float16)
+    assert bool(torch.isfinite(got).all()) and float(((got - want) / scale_of).abs().max()) < 1e-5
+    rounded, s = half_operand(b, torch.float16)
+    assert rounded.dtype == torch.float16 and bool(torch.isfinite(rounded).all())
+    got = mixed_bmm(a, rounded, torch.float16) / s
+    assert float(((got - want) / scale_of).abs().max()) < 2e-3
+    # bfloat16 has float32's range: rounded as it is
+    assert half_operand(b, torch.bfloat16)[1] is None and half_operand(b, None) == (b, None)
 
 
 def test_mixed_bmm_rounds_the_operands_and_accumulates_in_float32():

@@ -108,7 +108,7 @@ from .decayed_state import DecayedState, check_decayed_state, result_without_pos
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
 from .recurrence import chunk_recurrence
-from .strategy import EngineOptions, check_strategy, mixed_bmm, operand_dtype, resolve_strategy, split_bmm
+from .strategy import EngineOptions, check_strategy, half_operand, mixed_bmm, operand_dtype, resolve_strategy, split_bmm
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 
@@ -559,12 +559,16 @@ def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch
     B = mixed_bmm(x.Kd.transpose(1, 2), sol.U, operand).view(n, R, D, Dv)  # Kd^T Uv
     states = chunk_recurrence(_transitions(x, sol.W, n, operand), B, S, strategy="accelerator",
                               consume=True)  # (n + 1, R, D, Dv)
-    before = states[:n].reshape(m, D, Dv)
-    U = sol.U.sub_(mixed_bmm(sol.W, before, operand))  # the pseudo-values, in place (the backward reads them)
+    # the states rounded once for both of their products (float16: scaled into its range, then back)
+    before, scale = half_operand(states[:n].reshape(m, D, Dv), operand)
+    WS, QS = mixed_bmm(sol.W, before, operand), mixed_bmm(x.GQ, before, operand)
+    if scale is not None:
+        WS, QS = WS.div_(scale), QS.div_(scale)
+    U = sol.U.sub_(WS)  # the pseudo-values, in place (the backward reads them)
     S.copy_(states[n])
     # U in two half parts: its rounding cost the bf16 output more digits than every other product
     # (the pseudo-values are a difference of larger terms); so does beta v's in the solve
-    return split_bmm(x.P, U, operand).add_(mixed_bmm(x.GQ, before, operand))
+    return split_bmm(x.P, U, operand).add_(QS)
 
 
 def _qk_norms(lay: ChunkLayout, factors: Tensor | None) -> tuple | None:

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "mixed_bmm", "operand_dtype", "resolve_strategy",
-           "split_bmm"]
+__all__ = ["HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "half_operand", "mixed_bmm", "operand_dtype",
+           "resolve_strategy", "split_bmm"]
 
 STRATEGIES = ("auto", "cpu", "accelerator")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -126,6 +126,37 @@ def mixed_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | N
         return torch.bmm(a.float(), b.float(), out=out)
 
 
+# float16's range ends at 65504. A state is a sum over positions (linear attention's, a weakly decayed
+# GLA's): at unit scale it passes that within N ~ 2e4, where its rounding to float16 gave inf, its
+# lower half inf - inf and the output NaN, though every output is representable. So a matrix that
+# the engines form (not an input) is rounded to float16 after a power-of-two scale that puts its
+# largest entry in [2^14, 2^15), one per matrix: exact, and the product is scaled back exactly.
+# bfloat16 has float32's range and needs none.
+FLOAT16_TOP = 15  # the scaled largest entry is below 2^FLOAT16_TOP
+
+
+def _float16_scales(b: Tensor) -> Tensor:
+    """``(M, 1, 1)`` float32 powers of two that put the largest ``|entry|`` of each matrix of ``b (M, Y,
+    Z)`` in ``[2^14, 2^15)`` (2^15 for a matrix of zeros; clamped to float32's normal range for one
+    of subnormals). Built from the exponent's bits: exactly powers of two on every device (an
+    ``exp2`` need not be)."""
+    _, e = torch.frexp(b.abs().amax((1, 2), keepdim=True))
+    return (FLOAT16_TOP - e + 127).clamp_(1, 254).bitwise_left_shift_(23).view(torch.float32)
+
+
+def half_operand(b: Tensor, operand: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+    """A formed float32 ``b (M, Y, Z)`` as a right factor of :func:`mixed_bmm`, rounded once (for
+    several products) to ``operand``: ``(rounded, None)``, or for float16 ``(rounded b s, s)`` with
+    ``s (M, 1, 1)`` powers of two (:data:`FLOAT16_TOP`): divide the products by ``s``. ``(b, None)``
+    without an operand dtype."""
+    if operand is None:
+        return b, None
+    if operand != torch.float16:
+        return b.to(operand), None
+    scale = _float16_scales(b)
+    return torch.mul(b, scale).to(operand), scale
+
+
 def split_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | None = None) -> Tensor:
     """:func:`mixed_bmm` with ``b`` carried in two half parts, ``b_hi`` (b rounded) and ``b_lo`` (the
     rounding error, rounded): ``a b_hi + a b_lo``, two half products whose result keeps about twice
@@ -135,6 +166,10 @@ def split_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | N
     docs/benchmarks/tensor_cores). Into ``out`` when given."""
     if operand is None:
         return torch.bmm(a, b, out=out)
+    scale = _float16_scales(b) if operand == torch.float16 else None
+    if scale is not None:  # b is formed (a state, the pseudo-values): kept inside float16's range
+        b = torch.mul(b, scale)
     hi = b.to(operand)
     lo = b - hi.float()
-    return mixed_bmm(a, hi, operand, out=out).add_(mixed_bmm(a, lo, operand))
+    product = mixed_bmm(a, hi, operand, out=out).add_(mixed_bmm(a, lo, operand))
+    return product if scale is None else product.div_(scale)
