@@ -556,12 +556,19 @@ def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch
     the state across the whole sequence, runs in the compute dtype."""
     m, C, Dv = sol.U.shape
     R, D = S.shape[0], S.shape[1]
-    B = mixed_bmm(x.Kd.transpose(1, 2), sol.U, operand).view(n, R, D, Dv)  # Kd^T Uv
+    # Uv and the states in two half parts where they enter what the backward reads (the states it
+    # forms again from the kept U = Uv - W S): rounded once, the chunks' rounding errors summed
+    # along the states under weak decays, and bf16 gradients at N = 16384 were 2-4x the CPU
+    # strategy's off float64 (docs/benchmarks/tensor_cores/gradients.md); the output's Q S takes one
+    B = split_bmm(x.Kd.transpose(1, 2), sol.U, operand).view(n, R, D, Dv)  # Kd^T Uv
     states = chunk_recurrence(_transitions(x, sol.W, n, operand), B, S, strategy="accelerator",
                               consume=True)  # (n + 1, R, D, Dv)
     # the states rounded once for both of their products (float16: scaled into its range, then back)
-    before, scale = half_operand(states[:n].reshape(m, D, Dv), operand)
-    WS, QS = mixed_bmm(sol.W, before, operand), mixed_bmm(x.GQ, before, operand)
+    parts, scale = half_operand(states[:n].reshape(m, D, Dv), operand, split=True)
+    WS = mixed_bmm(sol.W, parts[0], operand)
+    if len(parts) > 1:
+        WS.add_(mixed_bmm(sol.W, parts[1], operand))
+    QS = mixed_bmm(x.GQ, parts[0], operand)
     if scale is not None:
         WS, QS = WS.div_(scale), QS.div_(scale)
     U = sol.U.sub_(WS)  # the pseudo-values, in place (the backward reads them)

@@ -345,11 +345,17 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         # the features are kept for the backward only when a gradient will be taken, and not under
         # torch.compile: they live on the autograd context (the backward overwrites them), which a
         # compiled backward graph does not take as an input
-        keep = (not torch.compiler.is_compiling() and torch.is_grad_enabled()
-                and any(t is not None and t.requires_grad for t in (qf, kf, v, s0)))
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qf, kf, v, s0))
+        keep = grad and not torch.compiler.is_compiling()
         name = "" if phi is None else feature_map
+        # Half operands (the accelerator's, for half inputs) only without a gradient to take. Through
+        # the normaliser, d out_i / d phi(q_i) is (S_i - z_i out_i^T) / d_i, a difference of terms up
+        # to |mean v| / std v * sqrt(i) times larger; the backward forms S and z again in float32,
+        # and an output from half operands did not cancel against them: bf16 q gradients 5-10x the
+        # CPU strategy's error at N = 4096-16384 (docs/benchmarks/tensor_cores/gradients.md)
         out, s_final = decayed_product(qf, kf, v, s0, normalise=True, phi=name, keep=keep, chunk_size=chunk_size,
-                                       tile_positions=tile_positions, strategy=strategy, input_dtype=q.dtype)
+                                       tile_positions=tile_positions, strategy=strategy,
+                                       input_dtype=dt if grad else q.dtype)
         out = out.to(q.dtype)
     else:  # o = tril(phi(q) phi(k)^T) [v, 1] + phi(q) s0, N <= C (N = 0 included)
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)

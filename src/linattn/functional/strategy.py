@@ -144,17 +144,23 @@ def _float16_scales(b: Tensor) -> Tensor:
     return (FLOAT16_TOP - e + 127).clamp_(1, 254).bitwise_left_shift_(23).view(torch.float32)
 
 
-def half_operand(b: Tensor, operand: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
-    """A formed float32 ``b (M, Y, Z)`` as a right factor of :func:`mixed_bmm`, rounded once (for
-    several products) to ``operand``: ``(rounded, None)``, or for float16 ``(rounded b s, s)`` with
-    ``s (M, 1, 1)`` powers of two (:data:`FLOAT16_TOP`): divide the products by ``s``. ``(b, None)``
-    without an operand dtype."""
+def half_operand(b: Tensor, operand: torch.dtype | None, *, split: bool = False
+                 ) -> tuple[tuple[Tensor, ...], Tensor | None]:
+    """A formed float32 ``b (M, Y, Z)`` as the right factor of :func:`mixed_bmm` products, rounded
+    once for all of them: ``((hi,), s)`` with ``hi`` b rounded to ``operand``, or with ``split``
+    ``((hi, lo), s)``, ``lo`` the rounding error rounded in turn (``a hi + a lo`` keeps about twice
+    the half dtype's digits of b: :func:`split_bmm`). ``s``: None, or for float16 ``(M, 1, 1)``
+    powers of two that b was scaled by first (:data:`FLOAT16_TOP`): divide the products by it.
+    ``((b,), None)`` without an operand dtype."""
     if operand is None:
-        return b, None
-    if operand != torch.float16:
-        return b.to(operand), None
-    scale = _float16_scales(b)
-    return torch.mul(b, scale).to(operand), scale
+        return (b,), None
+    scale = _float16_scales(b) if operand == torch.float16 else None
+    if scale is not None:
+        b = torch.mul(b, scale)
+    hi = b.to(operand)
+    if not split:
+        return (hi,), scale
+    return (hi, torch.sub(b, hi.float()).to(operand)), scale
 
 
 def split_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | None = None) -> Tensor:
@@ -166,10 +172,6 @@ def split_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | N
     docs/benchmarks/tensor_cores). Into ``out`` when given."""
     if operand is None:
         return torch.bmm(a, b, out=out)
-    scale = _float16_scales(b) if operand == torch.float16 else None
-    if scale is not None:  # b is formed (a state, the pseudo-values): kept inside float16's range
-        b = torch.mul(b, scale)
-    hi = b.to(operand)
-    lo = b - hi.float()
+    (hi, lo), scale = half_operand(b, operand, split=True)  # float16: b scaled into its range
     product = mixed_bmm(a, hi, operand, out=out).add_(mixed_bmm(a, lo, operand))
     return product if scale is None else product.div_(scale)
