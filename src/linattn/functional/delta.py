@@ -717,6 +717,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
         states = _state_products_by_scan(x, U, start, dof, dRv, n, dOS, mdRw)
         if need_g and x.gC is not None:
             energy = _Anchors(_state_dots(states[first::ANCHOR_SPAN], dst[first::ANCHOR_SPAN], by_row), ANCHOR_SPAN)
+        del states  # every chunk's state: freed before the gradients' temporaries are formed
     else:
         if need_g and x.gC is not None:
             energy = _Anchors(dst.new_empty(-(-n // ANCHOR_SPAN), R, *((D,) if by_row else ())), ANCHOR_SPAN)

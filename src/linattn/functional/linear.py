@@ -287,7 +287,10 @@ def linear_attention(
             same result up to rounding): ``"cpu"``, tiles of ``tile_positions`` in cache;
             ``"accelerator"``, the whole input at once, so the number of kernel launches does not
             grow with N (``linattn.functional.recurrence``); ``"auto"`` (default), ``"cpu"`` on a
-            CPU and ``"accelerator"`` on CUDA, MPS, XPU, ...
+            CPU and ``"accelerator"`` on CUDA, MPS, XPU, ... With half inputs the accelerator's
+            products take half operands (tensor cores) when no gradient will be taken; a forward
+            that will be differentiated keeps float32 operands, which its backward's cancellations
+            through the normaliser need (``linattn.functional.strategy``).
 
     Returns:
         ``(B, H, Nq, Dv)`` in the input dtype, and with ``return_state`` a

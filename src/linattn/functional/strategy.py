@@ -136,12 +136,14 @@ FLOAT16_TOP = 15  # the scaled largest entry is below 2^FLOAT16_TOP
 
 
 def _float16_scales(b: Tensor) -> Tensor:
-    """``(M, 1, 1)`` float32 powers of two that put the largest ``|entry|`` of each matrix of ``b (M, Y,
-    Z)`` in ``[2^14, 2^15)`` (2^15 for a matrix of zeros; clamped to float32's normal range for one
-    of subnormals). Built from the exponent's bits: exactly powers of two on every device (an
-    ``exp2`` need not be)."""
-    _, e = torch.frexp(b.abs().amax((1, 2), keepdim=True))
-    return (FLOAT16_TOP - e + 127).clamp_(1, 254).bitwise_left_shift_(23).view(torch.float32)
+    """``(M, 1, 1)`` float32 powers of two that put the largest ``|entry|`` of each matrix of a float32
+    ``b (M, Y, Z)`` in ``[2^14, 2^15)`` (2^127 for a matrix of zeros, at most that for one of
+    subnormals). From the exponent bits of that entry, in integer operations every device has: no
+    ``frexp``, which not every backend implements, and exact powers of two (an ``exp2`` need not be)."""
+    exponent = b.abs().amax((1, 2), keepdim=True).view(torch.int32).bitwise_right_shift(23)  # biased: e + 127
+    # 2^(FLOAT16_TOP - 1 - e) for a largest entry in [2^e, 2^(e + 1)), biased by 127 in turn
+    biased = (FLOAT16_TOP - 1 + 2 * 127 - exponent).clamp_(1, 254)
+    return biased.bitwise_left_shift_(23).view(torch.float32)
 
 
 def half_operand(b: Tensor, operand: torch.dtype | None, *, split: bool = False
