@@ -690,6 +690,34 @@ def test_the_energies_are_exact_at_every_span_of_a_block(strategy, per_channel):
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
+def test_the_accelerators_states_formed_again_do_not_drift(per_channel):
+    """The accelerator's backward forms the states again from the kept pseudo-values by a recurrence
+    that does not repeat its forward's rounding (the forward scans the full transitions) and does
+    not damp the difference: over a whole sequence the states, and q's gradient with them, drifted
+    from the forward's with N (float32, weak decays, one head 16 wide: 2.1e-6 at N = 8192, 4.6e-6 at
+    32768). Started again from the forward's states every ANCHOR_SPAN chunks, the error is that of
+    one span at any length: at N = 32768 (512 chunks) within 1.5x of N = 2048's (one span)."""
+    def q_grad_error(N):
+        g = torch.Generator().manual_seed(0)
+        q, k = torch.randn(1, 1, N, 16, generator=g), F.normalize(torch.randn(1, 1, N, 16, generator=g), dim=-1)
+        v, beta = torch.randn(1, 1, N, 16, generator=g), torch.rand(1, 1, N, generator=g)
+        decay = -torch.rand(1, 1, N, *((16,) if per_channel else ()), generator=g) * 1e-5
+        weight = torch.randn(1, 1, N, 16, generator=g, dtype=f64)
+
+        def dq(dtype, strategy):
+            x = [t.detach().to(dtype, copy=True).requires_grad_() for t in (q, k, v, beta)]
+            out = delta_rule_attention(*x, log_decay=decay.to(dtype), strategy=strategy)
+            (out.double() * weight).sum().backward()
+            return x[0].grad.double()
+
+        ref = dq(f64, "cpu")
+        return float((dq(torch.float32, "accelerator") - ref).norm() / ref.norm())
+
+    short, long = q_grad_error(2048), q_grad_error(32768)
+    assert long <= 1.5 * short and long < 5e-6, (short, long)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
 def test_the_decay_gradient_does_not_drift_along_a_sequence(per_channel):
     """N = 16384 of one narrow head (16 wide): a CPU block is then 1024 chunks and the
     accelerator's 256 chunks of 64. Telescoped over a whole block, the float32 log-decay gradient

@@ -491,7 +491,7 @@ def _kept(kept: _Solved | None, tile: slice) -> _Solved | None:
     return None if kept is None else _Solved(*(None if t is None else t[tile].flatten(0, 1) for t in kept))
 
 
-def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=None):
+def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=None, anchors=None):
     """One block of ``n`` chunks of all ``R`` rows, chunk-major: ``q, k (n*R, C, D)``, the values
     times beta ``bv (n*R, C, Dv)``, ``b, g (n*R, C)`` (g or None); ``S (R, D, Dv)``, the state before the block,
     updated in place to the state after it; ``buf``: the call's :class:`TileBuffers`; ``kept``: None,
@@ -510,7 +510,7 @@ def _block_forward(q, k, bv, b, g, S, opts: EngineOptions, buf, qk=None, kept=No
     # let go (a gate per key channel's are several times q's size; the accelerator holds every chunk's)
     x = x._replace(E=None, gam=None, delta=None, KK=None, channel=None)
     if opts.strategy == "accelerator":
-        return _outputs_by_scan(x, sol, S, n, opts.operand)
+        return _outputs_by_scan(x, sol, S, n, opts.operand, anchors)
     return _outputs_by_loop(x, sol, S, n, buf)
 
 
@@ -546,14 +546,16 @@ def _transitions(x: _Scores, W: Tensor, n: int, operand: torch.dtype | None = No
     return A.view(n, m // n, D, D)
 
 
-def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch.dtype | None = None) -> Tensor:
+def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch.dtype | None = None,
+                     anchors: Tensor | None = None) -> Tensor:
     """:func:`_block_forward`'s loop over chunks for the accelerator: the state before every chunk
     at once from a log-depth scan of the chunks' affine maps ``S <- (Diag(gamma_C) - Kd^T W) S +
     Kd^T Uv`` (``recurrence.py``), then ``U = Uv - W S`` and ``O = P U + diag(gamma) Q S`` for all
     chunks in one product each. ``S (R, D, Dv)`` becomes the state after the block; ``sol.U`` the
     pseudo-values. Returns ``o (n*R, C, Dv)``. ``operand``: the products' operand dtype
     (:func:`~linattn.functional.strategy.mixed_bmm`; None: as they are); the scan, which carries
-    the state across the whole sequence, runs in the compute dtype."""
+    the state across the whole sequence, runs in the compute dtype. ``anchors``: None, or
+    ``(G - 1, R, D, Dv)`` to keep the states at :func:`_anchor_steps` in, for the backward."""
     m, C, Dv = sol.U.shape
     R, D = S.shape[0], S.shape[1]
     # Uv and the states in two half parts where they enter what the backward reads (the states it
@@ -573,6 +575,8 @@ def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch
         WS, QS = WS.div_(scale), QS.div_(scale)
     U = sol.U.sub_(WS)  # the pseudo-values, in place (the backward reads them)
     S.copy_(states[n])
+    if anchors is not None:
+        anchors.copy_(states[_anchor_steps(n)])
     # U in two half parts: its rounding cost the bf16 output more digits than every other product
     # (the pseudo-values are a difference of larger terms); so does beta v's in the solve
     return split_bmm(x.P, U, operand).add_(QS)
@@ -622,7 +626,8 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, opts: EngineOptions, keep=Tr
     qc, kc, vc, bc, gc = (lay.chunked(t) for t in (q, k, v, b, g))
     o = lay.new_chunked_like(v)  # laid out as v: transformers' (B, N, H, Dv) comes back contiguous
     tiles = lay.tiles()
-    states = v.new_empty(len(tiles) + 1 if keep else 1, R, D, Dv)
+    accelerator = opts.strategy == "accelerator"
+    states = v.new_empty(_saved_states(lay, opts) if keep else 1, R, D, Dv)
     states[0] = s0
     kept = None
     if keep:
@@ -636,14 +641,15 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, opts: EngineOptions, keep=Tr
     l2c = None if qk_eps is None else v.new_empty(2, R, lay.Nc, lay.C)  # the L2 factors, laid out in chunks
     factors = _qk_factors(scale, None)
     for i, blk in enumerate(tiles):
-        S = states[i + 1].copy_(states[i]) if keep else states[0]
+        # the state after the block; the accelerator's one block keeps its anchors between
+        S = (states[-1] if accelerator else states[i + 1]).copy_(states[i]) if keep else states[0]
         if l2c is None:
             qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
         else:
             qb, kb, qk = _take_qk_normalised(lay, qc, kc, blk, scale, qk_eps, per_channel, buf, l2c)
         bv = _take_product(lay, vc, blk, bc, buf("bv", blk.stop - blk.start, R, lay.C, Dv))
         ob = _block_forward(qb, kb, bv, *(_take(lay, t, blk) for t in (bc, gc)), S, opts, buf, qk,
-                            _kept(kept, blk))
+                            _kept(kept, blk), states[1:-1] if keep and accelerator else None)
         lay.put(o, blk, ob)
     l2 = None
     if l2c is not None:  # (2, R, N), contiguous as the op's fake says: a copy only with a filled last chunk
@@ -653,7 +659,7 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, opts: EngineOptions, keep=Tr
 
 
 def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, into, buf, qk=None, norms=None,
-                    opts: EngineOptions = EngineOptions(32)):
+                    opts: EngineOptions = EngineOptions(32), anchors: Tensor | None = None):
     """Gradients of one block (chunk-major, shapes as in :func:`_block_forward`), given
     ``do (n*R, 2C, Dv)``, each chunk's output gradient in its first C rows (the second C rows are
     a workspace, see :func:`_take_stacked`), the states before and after the block ``start, end
@@ -668,6 +674,8 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     None, or with the L2 normalisation the block's chunks of what q and k were taken times,
     ``(scale r_q, r_k) (n*R, C)`` (:func:`_qk_factors`; q and k are then the normalised ones, and
     the gradients written are those of the unnormalised, see :func:`_unnormalized_grad`).
+    ``anchors``: the accelerator's, the forward's states at :func:`_anchor_steps` ``(G - 1, R, D,
+    Dv)``, from which the states are formed again.
 
     Per chunk, with S the state before it and dSn the gradient of the state after it, from
     ``U = Uv - W S``, ``O = diag(gamma) Q S + P U``, ``Sn = gamma_C S + Kd^T U``:
@@ -714,7 +722,7 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     by_row = x.channel is not None
     first = n % ANCHOR_SPAN or ANCHOR_SPAN  # the first span's end
     if accelerator:
-        states = _state_products_by_scan(x, U, start, dof, dRv, n, dOS, mdRw)
+        states = _state_products_by_scan(x, U, start, dof, dRv, n, dOS, mdRw, anchors)
         if need_g and x.gC is not None:
             energy = _Anchors(_state_dots(states[first::ANCHOR_SPAN], dst[first::ANCHOR_SPAN], by_row), ANCHOR_SPAN)
         del states  # every chunk's state: freed before the gradients' temporaries are formed
@@ -810,16 +818,31 @@ def _state_grads_by_scan(x: _Scores, sol: _Solved, dU: Tensor, dst: Tensor, n: i
 
 
 def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dRv: Tensor, n: int,
-                            dOS: Tensor, mdRw: Tensor) -> None:
+                            dOS: Tensor, mdRw: Tensor, anchors: Tensor | None = None) -> Tensor:
     """:func:`_block_backward`'s forward loop for the accelerator: the state before every chunk again,
     from ``start (R, D, Dv)`` and the kept pseudo-values ``U (n*R, C, Dv)`` (``S <- gamma_C S +
     Kd^T U``: a diagonal recurrence, one scan), then ``dO S^T`` and ``dRv S^T`` (``dO, dRv (n*R, C,
     Dv)``) into ``dOS``, ``mdRw`` ``(n*R, C, D)``, one product each for all chunks. Returns the
-    states ``(n + 1, R, D, Dv)``, entry c the one before chunk c, entry n the block's end."""
+    states ``(n + 1, R, D, Dv)``, entry c the one before chunk c, entry n the block's end.
+
+    ``anchors``: the forward's states at :func:`_anchor_steps` ``(G - 1, R, D, Dv)``: the scan
+    starts again from each (a step into one is ``S = 0 S + anchor``). Why: the forward's states came
+    from the scan of the full transitions, ``(gamma_C - Kd^T W) S + Kd^T Uv``, whose rounding the
+    recurrence on the kept U does not repeat, and does not damp either: formed again over the whole
+    sequence they drifted from the forward's, q's gradient with them (2.5e-6 against float64 at
+    N = 16384 under weak decays, 10x the CPU strategy's, whose loop repeats its forward's
+    operations exactly: docs/benchmarks/kda_energies/state_anchors.md). Now they drift over a
+    span at most."""
     m, C, D = x.Kd.shape
     R, Dv = start.shape[0], start.shape[-1]
     A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
     added = torch.bmm(x.Kd.transpose(1, 2), U).view(n, R, D, Dv)
+    if anchors is not None and anchors.shape[0]:
+        at = _anchor_steps(n)
+        into = slice(at.start - 1, n - 1, ANCHOR_SPAN)  # the steps that end at an anchor
+        A = start.new_ones(n, R, 1, 1) if A is None else A.clone()
+        A[into] = 0
+        added[into] = anchors
     states = chunk_recurrence(A, added, start, strategy="accelerator", consume=True)
     ST = states[:n].reshape(m, D, Dv).transpose(1, 2)
     torch.bmm(dO, ST, out=dOS)
@@ -843,6 +866,24 @@ def _state_dots(S: Tensor, dS: Tensor, by_row: bool, out: Tensor | None = None) 
     if by_row:
         return torch.linalg.vecdot(S, dS, out=out)
     return torch.sum(torch.linalg.vecdot(S, dS), -1, out=out)
+
+
+def _anchor_steps(n: int) -> slice:
+    """The chunks ``b`` (of a block of ``n``) before which the states are anchored: every
+    :data:`ANCHOR_SPAN` counted back from the block's end (the end itself excluded), ``ceil(n /
+    ANCHOR_SPAN) - 1`` of them: the ends of :func:`_energies`' spans but the last."""
+    first = n % ANCHOR_SPAN or ANCHOR_SPAN
+    return slice(first, n, ANCHOR_SPAN)
+
+
+def _saved_states(lay: ChunkLayout, opts: EngineOptions) -> int:
+    """How many states the forward keeps for the backward: the one before every block and the one
+    after the last; on the accelerator, whose one block is the whole sequence, also those at
+    :func:`_anchor_steps` (between the first and the last), which its backward forms the states again
+    from (:func:`_state_products_by_scan`)."""
+    if opts.strategy == "accelerator":
+        return -(-lay.Nc // ANCHOR_SPAN) + 1
+    return len(lay.tiles()) + 1
 
 
 def _energies(anchors: _Anchors, change: Tensor) -> Tensor:
@@ -1051,6 +1092,7 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
     dq, dk, dv, db = (lay.new_chunked_like(t) for t in (q, k, v, b))
     dg = lay.new_chunked_like(g) if need_g else None
     per_channel = g is not None and g.dim() == 3
+    accelerator = opts.strategy == "accelerator"
     tiles = lay.tiles()
     most = max(blk.stop - blk.start for blk in tiles)
     buf = TileBuffers.kept(v)
@@ -1065,11 +1107,13 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
         qb, kb, qk = _take_qk(lay, qc, kc, blk, factors, per_channel, buf)
         into = tuple(lay.view(grad, blk) for grad in (dq, dk, dv))
         do_blk = _take_stacked(lay, doc, blk, buf("[dO; dRv]", n, R, 2 * lay.C, Dv))
+        # the states before and after the block (the accelerator's one block: its anchors between)
+        start, end, anchors = (states[0], states[-1], states[1:-1]) if accelerator else (states[i], states[i + 1], None)
         db_blk, dg_blk = _block_backward(qb, kb, _take(lay, vc, blk, buf, "v"), *(_take(lay, t, blk) for t in (bc, gc)),
-                                         states[i], states[i + 1], _kept(kept, blk), st, do_blk, dst,
+                                         start, end, _kept(kept, blk), st, do_blk, dst,
                                          need_g, scale, into, buf, qk,
                                          None if l2 is None else tuple(_take(lay, f, blk) for f in factors),
-                                         opts)
+                                         opts, anchors)
         lay.put(db, blk, db_blk)
         if dg_blk is not None:
             lay.put(dg, blk, dg_blk)
@@ -1118,12 +1162,12 @@ def _(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     C, Nc = lay.C, lay.Nc
     if not keep_states:
         return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(8))
-    nb = len(lay.tiles())
     l2 = v.new_empty(0) if qk_eps is None else v.new_empty(2, R, N)
     scores = g is None or g.dim() == 2  # E, KK, P kept (E only with a decay)
     E = v.new_empty(Nc, R, C, C) if scores and g is not None else v.new_empty(0)
     KK, P = (v.new_empty(Nc, R, C, C) if scores else v.new_empty(0) for _ in range(2))
-    return (torch.empty_like(v), v.new_empty(R, D, Dv), v.new_empty(nb + 1, R, D, Dv), v.new_empty(Nc, R, C, C),
+    return (torch.empty_like(v), v.new_empty(R, D, Dv), v.new_empty(_saved_states(lay, EngineOptions.decode(options)), R, D, Dv),
+            v.new_empty(Nc, R, C, C),
             v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D), E, KK, P, l2)
 
 
