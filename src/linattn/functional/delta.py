@@ -614,8 +614,9 @@ def _chunked_forward(q, k, v, b, g, s0, scale, lay, opts: EngineOptions, keep=Tr
     None, or the eps of the L2 normalisation of q and k (``qk_l2norm_eps``), applied as the tiles
     are taken.
 
-    With ``keep`` (a backward will run): the states before every block and after the last,
-    ``(nb + 1, R, D, Dv)``, and the chunk-local products of every chunk (:class:`_Solved` of
+    With ``keep`` (a backward will run): the states before every block and after the last (on the
+    accelerator, whose one block is the whole sequence, also those at :func:`_anchor_steps` between:
+    ``(_saved_states(lay, opts), R, D, Dv)``), and the chunk-local products of every chunk (:class:`_Solved` of
     ``(Nc, R, C, *)`` buffers, chunk-major, E, KK and P among them with a decay per head or
     none): together about 3.3 times the size of v at C = 32, D = Dv = 128 (the state before every
     chunk, which the backward also reads, would be D / C times it); without: ``(1, R, D, Dv)``,
@@ -829,10 +830,10 @@ def _state_products_by_scan(x: _Scores, U: Tensor, start: Tensor, dO: Tensor, dR
     starts again from each (a step into one is ``S = 0 S + anchor``). Why: the forward's states came
     from the scan of the full transitions, ``(gamma_C - Kd^T W) S + Kd^T Uv``, whose rounding the
     recurrence on the kept U does not repeat, and does not damp either: formed again over the whole
-    sequence they drifted from the forward's, q's gradient with them (2.5e-6 against float64 at
-    N = 16384 under weak decays, 10x the CPU strategy's, whose loop repeats its forward's
-    operations exactly: docs/benchmarks/kda_energies/state_anchors.md). Now they drift over a
-    span at most."""
+    sequence they drifted from the forward's, q's gradient with them (float32, weak decays: 1.5e-6
+    against float64 at N = 4096, 5.6e-6 at 65536, up to 18x the CPU strategy's, whose loop repeats
+    its forward's operations exactly: docs/benchmarks/kda_energies/state_anchors.md). Now they
+    drift over a span at most."""
     m, C, D = x.Kd.shape
     R, Dv = start.shape[0], start.shape[-1]
     A = None if x.gC is None else x.gC.view(n, R, -1, 1)  # (n, R, 1 | D, 1)
@@ -1127,14 +1128,15 @@ def _chunked_backward(q, k, v, b, g, states, kept, do, ds_final, scale, lay, nee
 # op with a shape function (no chunk loop to unroll, so a model compiles in seconds and whole), and
 # eager autograd runs the same two functions. On rows ``(R, N, ...)``; g may be None (no decay); s0
 # is a tensor (zeros when there was no initial state). Saves the inputs, the states before every
-# block and after the last, the chunk-local products T, U, W of every chunk and, unless the gate is
+# block and after the last (and the accelerator's anchors between), the chunk-local products T, U, W of every chunk and, unless the gate is
 # per key channel, its scores E, KK, P (_Solved; E an empty tensor without a decay, all three
 # empty with a gate per key channel), and the L2 normalisation's factors of q and k, and
 # recomputes the rest of the chunk-local quantities and the states inside a block in the backward.
 def _delta_rule_forward(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     """-> ``o (R, N, Dv)`` (laid out as v, see :meth:`ChunkLayout.new_chunked_like`), the final state
     ``(R, D, Dv)``, and what the backward reads: the states
-    before every block and after the last ``(nb + 1, R, D, Dv)``, the chunks' ``T, U, W``
+    before every block and after the last, and on the accelerator its anchors between
+    (:func:`_saved_states`), the chunks' ``T, U, W``
     ``(Nc, R, C, C | Dv | D)`` and ``E, KK, P`` ``(Nc, R, C, C)`` (:class:`_Solved`) and the L2
     normalisation's factors of q and k ``(2, R, N)`` (each ``(0,)`` without ``keep_states``, a
     call no gradient flows through; E also without a decay, E, KK and P also with a gate per key
@@ -1158,7 +1160,8 @@ _delta_rule_chunked = EngineOp(
 def _(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     R, N, D = q.shape
     Dv = v.shape[-1]
-    lay = _layout(q, EngineOptions.decode(options))
+    opts = EngineOptions.decode(options)
+    lay = _layout(q, opts)
     C, Nc = lay.C, lay.Nc
     if not keep_states:
         return torch.empty_like(v), v.new_empty(R, D, Dv), *(v.new_empty(0) for _ in range(8))
@@ -1166,9 +1169,8 @@ def _(q, k, v, b, g, s0, scale, keep_states, qk_eps, options):
     scores = g is None or g.dim() == 2  # E, KK, P kept (E only with a decay)
     E = v.new_empty(Nc, R, C, C) if scores and g is not None else v.new_empty(0)
     KK, P = (v.new_empty(Nc, R, C, C) if scores else v.new_empty(0) for _ in range(2))
-    return (torch.empty_like(v), v.new_empty(R, D, Dv), v.new_empty(_saved_states(lay, EngineOptions.decode(options)), R, D, Dv),
-            v.new_empty(Nc, R, C, C),
-            v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D), E, KK, P, l2)
+    return (torch.empty_like(v), v.new_empty(R, D, Dv), v.new_empty(_saved_states(lay, opts), R, D, Dv),
+            v.new_empty(Nc, R, C, C), v.new_empty(Nc, R, C, Dv), v.new_empty(Nc, R, C, D), E, KK, P, l2)
 
 
 def _delta_rule_backward(q, k, v, b, g, states, T, U, W, E, KK, P, l2, do, ds_final, scale, qk_eps, need_g, options):

@@ -10,7 +10,8 @@ place (:func:`resolve_strategy`) from the tensors' device:
   across chunks as a log-depth scan (``recurrence.py``): kernel launches grow with log N, not N.
   With half inputs the large products of the forward take their operands in that half dtype and
   accumulate in float32 (tensor cores on a GPU: :func:`mixed_bmm`); states, decays and triangular
-  solves stay float32.
+  solves stay float32. A formed factor (a state) is rounded to float16 only after an exact
+  power-of-two scale into its range (:func:`half_operand`).
 
 ``"auto"`` picks ``"cpu"`` on a CPU and ``"accelerator"`` on any other device (CUDA, MPS, XPU);
 the functional forms take ``strategy=`` to force either on any device (the tests run both on a
@@ -29,8 +30,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "half_operand", "mixed_bmm", "operand_dtype",
-           "resolve_strategy", "split_bmm"]
+__all__ = ["FLOAT16_TOP", "HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "half_operand", "mixed_bmm",
+           "operand_dtype", "resolve_strategy", "split_bmm"]
 
 STRATEGIES = ("auto", "cpu", "accelerator")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
