@@ -1,11 +1,17 @@
 """What the A/B comparison scripts share: the timing loop of those that interleave two versions of
 the package in one process (custom_ops/compare.py, custom_ops/channel_ab.py, one_engine/compare.py),
 and the earlier revision's checkout of those that run each version in processes of its own
-(first_call/first_call_ab.py, levels/levels_ab.py)."""
+(first_call/first_call_ab.py, levels/levels_ab.py), with :func:`both_sides` for those whose child
+prints one JSON result (the accuracy A/Bs: kda_energies/*.py, tensor_cores/float16_range.py and
+gradients.py)."""
+import argparse
 import contextlib
 import json
+import os
+import shlex
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +32,51 @@ def old_checkout(rev: str):
             yield sha, old / "src"
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+
+
+def run_child(child: str, src: Path, args: tuple[str, ...] = ()) -> object:
+    """``python -c child *args`` with ``src`` first on PYTHONPATH and 2 threads: the JSON value on
+    the last line it prints. SystemExit with its stderr when it fails."""
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", child, *args], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"the side at {src} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def both_sides(script: str, old_rev: str, child: str, args: tuple[str, ...] = ()) -> dict:
+    """:func:`run_child` on a checkout of ``old_rev`` and on this one: ``{"command", "old", "new",
+    "old_rows", "new_rows"}``, the shas short (the new one marked when ``src`` has uncommitted
+    changes) and the command that reproduces it (``script``: its path from the repository root)."""
+    new_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.strip()
+    with old_checkout(old_rev) as (old_sha, old_src):
+        old = run_child(child, old_src, args)
+    new = run_child(child, ROOT / "src", args)
+    return {"command": f"python {script} " + shlex.join(sys.argv[1:]), "old": old_sha[:7],
+            "new": new_sha + (" with uncommitted changes to src" if dirty else ""), "old_rows": old, "new_rows": new}
+
+
+def accuracy_ab(doc: str, script: str, name: str, child: str, args: tuple[str, ...] = ()) -> tuple[dict, Path]:
+    """The command line of an A/B whose child prints one JSON result (``OLD_REV --out DIR``; ``doc``:
+    the script's docstring, its first paragraph the help): :func:`both_sides`, written to
+    ``DIR/<name>.json``. Returns that result and DIR, for the script's table."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("old_rev")
+    ap.add_argument("--out", type=Path, required=True)
+    parsed = ap.parse_args()
+    res = both_sides(script, parsed.old_rev, child, args)
+    parsed.out.mkdir(parents=True, exist_ok=True)
+    (parsed.out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
+    return res, parsed.out
+
+
+def write_table(path: Path, lines: list[str]) -> None:
+    """An A/B's Markdown ``lines`` into ``path``, and printed."""
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def interleaved(f, new, old, calls: int) -> dict:

@@ -8,16 +8,11 @@ digits. Each side runs in a process of its own (this checkout, and a worktree of
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/benchmarks: ab.py
-from ab import ROOT, old_checkout  # noqa: E402
+from ab import accuracy_ab, write_table  # noqa: E402
 
 _CHILD = r"""
 import json, sys
@@ -62,29 +57,10 @@ print(json.dumps(rows))
 """
 
 
-def run_side(src: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"accuracy.py: the side at {src} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old_rev")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    command = "python docs/benchmarks/kda_energies/accuracy.py " + shlex.join(sys.argv[1:])
-    new_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-    with old_checkout(args.old_rev) as (old_sha, old_src):
-        old = run_side(old_src)
-    new = run_side(ROOT / "src")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "accuracy.json").write_text(json.dumps({"command": command, "old": old_sha, "new": new_sha,
-                                                        "old_rows": old, "new_rows": new}, indent=1) + "\n")
-    lines = [f"# Gradient error against the float64 reference: this checkout ({new_sha}) against {old_sha[:7]}", "",
+    res, out = accuracy_ab(__doc__, "docs/benchmarks/kda_energies/accuracy.py", "accuracy", _CHILD)
+    old, new, command = res["old_rows"], res["new_rows"], res["command"]
+    lines = [f"# Gradient error against the float64 reference: this checkout ({res['new']}) against {res['old']}", "",
              f"Written by `{command}`; do not edit by hand. float32 against float64 "
              "(`delta_rule_attention_reference`), B = 1, H = 2, D = 32, log decays -U(0, s), "
              "resets: every channel's log decay -1e4 at N/3; ||grad - ref|| / ||ref|| of a weighted sum's gradient.",
@@ -95,8 +71,7 @@ def main() -> None:
         lines.append(f"| {o['gate']} | {o['strategy']} | {o['n']} | {o['scale_g']} | {o['resets']} | "
                      f"{eo['log_decay']:.1e} | {en['log_decay']:.1e} | {en['log_decay'] / eo['log_decay']:.1f} | "
                      f"{eo['k']:.1e} | {en['k']:.1e} |")
-    (args.out / "accuracy.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(out / "accuracy.md", lines)
 
 
 if __name__ == "__main__":

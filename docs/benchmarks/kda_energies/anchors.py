@@ -15,16 +15,11 @@ telescoping's float64 rounding is below 1e-12 of these errors.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/benchmarks: ab.py
-from ab import ROOT, old_checkout  # noqa: E402
+from ab import accuracy_ab, write_table  # noqa: E402
 
 _CHILD = r"""
 import json
@@ -65,33 +60,11 @@ print(json.dumps(rows))
 """
 
 
-def run_side(src: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"anchors.py: the side at {src} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old_rev")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    command = "python docs/benchmarks/kda_energies/anchors.py " + shlex.join(sys.argv[1:])
-    new_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.strip()
-    with old_checkout(args.old_rev) as (old_sha, old_src):
-        old = run_side(old_src)
-    new = run_side(ROOT / "src")
-    args.out.mkdir(parents=True, exist_ok=True)
-    label = new_sha + (" with uncommitted changes to src" if dirty else "")
-    (args.out / "anchors.json").write_text(json.dumps({"command": command, "old": old_sha, "new": label,
-                                                       "old_rows": old, "new_rows": new}, indent=1) + "\n")
+    res, out = accuracy_ab(__doc__, "docs/benchmarks/kda_energies/anchors.py", "anchors", _CHILD)
+    old, new, command = res["old_rows"], res["new_rows"], res["command"]
     worst = {side: max(r["dlog_decay"] for r in rows) for side, rows in (("old", old), ("new", new))}
-    lines = [f"# The log decay's gradient over long sequences: this checkout ({label}) against {old_sha[:7]}", "",
+    lines = [f"# The log decay's gradient over long sequences: this checkout ({res['new']}) against {res['old']}", "",
              f"Written by `{command}`; do not edit by hand. float32 against float64 (the chunked form in "
              "float64, see the script), B = 1, H heads D wide (Dv = D), log decays -U(0, s) per head or per key "
              "channel, default chunk sizes and blocks; ||grad - ref|| / ||ref|| of a weighted sum's log-decay "
@@ -102,8 +75,7 @@ def main() -> None:
         assert all(o[key] == n[key] for key in ("gate", "H", "D", "n", "scale_g", "strategy"))
         lines.append(f"| {o['gate']} | {o['H']} x {o['D']} | {o['n']} | {o['scale_g']} | {o['strategy']} | "
                      f"{o['dlog_decay']:.1e} | {n['dlog_decay']:.1e} | {n['dlog_decay'] / o['dlog_decay']:.2f} |")
-    (args.out / "anchors.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(out / "anchors.md", lines)
 
 
 if __name__ == "__main__":

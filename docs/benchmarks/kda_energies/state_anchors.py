@@ -16,16 +16,11 @@ recurrence to about 1e-15 in the tests).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/benchmarks: ab.py
-from ab import ROOT, old_checkout  # noqa: E402
+from ab import accuracy_ab, write_table  # noqa: E402
 
 _CHILD = r"""
 import json
@@ -61,28 +56,9 @@ print(json.dumps(rows))
 """
 
 
-def run_side(src: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"state_anchors.py: the side at {src} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old_rev")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    command = "python docs/benchmarks/kda_energies/state_anchors.py " + shlex.join(sys.argv[1:])
-    new_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-    with old_checkout(args.old_rev) as (old_sha, old_src):
-        old = run_side(old_src)
-    new = run_side(ROOT / "src")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "state_anchors.json").write_text(json.dumps({"command": command, "old": old_sha, "new": new_sha,
-                                                             "old_rows": old, "new_rows": new}, indent=1) + "\n")
+    res, out = accuracy_ab(__doc__, "docs/benchmarks/kda_energies/state_anchors.py", "state_anchors", _CHILD)
+    old, new, command = res["old_rows"], res["new_rows"], res["command"]
 
     def worst(errors):
         name = max(errors, key=errors.get)
@@ -90,8 +66,8 @@ def main() -> None:
 
     cells = {(side, r["gate"], r["n"], r["dtype"], r["strategy"]): worst(r["errors"])
              for side, rows in (("old", old), ("new", new)) for r in rows}
-    lines = [f"# The delta rule's gradients over long sequences on the accelerator: this checkout ({new_sha}) "
-             f"against {old_sha[:7]}", "",
+    lines = [f"# The delta rule's gradients over long sequences on the accelerator: this checkout ({res['new']}) "
+             f"against {res['old']}", "",
              f"Written by `{command}`; do not edit by hand. B = 1, H = 2, D = 32, weak decays; inputs and error in "
              "the script's docstring. Each cell: the largest relative error of the gradients against float64, and "
              "whose; accelerator / cpu: how many times the CPU strategy's.", "",
@@ -105,8 +81,7 @@ def main() -> None:
         (o_t, o), (n_t, n) = cells[("old", *key, "accelerator")], cells[("new", *key, "accelerator")]
         lines.append(f"| {r['gate']} | {r['n']} | {r['dtype']} | {cpu_t} | {o_t} | {n_t} | {o / ocpu:.1f} | "
                      f"{n / cpu:.1f} |")
-    (args.out / "state_anchors.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(out / "state_anchors.md", lines)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,11 @@ Error: ||out - ref|| / ||ref||, ref the form in float64 on the CPU strategy.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/benchmarks: ab.py
-from ab import ROOT, old_checkout  # noqa: E402
+from ab import accuracy_ab, write_table  # noqa: E402
 
 _CHILD = r"""
 import json, math
@@ -63,33 +58,14 @@ print(json.dumps(rows))
 """
 
 
-def run_side(src: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"float16_range.py: the side at {src} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old_rev")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    command = "python docs/benchmarks/tensor_cores/float16_range.py " + shlex.join(sys.argv[1:])
-    new_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-    with old_checkout(args.old_rev) as (old_sha, old_src):
-        old = run_side(old_src)
-    new = run_side(ROOT / "src")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "float16_range.json").write_text(json.dumps({"command": command, "old": old_sha, "new": new_sha,
-                                                             "old_rows": old, "new_rows": new}, indent=1) + "\n")
+    res, out = accuracy_ab(__doc__, "docs/benchmarks/tensor_cores/float16_range.py", "float16_range", _CHILD)
+    old, new, command = res["old_rows"], res["new_rows"], res["command"]
 
     def err(r):
         return f"{r['error']:.1e}" if r["error"] is not None else "-"
 
-    lines = [f"# Half inputs past float16's range on the accelerator: this checkout ({new_sha}) against {old_sha[:7]}",
+    lines = [f"# Half inputs past float16's range on the accelerator: this checkout ({res['new']}) against {res['old']}",
              "", f"Written by `{command}`; do not edit by hand. N = 65536, one head 16 wide, the accelerator strategy "
              "forced on this CPU; the inputs are in the script's docstring. Error against float64; the largest "
              "|output| shows that float16 can hold every output.", "",
@@ -99,8 +75,7 @@ def main() -> None:
         assert (o["form"], o["dtype"]) == (n["form"], n["dtype"])
         lines.append(f"| {o['form']} | {o['dtype']} | {n['ref_max']:.3g} | {o['finite']} / {n['finite']} | "
                      f"{err(o)} | {err(n)} |")
-    (args.out / "float16_range.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(out / "float16_range.md", lines)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,12 @@ CPU strategy, for each of q, k, v (and beta); the table gives the largest and wh
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # docs/benchmarks: ab.py
-from ab import ROOT, old_checkout  # noqa: E402
+from ab import accuracy_ab, write_table  # noqa: E402
 
 # (form, N, mean of v, log-decay scale s)
 CASES = [("linear", 4096, 0.0, 0.0), ("linear", 4096, 3.0, 0.0), ("linear", 16384, 3.0, 0.0),
@@ -87,35 +83,16 @@ print(json.dumps(rows))
 """
 
 
-def run_side(src: Path) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CASES)], env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"gradients.py: the side at {src} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _worst(errors: dict) -> tuple[str, float]:
     name = max(errors, key=errors.get)
     return name, errors[name]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("old_rev")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    command = "python docs/benchmarks/tensor_cores/gradients.py " + shlex.join(sys.argv[1:])
-    new_sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-    with old_checkout(args.old_rev) as (old_sha, old_src):
-        old = run_side(old_src)
-    new = run_side(ROOT / "src")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gradients.json").write_text(json.dumps({"command": command, "old": old_sha, "new": new_sha,
-                                                         "old_rows": old, "new_rows": new}, indent=1) + "\n")
+    res, out = accuracy_ab(__doc__, "docs/benchmarks/tensor_cores/gradients.py", "gradients", _CHILD, (json.dumps(CASES),))
+    old, new, command = res["old_rows"], res["new_rows"], res["command"]
     lines = [f"# Gradients with half inputs: the accelerator strategy against the CPU strategy, this checkout "
-             f"({new_sha}) against {old_sha[:7]}", "",
+             f"({res['new']}) against {res['old']}", "",
              f"Written by `{command}`; do not edit by hand. The inputs and the error are in the script's docstring "
              "(B = 1, H = 2, D = 64). Each cell: the largest relative error of the inputs' gradients against float64, "
              "and whose. accelerator / cpu: how many times the CPU strategy's error (which is the half dtype's own).",
@@ -134,8 +111,7 @@ def main() -> None:
         _, ocpu = _worst(by[("old", *key, "cpu")])
         lines.append(f"| {r['form']} | {r['n']} | {r['mean']:g} | {r['s']:g} | {r['dtype']} | {cpu:.1e} ({cpu_name}) | "
                      f"{o:.1e} ({on}) | {n:.1e} ({nn_}) | {o / ocpu:.1f} | {n / cpu:.1f} |")
-    (args.out / "gradients.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(out / "gradients.md", lines)
 
 
 if __name__ == "__main__":
