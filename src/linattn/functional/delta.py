@@ -108,7 +108,8 @@ from .decayed_state import DecayedState, check_decayed_state, result_without_pos
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
 from .recurrence import chunk_recurrence
-from .strategy import EngineOptions, check_strategy, half_operand, mixed_bmm, operand_dtype, resolve_strategy, split_bmm
+from .strategy import (EngineOptions, check_strategy, half_operand, mixed_bmm, operand_dtype, parts_bmm, resolve_strategy,
+                       split_bmm)
 from .sharding import ShardForm, ShardPart
 from .varlen import check_cu_seqlens, int64_offsets, varlen_layout
 
@@ -567,12 +568,7 @@ def _outputs_by_scan(x: _Scores, sol: _Solved, S: Tensor, n: int, operand: torch
                               consume=True)  # (n + 1, R, D, Dv)
     # the states rounded once for both of their products (float16: scaled into its range, then back)
     parts, scale = half_operand(states[:n].reshape(m, D, Dv), operand, split=True)
-    WS = mixed_bmm(sol.W, parts[0], operand)
-    if len(parts) > 1:
-        WS.add_(mixed_bmm(sol.W, parts[1], operand))
-    QS = mixed_bmm(x.GQ, parts[0], operand)
-    if scale is not None:
-        WS, QS = WS.div_(scale), QS.div_(scale)
+    WS, QS = parts_bmm(sol.W, parts, scale, operand), parts_bmm(x.GQ, parts[:1], scale, operand)
     U = sol.U.sub_(WS)  # the pseudo-values, in place (the backward reads them)
     S.copy_(states[n])
     if anchors is not None:
@@ -721,18 +717,18 @@ def _block_backward(q, k, v, b, g, start, end, sol, st, do, dst, need_g, scale, 
     dOS, mdRw = buf("dO S^T", m, C, D), buf("-dRw", m, C, D)  # mdRw: the sign rides on its factors
     energy = None
     by_row = x.channel is not None
-    first = n % ANCHOR_SPAN or ANCHOR_SPAN  # the first span's end
     if accelerator:
         states = _state_products_by_scan(x, U, start, dof, dRv, n, dOS, mdRw, anchors)
         if need_g and x.gC is not None:
-            energy = _Anchors(_state_dots(states[first::ANCHOR_SPAN], dst[first::ANCHOR_SPAN], by_row), ANCHOR_SPAN)
+            ends = slice(_anchor_steps(n).start, n + 1, ANCHOR_SPAN)  # the anchors and the block's end
+            energy = _Anchors(_state_dots(states[ends], dst[ends], by_row), ANCHOR_SPAN)
         del states  # every chunk's state: freed before the gradients' temporaries are formed
     else:
         if need_g and x.gC is not None:
             energy = _Anchors(dst.new_empty(-(-n // ANCHOR_SPAN), R, *((D,) if by_row else ())), ANCHOR_SPAN)
             _state_dots(end[None], dst[n:], by_row, out=energy.values[-1:])
         _state_products_by_loop(x, U, start, st, dof, dRv, n, dOS, mdRw,
-                                None if energy is None else (energy.values, first, by_row, dst))
+                                None if energy is None else (energy.values, by_row, dst))
     # [dO; dRv] U^T = [dP; -dA] (dP: d loss / d P)
     XU = torch.bmm(do, U.transpose(1, 2), out=buf("[dO; dRv] U^T", m, 2 * C, C))
     qf, kf, vf, bf = q, k, v, b
@@ -784,9 +780,9 @@ def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO
     (docs/benchmarks/README.md, History), and the update S^T <- gamma_C S^T + U^T Kd reads U^T as a
     left factor, which costs nothing; gamma_C, per head or per key channel, scales S^T's columns.
 
-    ``anchors``: None, or ``(values, first, by_row, dS)``: the exact energies ``<S_b, dS_b>`` of the
-    states before chunks ``b = first, first + ANCHOR_SPAN, ... < n`` go into ``values[0], values[1],
-    ...`` as the loop forms them (:class:`_Anchors`; ``dS (n + 1, R, D, Dv)`` the state gradients)."""
+    ``anchors``: None, or ``(values, by_row, dS)``: the exact energies ``<S_b, dS_b>`` of the states
+    before the chunks b of :func:`_anchor_steps` go into ``values[0], values[1], ...`` as the loop
+    forms them (:class:`_Anchors`; ``dS (n + 1, R, D, Dv)`` the state gradients)."""
     m, C, D = x.Kd.shape
     R, Dv = start.shape[0], start.shape[-1]
     Ul, Kdl = U.view(n, R, C, Dv).unbind(), x.Kd.view(n, R, C, D).unbind()
@@ -794,10 +790,11 @@ def _state_products_by_loop(x: _Scores, U: Tensor, start: Tensor, st: Tensor, dO
     dol, dRvl = dO.view(n, R, C, Dv).unbind(), dRv.view(n, R, C, Dv).unbind()
     gCT = None if x.gC is None else x.gC.view(n, R, 1, -1).unbind()  # (R, 1, 1 | D): scales S^T's columns
     ST = st.copy_(start.transpose(1, 2))
+    anchored = range(n)[_anchor_steps(n)] if anchors is not None else range(0)
     for c in range(n):
-        if anchors is not None and c >= anchors[1] and (c - anchors[1]) % ANCHOR_SPAN == 0:
-            values, first, by_row, dS = anchors
-            j = (c - first) // ANCHOR_SPAN
+        if c in anchored:
+            values, by_row, dS = anchors
+            j = anchored.index(c)
             _state_dots(ST.transpose(1, 2)[None], dS[c:c + 1], by_row, out=values[j:j + 1])
         torch.bmm(dol[c], ST, out=dOSl[c])
         torch.bmm(dRvl[c], ST, out=mdRwl[c])

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["FLOAT16_TOP", "HALF_OPERANDS", "STRATEGIES", "EngineOptions", "check_strategy", "half_operand", "mixed_bmm",
-           "operand_dtype", "resolve_strategy", "split_bmm"]
+           "operand_dtype", "parts_bmm", "resolve_strategy", "split_bmm"]
 
 STRATEGIES = ("auto", "cpu", "accelerator")
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,6 +166,17 @@ def half_operand(b: Tensor, operand: torch.dtype | None, *, split: bool = False
     return (hi, torch.sub(b, hi.float()).to(operand)), scale
 
 
+def parts_bmm(a: Tensor, parts: tuple[Tensor, ...], scale: Tensor | None, operand: torch.dtype | None,
+              out: Tensor | None = None) -> Tensor:
+    """``a b`` for ``b`` as :func:`half_operand` gave it, ``(parts, scale)``: the :func:`mixed_bmm`
+    products with each part summed, divided by ``scale`` when there is one; into ``out`` when given.
+    Pass ``parts[:1]`` for b rounded once where its lower part is not needed."""
+    product = mixed_bmm(a, parts[0], operand, out=out)
+    for part in parts[1:]:
+        product.add_(mixed_bmm(a, part, operand))
+    return product if scale is None else product.div_(scale)
+
+
 def split_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | None = None) -> Tensor:
     """:func:`mixed_bmm` with ``b`` carried in two half parts, ``b_hi`` (b rounded) and ``b_lo`` (the
     rounding error, rounded): ``a b_hi + a b_lo``, two half products whose result keeps about twice
@@ -175,6 +186,4 @@ def split_bmm(a: Tensor, b: Tensor, operand: torch.dtype | None, out: Tensor | N
     docs/benchmarks/tensor_cores). Into ``out`` when given."""
     if operand is None:
         return torch.bmm(a, b, out=out)
-    (hi, lo), scale = half_operand(b, operand, split=True)  # float16: b scaled into its range
-    product = mixed_bmm(a, hi, operand, out=out).add_(mixed_bmm(a, lo, operand))
-    return product if scale is None else product.div_(scale)
+    return parts_bmm(a, *half_operand(b, operand, split=True), operand, out=out)  # float16: b scaled into range
