@@ -1,12 +1,14 @@
 """What a computation does below Python, counted under a ``TorchDispatchMode``: the dtypes of every
 op's tensors (float64 has no place in a fast form: MPS has none, consumer GPUs run it at 1/32 to
-1/64 of float32) and the host reads of tensor values (each one stalls a GPU until its queue drains).
+1/64 of float32), the host reads of tensor values (each one stalls a GPU until its queue drains)
+and the ops that CUDA refuses while deterministic algorithms are on (a CPU runs them regardless).
 
 Used by the portability tests (issue 29) and to measure where the code stands before a change.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -17,7 +19,8 @@ from torch.utils._pytree import tree_flatten
 
 from linattn.functional.checks import ENGINE_OPS
 
-__all__ = ["HOST_METHODS", "HOST_READS", "OpProbe", "VALUE_SHAPED", "reads_host"]
+__all__ = ["HOST_METHODS", "HOST_READS", "OpProbe", "VALUE_SHAPED", "deterministic_algorithms", "reads_host",
+           "refused_by_cuda"]
 
 # The ATen ops that copy a tensor's value to the host: `.item()`, `bool(t)`, `int(t)`, `.tolist()`
 # and Python control flow on a tensor all end in one of them. `item` itself is seen where a mode is
@@ -38,6 +41,41 @@ def reads_host(name: str, args, kwargs) -> bool:
     if name == "aten.repeat_interleave.Tensor":  # without output_size the total is read
         return (kwargs or {}).get("output_size") is None
     return False
+
+
+# The ops that torch.use_deterministic_algorithms(True) makes raise on a CUDA tensor (its docstring's
+# list, the array ops among it) and that run on a CPU without a word: a CPU test sees them only here.
+_CUDA_REFUSES = ("aten.histc.", "aten.median.dim", "aten.put_.", "aten.put.")
+
+
+def refused_by_cuda(name: str, args, kwargs) -> bool:
+    """Whether CUDA would refuse the op ``name`` with ``args, kwargs`` while deterministic algorithms
+    are on: a floating or complex cumsum (no deterministic kernel), a weighted bincount, a scatter
+    reduce by product, and the ops of ``_CUDA_REFUSES``."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return False
+    if name.startswith("aten.cumsum"):
+        return args[0].is_floating_point() or args[0].is_complex()
+    if name.startswith("aten.bincount"):
+        return (args[1] if len(args) > 1 else (kwargs or {}).get("weights")) is not None
+    if name.startswith("aten.scatter_reduce"):
+        return "prod" in [a for a in args if isinstance(a, str)] + [(kwargs or {}).get("reduce")]
+    return name.startswith(_CUDA_REFUSES)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True)`` within the block (as transformers'
+    ``full_determinism`` sets it), the previous setting restored after. CUDA then refuses the ops of
+    :func:`refused_by_cuda`, and on every device ``torch.empty`` fills floats with NaN
+    (``torch.utils.deterministic.fill_uninitialized_memory``): a read of memory that nothing wrote
+    shows as NaN, where on a CPU fresh pages are zeros and would hide it."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 # Tensor methods that copy values to the host without an ATen op on a CPU tensor (on an
@@ -61,9 +99,10 @@ class OpProbe(TorchDispatchMode):
     """Within the block, record every ATen op that runs (autograd's backward included):
     ``ops`` counts them by name, ``float64_ops`` those with a float64 tensor among their inputs or
     outputs, ``host_reads`` those that read a tensor's value on the host (:func:`reads_host`, and
-    the methods :data:`HOST_METHODS`). An engine's operator (``EngineOp``) is one opaque call to a
-    dispatch mode; ``engines=True`` runs its kernel under the probe instead, so that the ops inside
-    the engines are counted too."""
+    the methods :data:`HOST_METHODS`), ``cuda_refusals`` those that CUDA would refuse under
+    deterministic algorithms (:func:`refused_by_cuda`). An engine's operator (``EngineOp``) is one
+    opaque call to a dispatch mode; ``engines=True`` runs its kernel under the probe instead, so
+    that the ops inside the engines are counted too."""
 
     def __init__(self, *, engines: bool = False) -> None:
         super().__init__()
@@ -71,6 +110,7 @@ class OpProbe(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self.float64_ops: Counter[str] = Counter()
         self.host_reads: Counter[str] = Counter()
+        self.cuda_refusals: Counter[str] = Counter()
         self._methods = _MethodProbe(self)
 
     def __enter__(self):
@@ -97,6 +137,8 @@ class OpProbe(TorchDispatchMode):
             self.float64_ops[name] += 1
         if reads_host(name, args, kwargs):
             self.host_reads[name] += 1
+        if refused_by_cuda(name, args, kwargs):
+            self.cuda_refusals[name] += 1
         return out
 
     @property

@@ -64,3 +64,16 @@ def test_extreme_logits_sample_without_nan():
     for t in (1.0, 1e-45, 1e30):
         picks = _sample(logits.expand(200, 4), t, None, None, torch.Generator().manual_seed(0))
         assert picks.min() >= 0 and picks.max() < 4
+
+
+def test_sampling_under_deterministic_algorithms_calls_nothing_cuda_refuses():
+    """Nucleus sampling's running sum of probabilities under torch.use_deterministic_algorithms(True):
+    no floating cumsum (CUDA refuses one then), and the same tokens from the same generator."""
+    from probes import OpProbe, deterministic_algorithms
+
+    lm = _lm(torch.float32)
+    want = lm.generate(_prompt(), 6, top_p=0.7, generator=torch.Generator().manual_seed(3))
+    with deterministic_algorithms(), OpProbe(engines=True) as p:
+        got = lm.generate(_prompt(), 6, top_p=0.7, generator=torch.Generator().manual_seed(3))
+    assert not p.cuda_refusals, dict(p.cuda_refusals)
+    assert torch.equal(got, want)

@@ -2,12 +2,14 @@
 that are already portable: no float64 op and no host read in a float32 forward+backward. A form
 that starts using either fails here (issue 29 extends the list as the others are made portable)."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import linattn
-from probes import OpProbe
+from probes import OpProbe, deterministic_algorithms
 
 
 def test_the_probe_sees_host_reads_and_float64():
@@ -167,3 +169,31 @@ def test_the_engines_read_nothing_from_the_host_inside(strategy):
         with OpProbe(engines=True) as p:
             fn(*tensors).sum().backward()
         assert p.n_host_reads == 0 and not p.float64_ops, (name, p.host_reads, p.float64_ops)
+
+
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+def test_every_form_of_bench_gpu_runs_under_deterministic_algorithms(strategy):
+    """transformers' full_determinism (torch.use_deterministic_algorithms(True)) on a GPU: every
+    chunked form of bench gpu (KDA and Mamba-2's SSD route included), forward+backward at 211
+    positions, calls no op that CUDA refuses then (a floating cumsum raised there), inside the
+    engines too; with every uninitialised float NaN, its output and gradients are finite and those
+    of the same call without deterministic algorithms."""
+    from linattn.bench.gpu import KERNEL_FORMS, form_function, form_projection, make_inputs, widths
+
+    for name, form in KERNEL_FORMS.items():
+        heads, head_dim, state = widths(form, True)
+        tensors = make_inputs(form, 211, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"),
+                              state=state)
+        fn = form_function(form, strategy=strategy, projection=form_projection(form, head_dim), chunk_size=32)
+        leaves = [t.requires_grad_() for t in tensors if t.is_floating_point()]
+        runs = []
+        for deterministic in (False, True):
+            with deterministic_algorithms() if deterministic else contextlib.nullcontext(), \
+                    OpProbe(engines=True) as p:
+                out = fn(*tensors)
+                grads = torch.autograd.grad(out.sum(), leaves)
+            runs.append([out, *grads])
+        assert not p.cuda_refusals, (name, dict(p.cuda_refusals))
+        for got, want in zip(*runs[::-1]):
+            assert torch.isfinite(got).all(), name
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name

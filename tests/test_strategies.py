@@ -15,9 +15,9 @@ from linattn.functional.delta import delta_rule_attention_reference
 from linattn.functional.gated import gated_linear_attention_reference
 from linattn.functional.linear import LinearAttentionState, linear_attention_reference
 from linattn.functional.favor import favor_attention_reference
-from linattn.functional.recurrence import chunk_recurrence, chunk_recurrence_reference
+from linattn.functional.recurrence import chunk_recurrence, chunk_recurrence_reference, prefix_sums, prefix_sums_
 from linattn.functional.strategy import EngineOptions, check_strategy, mixed_bmm, operand_dtype, resolve_strategy
-from probes import OpProbe
+from probes import OpProbe, deterministic_algorithms
 
 f64 = torch.float64
 
@@ -253,6 +253,50 @@ def test_forced_accelerator_with_grouped_heads_equals_the_reference(form):
     for name in grads:
         want = rg[name].unflatten(1, (2, 2)).sum(2) if name in ("q", "k") else rg[name]
         assert rel(grads[name], want) < 1e-9, (form, name)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+def test_under_deterministic_algorithms_every_form_runs_as_cuda_would_and_reads_only_what_it_wrote(form, strategy):
+    """With torch.use_deterministic_algorithms(True) (transformers' full_determinism): no op that
+    CUDA refuses then (a floating cumsum raised there), inside the engines too, and, with every
+    uninitialised float NaN on a CPU too, outputs, states and gradients still equal the float64
+    reference: nothing reads memory that nothing wrote. 45 positions in chunks of 8: a chunk
+    count that is no power of two, the last chunk cut short."""
+    t = _inputs(form, 1, 2, 45, 6, f64, seed=11)
+    ro, rs, rgrads = _loss_and_grads(form, t, None)
+    with deterministic_algorithms(), OpProbe(engines=True) as p:
+        o, s, grads = _loss_and_grads(form, t, strategy)
+    assert not p.cuda_refusals, (form, dict(p.cuda_refusals))
+    assert rel(o, ro) < 1e-10, form
+    if rs is not None:
+        assert rel(s, rs) < 1e-10, form
+    for name in grads:
+        assert rel(grads[name], rgrads[name]) < 1e-9, (form, name)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 8, 64, 100])
+def test_prefix_sums_under_deterministic_algorithms_equal_cumsum_without_one(n):
+    """prefix_sums and prefix_sums_ are cumsum, one op, outside deterministic algorithms; inside,
+    a floating one is a scan of adds (no cumsum, which CUDA would refuse) equal to cumsum to
+    rounding, along any dimension, and an integer one still the exact cumsum."""
+    x = torch.randn(3, n, 4, dtype=f64)
+    ints = torch.arange(2 * n).view(2, n)
+    with OpProbe() as p:
+        plain = prefix_sums(x, 1)
+    assert torch.equal(plain, x.cumsum(1)) and dict(p.ops) == {"aten.cumsum.default": 1}
+    with deterministic_algorithms(), OpProbe() as p:
+        got = prefix_sums(x, 1)
+        last = prefix_sums(x.transpose(1, 2), -1)
+        inplace = x.clone()
+        same = prefix_sums_(inplace, 1)
+        counted = prefix_sums(ints, -1)
+    assert not p.cuda_refusals and p.ops["aten.cumsum.default"] == 1  # the integer sums only
+    assert same is inplace and torch.equal(inplace, got)
+    assert torch.equal(counted, ints.cumsum(-1))
+    assert got.shape == x.shape and last.shape == (3, 4, n)
+    if n:
+        assert rel(got, x.cumsum(1)) < 1e-14 and rel(last, x.transpose(1, 2).cumsum(-1)) < 1e-14
 
 
 PACKED = ["delta_none", "delta_head", "delta_channel", "gla_head", "gla_channel", "linear_elu", "favor_softmax"]

@@ -307,6 +307,25 @@ def test_a_few_optimizer_steps_lower_the_loss(name):
     assert losses[-1] < losses[0] - 0.05, losses
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_training_step_under_full_determinism_calls_nothing_cuda_refuses(name):
+    """transformers' full_determinism (torch.use_deterministic_algorithms(True)) on a GPU: a training
+    step of every family on linattn calls no op that CUDA refuses then (a floating cumsum raised
+    there, from linattn's engines); with every uninitialised float NaN, its loss and gradients are
+    those of the same step without it. The experts run eagerly: transformers' grouped MoE kernels
+    (histc, cumsum) are refused there too, by transformers' own code."""
+    from probes import OpProbe, deterministic_algorithms
+
+    _, ours = _pair(name, experts_implementation="eager")
+    ids = torch.randint(3, 99, (2, 37), generator=torch.Generator().manual_seed(8))
+    logits, grads = _loss_and_grads(ours, ids)
+    with deterministic_algorithms(), OpProbe(engines=True) as p:
+        det_logits, det_grads = _loss_and_grads(ours, ids)
+    assert not p.cuda_refusals, dict(p.cuda_refusals)
+    assert all(torch.isfinite(g).all() for g in det_grads.values())
+    _assert_same(logits, grads, det_logits, det_grads, 1e-5)
+
+
 def test_saved_model_loads_without_linattn(tmp_path):
     _, ours = _pair("qwen3_5")
     ours.save_pretrained(tmp_path)

@@ -54,7 +54,7 @@ from .chunks import ChunkLayout, cumsum_in_chunks
 from .feature_maps import ELEMENTWISE_MAPS
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_low
 from .normaliser import guarded_normaliser, normaliser_floor
-from .recurrence import chunk_recurrence
+from .recurrence import chunk_recurrence, prefix_sums, prefix_sums_
 from .strategy import EngineOptions, mixed_bmm, operand_dtype, resolve_strategy, split_bmm
 
 __all__ = ["CHUNK_SIZES", "ChannelDecays", "channel_decays", "channel_scores", "channel_scores_backward", "decayed_product",
@@ -113,7 +113,7 @@ def _exclusive_chunk_sums(contrib: Tensor, start: Tensor | None) -> tuple[Tensor
     else:
         out[:, 0].copy_(start)
     out[:, 1:].copy_(contrib[:, :-1])
-    out.cumsum_(1)  # in place: [s0, c0, c1, ...] -> [s0, s0 + c0, s0 + c0 + c1, ...]
+    prefix_sums_(out, 1)  # in place: [s0, c0, c1, ...] -> [s0, s0 + c0, s0 + c0 + c1, ...]
     return out, out[:, -1] + contrib[:, -1]
 
 
@@ -172,7 +172,7 @@ def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None, op
         return o, s_final, None, None, None
     z_excl, z_final = x.z_states()
     d = torch.bmm(x.a, z_excl.unsqueeze(-1)).squeeze(-1).add_(scores.sum(-1))
-    z_seen = x.k.cumsum(1).add_(z_excl.unsqueeze(1))  # (R*Nc, C, F): z_i at every position
+    z_seen = prefix_sums(x.k, 1).add_(z_excl.unsqueeze(1))  # (R*Nc, C, F): z_i at every position
     return o, s_final, d, z_final, normaliser_floor(x.a, z_seen).squeeze(-1)
 
 

@@ -107,7 +107,7 @@ from .chunks import ChunkLayout, TileBuffers, cumsum_in_chunks
 from .decayed_state import DecayedState, check_decayed_state, result_without_positions
 from .decayed import channel_decays, channel_scores, channel_scores_backward, sub_chunk_length
 from .log_decays import RESET_LOG_DECAY, CumulativeLogDecay, flush_negligible, negligible_decay
-from .recurrence import chunk_recurrence
+from .recurrence import chunk_recurrence, prefix_sums
 from .strategy import (EngineOptions, check_strategy, half_operand, mixed_bmm, operand_dtype, parts_bmm, resolve_strategy,
                        split_bmm)
 from .sharding import ShardForm, ShardPart
@@ -907,7 +907,7 @@ def _energies(anchors: _Anchors, change: Tensor) -> Tensor:
     if pad:
         change = torch.cat([change.new_zeros(pad, *change.shape[1:]), change])
     spans = change.view(G, span, *change.shape[1:])
-    later = spans.flip(1).cumsum(1).flip(1).sub_(spans)  # sum over the span's chunks after each
+    later = prefix_sums(spans.flip(1), 1).flip(1).sub_(spans)  # sum over the span's chunks after each
     return later.add_(values.unsqueeze(1)).view(G * span, *change.shape[1:])[pad:]
 
 

@@ -72,6 +72,7 @@ from .strategy import check_strategy, resolve_strategy
 from .gated import gated_linear_attention
 from .linear import LinearAttentionState, causal_linear_product, check_linear_state
 from .normaliser import divide_by_normaliser_, normalise, normaliser_floor
+from .recurrence import prefix_sums
 from .sharding import ShardForm, ShardPart
 from .varlen import VarlenLayout, check_cu_seqlens, segment_cumsum, varlen_layout
 
@@ -444,7 +445,7 @@ def _favor(fn, q, k, v, projection, kernel, features, causal, mask, scale, initi
             s0 = s0 * torch.exp(log_scale0)[..., None, None]
         if lay is None:
             o, s_final = causal_linear_product(qf, kf, w, s0, chunk_size=chunk_size, strategy=strategy)
-            z_seen = kf.detach().cumsum(2)  # (B, H, N, m): the normaliser state at each position
+            z_seen = prefix_sums(kf.detach(), 2)  # (B, H, N, m): the normaliser state at each position
             if s0 is not None:
                 z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)
         else:  # packed: the gated engine, no decay, reset at every document (varlen.py)

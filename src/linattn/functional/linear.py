@@ -42,6 +42,7 @@ from .decayed import decayed_product
 from .decayed_state import DecayedState
 from .feature_maps import ELEMENTWISE_MAPS, FeatureMap, resolve_feature_map
 from .gated import gated_linear_attention
+from .recurrence import prefix_sums
 from .strategy import check_strategy
 from .sharding import ShardForm, ShardPart
 from .normaliser import (
@@ -364,7 +365,7 @@ def _linear_attention(fn, q, k, v, feature_map, causal, key_padding_mask, initia
         w = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         o = (qf @ kf.transpose(-1, -2)).tril_() @ w
         s_final = kf.transpose(-1, -2) @ w
-        z_seen = kf.detach().cumsum(2)  # (B, H, N, F): the normaliser state at each position
+        z_seen = prefix_sums(kf.detach(), 2)  # (B, H, N, F): the normaliser state at each position
         if s0 is not None:
             o, s_final = o + qf @ s0, s_final + s0
             z_seen = z_seen + s0[..., dv].detach().unsqueeze(-2)

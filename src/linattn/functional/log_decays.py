@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .recurrence import prefix_sums_
+
 __all__ = ["NEGLIGIBLE_DECAY", "NEGLIGIBLE_DECAY_FLOAT32", "RESET_LOG_DECAY", "RESET_STEP", "CumulativeLogDecay",
            "flush_low", "flush_negligible", "negligible_decay"]
 
@@ -98,7 +100,7 @@ class CumulativeLogDecay:
         """The cumulative sums along ``dim`` of the log decays ``g`` (<= 0, -inf allowed), in g's dtype."""
         reset = g < RESET_LOG_DECAY
         # where, not masked_fill: one pass (an out-of-place masked_fill is a copy, then the fill)
-        return CumulativeLogDecay(torch.where(reset, 0.0, g).cumsum(dim), reset.to(g.dtype).cumsum(dim))
+        return CumulativeLogDecay(prefix_sums_(torch.where(reset, 0.0, g), dim), prefix_sums_(reset.to(g.dtype), dim))
 
     @property
     def shape(self) -> torch.Size:

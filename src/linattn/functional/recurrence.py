@@ -32,6 +32,12 @@ decay earlier in the sequence.
 
 Which strategy a call runs is chosen in one place, ``strategy.py``.
 
+Prefix sums (the identity transition, and every cumulative sum of the engines: log decays, the
+normaliser's key sums) go through :func:`prefix_sums` / :func:`prefix_sums_`: ``cumsum``, except
+while deterministic algorithms are on (``torch.use_deterministic_algorithms``, which transformers'
+``full_determinism`` sets), where CUDA refuses a floating cumsum (it has no deterministic kernel)
+and a log-depth scan of adds takes its place on every device.
+
 Dimension legend: Nc chunks, R rows (B*H), D state rows (query/key width), Dv state columns.
 """
 
@@ -42,7 +48,38 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["chunk_recurrence", "chunk_recurrence_reference"]
+__all__ = ["chunk_recurrence", "chunk_recurrence_reference", "prefix_sums", "prefix_sums_"]
+
+
+def _refused_cumsum(x: Tensor) -> bool:
+    """Whether CUDA's cumsum would refuse ``x`` now: floating or complex values while deterministic
+    algorithms are on (it raises there, or warns with ``warn_only``; integer sums are exact)."""
+    return torch.are_deterministic_algorithms_enabled() and (x.is_floating_point() or x.is_complex())
+
+
+def prefix_sums_(x: Tensor, dim: int) -> Tensor:
+    """``x`` replaced by its inclusive cumulative sums along ``dim``, in place; returns ``x``.
+
+    ``Tensor.cumsum_``, or while CUDA would refuse that (:func:`_refused_cumsum`) a log-depth scan
+    of adds on every device, so that the code tested on a CPU is the code a deterministic GPU run
+    takes: ``ceil(log2 n)`` rounds, each adding the sums ``2^r`` positions back (two launches a
+    round: the overlapping halves are added out of place, then copied in). Each sum is then a tree
+    of additions, whose rounding grows with log n rather than n."""
+    if not _refused_cumsum(x):
+        return x.cumsum_(dim)
+    n = x.shape[dim]
+    step = 1
+    while step < n:
+        later = x.narrow(dim, step, n - step)
+        later.copy_(later + x.narrow(dim, 0, n - step))
+        step *= 2
+    return x
+
+
+def prefix_sums(x: Tensor, dim: int) -> Tensor:
+    """The inclusive cumulative sums of ``x`` along ``dim``, a new tensor: ``Tensor.cumsum``, or
+    :func:`prefix_sums_` on a copy where CUDA would refuse that (deterministic algorithms on)."""
+    return prefix_sums_(x.clone(), dim) if _refused_cumsum(x) else x.cumsum(dim)
 
 
 def _kind(A: Tensor | None, D: int) -> str:
@@ -167,7 +204,7 @@ def _by_scan(A: Tensor | None, U: Tensor, seed: Tensor, kind: str, reverse: bool
     Nc, R, D, Dv = U.shape
     states = U.new_empty(Nc + 1, R, D, Dv) if out is None else out
     if kind == "identity":  # prefix sums
-        csum = (U.flip(0) if reverse else U).cumsum(0).add_(seed)
+        csum = prefix_sums(U.flip(0) if reverse else U, 0).add_(seed)
         if reverse:
             states[:Nc] = csum.flip(0)
             states[Nc] = seed

@@ -31,6 +31,8 @@ from typing import Any, Callable, NamedTuple
 import torch.nn.functional as F
 from torch import Tensor
 
+from .recurrence import prefix_sums
+
 __all__ = ["GatherForm", "HaloForm", "ShardForm", "ShardPart", "cumulative_decay"]
 
 
@@ -108,11 +110,12 @@ def cumulative_decay(g: Tensor, dim: int, *, block: int = 64) -> Tensor:
     exponent is <= 0, and only sums are formed (no -inf - -inf)."""
     n = g.shape[dim]
     if n <= block:
-        return g.cumsum(dim).exp()
+        return prefix_sums(g, dim).exp()
     gm = g.movedim(dim, -1)  # (..., N)
     nb = -(-n // block)
-    local = F.pad(gm, (0, nb * block - n)).unflatten(-1, (nb, block)).cumsum(-1)  # (..., nb, block)
-    totals = local[..., -1].cumsum(-1)  # (..., nb): through the end of each block
+    local = F.pad(gm, (0, nb * block - n)).unflatten(-1, (nb, block))
+    local = prefix_sums(local, -1)  # (..., nb, block)
+    totals = prefix_sums(local[..., -1], -1)  # (..., nb): through the end of each block
     before = F.pad(totals[..., :-1], (1, 0))  # (..., nb): the sum of the blocks before each
     b = (local + before[..., None]).flatten(-2)[..., :n]
     return b.exp().movedim(-1, dim)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ..distributed import ContextParallel, check_context_parallel
 from ..functional.checks import check_values
+from ..functional.recurrence import prefix_sums
 from ..functional.varlen import check_cu_seqlens
 from ..nn.attention import AttentionState, MultiHeadAttention, check_context_parallel_call
 from ..nn.positional import document_positions, sinusoidal_table
@@ -463,7 +464,7 @@ def _sample(logits: Tensor, temperature: float, top_k: int | None, top_p: float 
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens before it already reach top_p (the first is always kept)
-        drop = probs.cumsum(-1) - probs >= top_p
+        drop = prefix_sums(probs, -1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
         logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
     probs = logits.softmax(-1)
