@@ -62,7 +62,7 @@ def _segment_decays(a: Tensor, out: Tensor | None = None) -> Tensor:
 
 def _suffix_sums(a: Tensor) -> Tensor:
     """``(.., C)``: entry j the sum of ``a[j+1 ..]`` (0 at the end), without differences."""
-    return F.pad(prefix_sums(a.flip(-1), -1), (1, 0))[..., :-1].flip(-1)
+    return F.pad(prefix_sums(a.flip(-1), -1, rounded_once=True), (1, 0))[..., :-1].flip(-1)
 
 
 class _Layout:
@@ -133,7 +133,7 @@ def _decays(a: Tensor, flush: bool = True):
     ``E (R, m, Nc, C)``, from each position to the chunk's end ``Wd (R, m, Nc, C)`` and over the
     whole chunk ``T (R, m, Nc)`` (``flush``: :func:`~linattn.functional.log_decays.flush_low`; Mamba-2's
     decays at initialisation reach exp(-6) a step, and unflushed the CPU's scan took 2x as long)."""
-    E = prefix_sums(a, -1)
+    E = prefix_sums(a, -1, rounded_once=True)
     T = flush_low(E[..., -1].exp(), flush)
     return flush_low(E.exp_(), flush), flush_low(_suffix_sums(a).exp_(), flush), T
 

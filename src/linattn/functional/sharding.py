@@ -110,12 +110,12 @@ def cumulative_decay(g: Tensor, dim: int, *, block: int = 64) -> Tensor:
     exponent is <= 0, and only sums are formed (no -inf - -inf)."""
     n = g.shape[dim]
     if n <= block:
-        return prefix_sums(g, dim).exp()
+        return prefix_sums(g, dim, rounded_once=True).exp()
     gm = g.movedim(dim, -1)  # (..., N)
     nb = -(-n // block)
     local = F.pad(gm, (0, nb * block - n)).unflatten(-1, (nb, block))
-    local = prefix_sums(local, -1)  # (..., nb, block)
-    totals = prefix_sums(local[..., -1], -1)  # (..., nb): through the end of each block
+    local = prefix_sums(local, -1, rounded_once=True)  # (..., nb, block)
+    totals = prefix_sums(local[..., -1], -1, rounded_once=True)  # (..., nb): through the end of each block
     before = F.pad(totals[..., :-1], (1, 0))  # (..., nb): the sum of the blocks before each
     b = (local + before[..., None]).flatten(-2)[..., :n]
     return b.exp().movedim(-1, dim)
