@@ -34,7 +34,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("kind", ["identity", "scalar", "diagonal", "full"])
-@pytest.mark.parametrize("Nc", [1, 2, 3, 5, 16, 17, 33])
+@pytest.mark.parametrize("Nc", [0, 1, 2, 3, 5, 16, 17, 33])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
 def test_chunk_recurrence_equals_its_reference(kind, Nc, reverse, strategy):

@@ -297,10 +297,14 @@ def chunk_recurrence(A: Tensor | None, U: Tensor, seed: Tensor, *, strategy: str
     """
     Nc = U.shape[0]
     kind = _kind(A, U.shape[-2])
+    if strategy not in ("cpu", "accelerator"):
+        raise ValueError(f"chunk_recurrence: strategy must be 'cpu' or 'accelerator', got {strategy!r}")
+    if Nc == 0:  # no step: the seed alone (the scan's halving needs a step)
+        S = U.new_empty(1, *U.shape[1:]) if out is None else out
+        S[0] = seed
+        return S
     if strategy == "accelerator":
         return _by_scan(A, U, seed, kind, reverse, out, consume)
-    if strategy != "cpu":
-        raise ValueError(f"chunk_recurrence: strategy must be 'cpu' or 'accelerator', got {strategy!r}")
     S = U.new_empty(Nc + 1, *U.shape[1:]) if out is None else out
     At = _transposed(A, kind)
     if reverse:
