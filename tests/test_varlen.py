@@ -11,7 +11,7 @@ from linattn.functional.decayed_state import DecayedState
 from linattn.functional.delta import delta_rule_attention
 from linattn.functional.gated import gated_linear_attention
 from linattn.functional.linear import LinearAttentionState, linear_attention
-from linattn.functional.varlen import segment_cumsum, segment_sum, varlen_layout
+from linattn.functional.varlen import segment_cumsum, segment_cumsum_reference, segment_sum, varlen_layout
 
 F64 = torch.float64
 H, D, DV = 2, 5, 3
@@ -224,6 +224,44 @@ def test_segment_sums():
     init = torch.tensor([10.0, 20.0, 30.0], dtype=F64).view(3, 1, 1)
     assert segment_cumsum(x, lay, initial=init).flatten().tolist() == [11, 13, 33, 37, 42]
     assert segment_sum(x, lay, initial=init).flatten().tolist() == [13, 20, 42]
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 3], [64], [63, 1, 64, 0, 64], [4133], [1, 4000, 0, 100, 32],
+                                     [64 * 64 * 2 + 5, 3, 64 * 70], [0, 0, 9000, 1]])
+def test_segment_cumsum_equals_its_reference_through_every_level(lengths):
+    """Documents within one block, across blocks, and across blocks of blocks (T past 64 * 64: a
+    third level), empty ones, boundaries on a block's edge: values and the gradients of x and of
+    the initial sums, float64."""
+    g = torch.Generator().manual_seed(len(lengths))
+    cu = _cu(lengths)
+    T, n = int(cu[-1]), len(lengths)
+    lay = varlen_layout(cu, T, 1, write_states=False, read_states=False)
+    x = torch.randn(1, 2, T, 3, dtype=F64, generator=g, requires_grad=True)
+    init = torch.randn(n, 2, 3, dtype=F64, generator=g, requires_grad=True)
+    w = torch.randn(1, 2, T, 3, dtype=F64, generator=g)
+    got, want = segment_cumsum(x, lay, initial=init), segment_cumsum_reference(x, cu, initial=init)
+    assert (got - want).abs().max() <= 1e-12 * max(1.0, float(want.abs().max()))
+    for a, b in zip(torch.autograd.grad((got * w).sum(), (x, init)), torch.autograd.grad((want * w).sum(), (x, init))):
+        assert (a - b).abs().max() <= 1e-12 * max(1.0, float(b.abs().max()))
+
+
+def test_packed_linear_attention_launches_alike_at_any_length():
+    """The normaliser's running sums of packed documents carry a document across blocks by the same
+    sums one level up: on the accelerator, launches that do not grow with T. A loop over the blocks
+    added three a block (282 launches at T = 4096, 673 at 16384)."""
+    from linattn.bench.launches import count_launches
+
+    counts = []
+    for T in (1024, 4096):
+        q, k, v = (torch.randn(1, 2, T, 16) for _ in range(3))
+        cu = torch.tensor([0, 300, T // 2, T - 5, T])
+
+        def call():
+            with torch.no_grad():
+                linear_attention(q, k, v, causal=True, cu_seqlens=cu, strategy="accelerator")
+        call()
+        counts.append(count_launches(call).total)
+    assert counts[1] <= 1.2 * counts[0], counts
 
 
 def test_empty_inputs():

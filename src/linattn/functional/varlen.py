@@ -70,6 +70,7 @@ __all__ = [
     "document_lengths",
     "int64_offsets",
     "segment_cumsum",
+    "segment_cumsum_reference",
     "segment_sum",
     "varlen_layout",
 ]
@@ -283,41 +284,54 @@ _SEGMENT_BLOCK = 64
 def segment_cumsum(x: Tensor, layout: VarlenLayout, *, initial: Tensor | None = None) -> Tensor:
     """Running sum within each document: ``y_t = initial_j + sum_{c_j <= s <= t} x_s`` for t in
     document j. ``x (1, H, T, X)``, ``initial (n, H, X)`` or None (zeros) -> ``(1, H, T, X)`` in
-    x's dtype, differentiable in both.
+    x's dtype, differentiable in both (:func:`segment_cumsum_reference` written out).
 
     In x's dtype, and without the cancellation of one prefix sum minus another: the sequence is cut
     into blocks of C positions; within a block every running sum is one product with a mask of the
     same-document pairs s <= t (only a document's own terms are ever added), and what a document
-    carries into the next block is a loop over blocks of one ``(H, X)`` addition (T / C of them,
-    no host read). The rounding is then that of a sum of the document's own terms.
+    carries into the next block is the same running sum one level up, over the blocks' last
+    sums (:func:`_running_sums`): log_C(T) levels of a few launches each, no loop over blocks and
+    no host read. The rounding is then that of a sum of the document's own terms.
     """
-    H, T, X = x.shape[1], x.shape[2], x.shape[-1]
-    C = max(1, min(_SEGMENT_BLOCK, T))
-    Tb = -(-T // C)
-    fill = Tb * C - T
-    doc = layout.doc
-    if fill:  # fill positions join no document (id -1): nothing adds to them or reads them
-        x = torch.nn.functional.pad(x, (0, 0, 0, fill))
-        doc = torch.cat([doc, doc.new_full((fill,), -1)])
-    xb = x.view(H, Tb, C, X)  # (H, Tb, C, X)
-    db = doc.view(Tb, C)  # (Tb, C)
-    same = (db[:, :, None] == db[:, None, :]).tril_()  # (Tb, C_t, C_s): s <= t in t's document
-    local = torch.matmul(same.to(x.dtype), xb)  # (H, Tb, C, X): the sums since the block's start
-    # What the document at each block's start brings from the blocks before: carry[b] (H, X).
-    first, last = db[:, 0], db[:, -1]  # (Tb,)
-    cont = torch.zeros(Tb, dtype=x.dtype, device=x.device)
-    cont[1:] = (first[1:] == last[:-1]).to(x.dtype)  # block b's first document began before it
-    whole = (first == last).to(x.dtype)  # the block holds one document only
-    ends = local[:, :, -1]  # (H, Tb, X): each block's sum of its last document's terms
-    carries = [x.new_zeros(H, X)]
-    for b in range(1, Tb):  # the only sequential part: one (H, X) multiply-add a block
-        carries.append(torch.addcmul(ends[:, b - 1], carries[-1], whole[b - 1]) * cont[b])
-    carry = torch.stack(carries, dim=1)  # (H, Tb, X)
-    in_first = (db == first[:, None]).to(x.dtype)  # (Tb, C): the position is in the block's first document
-    y = (local + carry[:, :, None, :] * in_first[None, :, :, None]).view(1, H, Tb * C, X)[:, :, :T]
+    y = _running_sums(x[0], layout.doc).unsqueeze(0)
     if initial is not None:
         y = y + _doc_rows(initial.to(x.dtype), layout)
     return y
+
+
+def _running_sums(x: Tensor, doc: Tensor) -> Tensor:
+    """``x (H, T, X)``, ``doc (T,)`` document ids (non-decreasing; -1 for none) -> ``(H, T, X)``:
+    each position's sum over its document's positions up to it."""
+    H, T, X = x.shape
+    C = max(1, min(_SEGMENT_BLOCK, T))
+    Tb = -(-T // C)
+    fill = Tb * C - T
+    if fill:  # fill positions join no document (id -1): nothing adds to them or reads them
+        x = torch.nn.functional.pad(x, (0, 0, 0, fill))
+        doc = torch.cat([doc, doc.new_full((fill,), -1)])
+    db = doc.view(Tb, C)  # (Tb, C)
+    same = (db[:, :, None] == db[:, None, :]).tril_()  # (Tb, C_t, C_s): s <= t in t's document
+    local = torch.matmul(same.to(x.dtype), x.view(H, Tb, C, X))  # (H, Tb, C, X): the sums since the block's start
+    if Tb > 1:
+        # A block's last sum is its last document's terms in it; over the blocks (whose last
+        # documents are non-decreasing too) their running sums are each document's sum through the
+        # end of every block it reaches: what block b's first document brings, if it began before b.
+        first, last = db[:, 0], db[:, -1]  # (Tb,)
+        through = _running_sums(local[:, :, -1], last)  # (H, Tb, X)
+        carry = through[:, :-1] * (first[1:] == last[:-1]).to(x.dtype)[:, None]  # (H, Tb - 1, X): into blocks 1..
+        in_first = (db[1:] == first[1:, None]).to(x.dtype)  # (Tb - 1, C): the position is in its block's first document
+        local = torch.cat([local[:, :1], local[:, 1:] + carry[:, :, None, :] * in_first[None, :, :, None]], dim=1)
+    return local.view(H, Tb * C, X)[:, :T]
+
+
+def segment_cumsum_reference(x: Tensor, cu_seqlens: Tensor, *, initial: Tensor | None = None) -> Tensor:
+    """:func:`segment_cumsum` written out, one document at a time (what the tests trust, in float64):
+    ``x (1, H, T, X)``, offsets ``cu_seqlens (n + 1,)``, ``initial (n, H, X)`` or None."""
+    out = torch.zeros_like(x)
+    bounds = cu_seqlens.tolist()
+    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        out[:, :, a:b] = x[:, :, a:b].cumsum(2) + (0 if initial is None else initial[j][None, :, None, :])
+    return out
 
 
 def segment_sum(x: Tensor, layout: VarlenLayout, *, initial: Tensor | None = None) -> Tensor:
