@@ -58,10 +58,12 @@ def _refused_cumsum(x: Tensor) -> bool:
 
 
 def _two_sum(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``a + b`` rounded, and its rounding error exactly (Knuth's TwoSum, for any magnitudes)."""
+    """``a + b`` rounded, and its rounding error exactly (Knuth's TwoSum, for any magnitudes); an
+    infinite sum (a log decay of -inf, a reset) has none: there the formula's inf - inf would be
+    NaN, and it is set to 0."""
     s = a + b
     bb = s - a
-    return s, (a - (s - bb)).add_(b - bb)
+    return s, (a - (s - bb)).add_(b - bb).nan_to_num_(0.0, 0.0, 0.0)
 
 
 def _pair_sums_(hi: Tensor, lo: Tensor | None) -> None:
