@@ -257,7 +257,9 @@ def _backward(q, k, v, a, s0, value_scale, skip, S, dy, ds, lay: _Layout, strate
     transposed states. The tiles in reverse, the state's gradient carried back across them (the
     reverse recurrence)."""
     p = _Prepared(q, k, v, a, lay, value_scale, skip, strategy)
-    dyh = lay.head_chunks(dy)  # (R, m, Nc, C, Dv)
+    # a cotangent broadcast from a scalar (a sum's, strides 0) made dense once: read as it is, a CPU's
+    # bmm copies it matrix by matrix (256 copies a 4096 packed positions)
+    dyh = lay.head_chunks(dy.contiguous())  # (R, m, Nc, C, Dv)
     dq, dk = torch.empty_like(p.qc), torch.empty_like(p.kc)
     dv, dvh = lay.values_like(v)
     da, dE, dWd = torch.empty_like(p.ac), torch.empty_like(p.ac), torch.empty_like(p.ac)
