@@ -302,27 +302,3 @@ def test_value_scale_and_skip_are_checked_by_name():
     with pytest.raises(TypeError, match="value_scale must be a Tensor or None"):
         gated_linear_attention(q, k, v, a, value_scale=0.5)
 
-
-def test_packed_training_from_a_sums_cotangent_launches_alike_at_any_length():
-    """Mamba-2's SSD route, packed documents, on the accelerator, trained from ``.sum()`` (a cotangent
-    of strides 0): launches that do not grow with T. Read as it is, the broadcast cotangent made a
-    CPU's bmm copy it matrix by matrix (426 launches at T = 4096, 1207 at 16384)."""
-    from linattn.bench.gpu import KERNEL_FORMS, form_function, make_inputs, widths
-    from linattn.bench.launches import count_launches
-
-    form = KERNEL_FORMS["ssd"]
-    heads, head_dim, state = widths(form, True)
-    counts = []
-    for T in (1024, 4096):
-        tensors = make_inputs(form, T, heads, head_dim, dtype=torch.float32, device=torch.device("cpu"), state=state)
-        fn = form_function(form, strategy="accelerator", cu_seqlens=torch.tensor([0, 300, T // 2, T - 5, T]))
-        for t in tensors:
-            t.requires_grad_(t.is_floating_point())
-
-        def train():
-            for t in tensors:
-                t.grad = None
-            fn(*tensors).sum().backward()
-        train()
-        counts.append(count_launches(train).total)
-    assert counts[1] <= 1.2 * counts[0], counts

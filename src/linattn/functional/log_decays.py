@@ -100,7 +100,8 @@ class CumulativeLogDecay:
         """The cumulative sums along ``dim`` of the log decays ``g`` (<= 0, -inf allowed), in g's dtype."""
         reset = g < RESET_LOG_DECAY
         # where, not masked_fill: one pass (an out-of-place masked_fill is a copy, then the fill)
-        return CumulativeLogDecay(prefix_sums_(torch.where(reset, 0.0, g), dim, rounded_once=True), prefix_sums_(reset.to(g.dtype), dim))
+        return CumulativeLogDecay(prefix_sums_(torch.where(reset, 0.0, g), dim, rounded_once=True),
+                                  prefix_sums_(reset.to(g.dtype), dim))
 
     @property
     def shape(self) -> torch.Size:
