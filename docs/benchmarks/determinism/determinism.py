@@ -14,7 +14,12 @@ so the old side's counts are what a deterministic GPU run would have stopped at.
 ``count_launches`` (computing leaf aten ops), the setting on including the NaN fills of
 uninitialised memory that it adds on every device. Packed: each form at the quick widths (2 heads
 of 16), four documents (``cu_seqlens = [0, 1000, T / 2, T - 5, T]``), T = 4096 and 16384, prefill
-and train from ``.sum()`` (a cotangent of strides 0), the accelerator strategy.
+and train from ``.sum()`` (a cotangent of strides 0), the accelerator strategy. Accuracy: float32
+GLA and Gated DeltaNet (a log decay per head), B = 1, H = 2, D = 16, N = 65536, the default strategy,
+with the setting off and on, against the same form in float64: max |out - ref| / max |ref|. Inputs
+as tests/test_float32_decays.py's hardest case: q, v ~ N(0, 1), k L2-normalised, log decays
+logsigmoid(N(0, 1) + 6) (about -0.0025) with 5% of them -39, just above the reset threshold, where
+the digits of the small decays after a large one are hardest to keep.
 """
 
 from __future__ import annotations
@@ -69,6 +74,25 @@ for form_name, form in KERNEL_FORMS.items():
         train()
         counts["train"] = count_launches(train).total
         rows.append({"case": "packed", "form": form_name, "T": T, **counts})
+import contextlib
+import torch.nn.functional as F
+from linattn.functional import delta_rule_attention, gated_linear_attention
+g = torch.Generator().manual_seed(1)
+N, H, D = 65536, 2, 16
+q, k, v = (torch.randn(1, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
+k = F.normalize(k, dim=-1)
+beta = torch.sigmoid(torch.randn(1, H, N, generator=g, dtype=torch.float64))
+ld = F.logsigmoid(torch.randn(1, H, N, generator=g, dtype=torch.float64) + 6)
+ld = ld.masked_fill(torch.rand(1, H, N, generator=g, dtype=torch.float64) < 0.05, -39.0)
+FORMS = {"GLA per head": lambda c: gated_linear_attention(c(q), c(k), c(v), c(ld)),
+         "Gated DeltaNet": lambda c: delta_rule_attention(c(q), c(k), c(v), c(beta), log_decay=c(ld))}
+for form_name, f in FORMS.items():
+    ref = f(lambda t: t)
+    for deterministic in (False, True):
+        with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+            out = f(lambda t: t.float()).double()
+        rows.append({"case": "accuracy", "form": form_name, "deterministic": deterministic,
+                     "error": float((out - ref).abs().max() / ref.abs().max())})
 print(json.dumps(rows))
 """
 
@@ -79,7 +103,7 @@ def main() -> None:
     old, new, command = res["old_rows"], res["new_rows"], res["command"]
     lines = [f"# Deterministic algorithms and packed documents: this checkout ({res['new']}) against {res['old']}",
              "", f"Written by `{command}`; do not edit by hand. On this CPU; the cases are in the script's "
-             "docstring. Counts, no timing: the same in every run.", "",
+             "docstring. Counts and errors, no timing: the same in every run.", "",
              "## Under torch.use_deterministic_algorithms(True)", "",
              "Refused: ops CUDA raises on under the setting (0 is what runs there). Launches: the setting off / on.",
              "", "| form | pass | refused old | new | launches old | new |",
@@ -99,6 +123,13 @@ def main() -> None:
         assert o4["form"] == o16["form"] == n4["form"] == n16["form"] and (o4["T"], o16["T"]) == (4096, 16384)
         for pass_ in ("prefill", "train"):
             lines.append(f"| `{o4['form']}` | {pass_} | {o4[pass_]} | {o16[pass_]} | {n4[pass_]} | {n16[pass_]} |")
+    lines += ["", "## float32 against float64, log decays of -39 (N = 65536)", "",
+              "| form | deterministic algorithms | error old | new |", "| --- | --- | ---: | ---: |"]
+    for o, n in pairs:
+        if o["case"] == "accuracy":
+            assert (o["form"], o["deterministic"]) == (n["form"], n["deterministic"])
+            lines.append(f"| {o['form']} | {'on' if o['deterministic'] else 'off'} | {o['error']:.2e} | "
+                         f"{n['error']:.2e} |")
     write_table(out / "determinism.md", lines)
 
 
