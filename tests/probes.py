@@ -1,7 +1,8 @@
 """What a computation does below Python, counted under a ``TorchDispatchMode``: the dtypes of every
 op's tensors (float64 has no place in a fast form: MPS has none, consumer GPUs run it at 1/32 to
 1/64 of float32), the host reads of tensor values (each one stalls a GPU until its queue drains)
-and the ops that CUDA refuses while deterministic algorithms are on (a CPU runs them regardless).
+the ops that CUDA refuses while deterministic algorithms are on (a CPU runs them regardless) and
+the scans that CUDA runs on a contiguous copy (a CPU scans strided memory as it is).
 
 Used by the portability tests (issue 29) and to measure where the code stands before a change.
 """
@@ -20,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from linattn.functional.checks import ENGINE_OPS
 
 __all__ = ["HOST_METHODS", "HOST_READS", "OpProbe", "VALUE_SHAPED", "deterministic_algorithms", "reads_host",
-           "refused_by_cuda"]
+           "refused_by_cuda", "scans_a_copy_on_cuda"]
 
 # The ATen ops that copy a tensor's value to the host: `.item()`, `bool(t)`, `int(t)`, `.tolist()`
 # and Python control flow on a tensor all end in one of them. `item` itself is seen where a mode is
@@ -63,6 +64,18 @@ def refused_by_cuda(name: str, args, kwargs) -> bool:
     return name.startswith(_CUDA_REFUSES)
 
 
+def scans_a_copy_on_cuda(name: str, args, kwargs, out) -> bool:
+    """Whether the op ``name`` is a cumulative sum that CUDA (and XPU) would run on contiguous copies:
+    its kernels take contiguous tensors only, so a strided input is copied first and a strided
+    result computed into a new tensor and copied back (aten's ScanKernels: ``contiguous_out_arg``,
+    ``expect_contiguous``): two passes and a temporary the size of the result that a CPU never
+    shows, since its scan walks strided memory as it is."""
+    if not name.startswith("aten.cumsum"):
+        return False
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return not args[0].is_contiguous() or not all(t.is_contiguous() for t in outs)
+
+
 @contextlib.contextmanager
 def deterministic_algorithms():
     """``torch.use_deterministic_algorithms(True)`` within the block (as transformers'
@@ -100,8 +113,9 @@ class OpProbe(TorchDispatchMode):
     ``ops`` counts them by name, ``float64_ops`` those with a float64 tensor among their inputs or
     outputs, ``host_reads`` those that read a tensor's value on the host (:func:`reads_host`, and
     the methods :data:`HOST_METHODS`), ``cuda_refusals`` those that CUDA would refuse under
-    deterministic algorithms (:func:`refused_by_cuda`). An engine's operator (``EngineOp``) is one
-    opaque call to a dispatch mode; ``engines=True`` runs its kernel under the probe instead, so
+    deterministic algorithms (:func:`refused_by_cuda`), ``cuda_scan_copies`` the scans that CUDA
+    runs on contiguous copies (:func:`scans_a_copy_on_cuda`). An engine's operator (``EngineOp``) is
+    one opaque call to a dispatch mode; ``engines=True`` runs its kernel under the probe instead, so
     that the ops inside the engines are counted too."""
 
     def __init__(self, *, engines: bool = False) -> None:
@@ -111,6 +125,7 @@ class OpProbe(TorchDispatchMode):
         self.float64_ops: Counter[str] = Counter()
         self.host_reads: Counter[str] = Counter()
         self.cuda_refusals: Counter[str] = Counter()
+        self.cuda_scan_copies: Counter[str] = Counter()
         self._methods = _MethodProbe(self)
 
     def __enter__(self):
@@ -139,6 +154,8 @@ class OpProbe(TorchDispatchMode):
             self.host_reads[name] += 1
         if refused_by_cuda(name, args, kwargs):
             self.cuda_refusals[name] += 1
+        if scans_a_copy_on_cuda(name, args, kwargs, out):
+            self.cuda_scan_copies[name] += 1
         return out
 
     @property

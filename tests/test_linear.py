@@ -224,6 +224,31 @@ def test_causal_tiles(feature_map, N, tile, masked):
         assert_close(x, y)
 
 
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+def test_sums_across_chunks(strategy):
+    """The no-gate engine's sums across chunks (decayed._exclusive_chunk_sums and
+    _reverse_chunk_sums, both strategies' layouts): for every row and chunk, the start plus every
+    earlier (later) chunk's contribution, and the totals, written out as sums, in float64: one
+    chunk, several rows, with and without a start."""
+    from linattn.functional.decayed import _exclusive_chunk_sums, _reverse_chunk_sums
+
+    g = torch.Generator().manual_seed(0)
+    for R, nc, rest in [(1, 1, (3,)), (3, 5, (2, 4)), (2, 17, (5,))]:
+        contrib = torch.randn(R, nc, *rest, generator=g, dtype=torch.float64)
+
+        def produce(out):
+            return contrib.reshape(R * nc, *rest).clone() if out is None else out.copy_(contrib.view(out.shape))
+
+        for start in (None, torch.randn(R, *rest, generator=g, dtype=torch.float64)):
+            s0 = torch.zeros_like(contrib[:, 0]) if start is None else start
+            before, total = _exclusive_chunk_sums(produce, contrib.shape, start, strategy, contrib)
+            assert_close(before, torch.stack([s0 + contrib[:, :c].sum(1) for c in range(nc)], 1))
+            assert_close(total, s0 + contrib.sum(1))
+            after, total = _reverse_chunk_sums(contrib, start, strategy)
+            assert_close(after, torch.stack([s0 + contrib[:, c + 1:].sum(1) for c in range(nc)], 1))
+            assert_close(total, s0 + contrib.sum(1))
+
+
 @pytest.mark.parametrize("feature_map", ["elu", "cos"])
 def test_causal_permuted_inputs(feature_map):
     """Inputs in the (B, N, H, D) memory layout, transposed to (B, H, N, D) (what a model's

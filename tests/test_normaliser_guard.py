@@ -177,3 +177,42 @@ def test_hedgehog_guard_matches_reference_and_keeps_gradients_finite(window, sca
     for a, b in zip(grads(out, (q, k, v)), grads(want, (q, k, v))):
         assert torch.isfinite(a).all()
         assert_close(a, b, atol=1e-4 * max(b.abs().max().item(), 1e-30), rtol=1e-3)
+
+
+def _nearly_disjoint(feature_map: str, n: int = 150):
+    """Float32 queries and keys whose features meet on one channel where the keys' are ~1e-26, while
+    the keys' other channel is large: the normaliser of every row lies far below its floor."""
+    low, off, q_on, k_on = (-60.0, -200.0, 0.0, 50.0) if feature_map == "elu" else (1e-26, -1.0, 1.0, 50.0)
+    q = torch.full((1, 2, n, 8), off)
+    k = torch.full((1, 2, n, 8), off)
+    q[..., 0], k[..., 0], k[..., 1] = q_on, low, k_on
+    v = torch.randn(1, 2, n, 5, generator=torch.Generator().manual_seed(1))
+    return q, k, v
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("strategy", ["cpu", "accelerator"])
+def test_elementwise_maps_floor_decides_as_in_the_reference(feature_map, strategy):
+    """The chunked engine takes an elementwise map's features, and their sums from no given state,
+    as non-negative: the largest value for the floor's largest magnitude, no pass for magnitudes.
+    Where the floor decides every row, it decides them as the reference does (outputs and
+    gradients); and so from a given state whose normaliser sum is negative on a channel no feature
+    reaches (any value is accepted): the magnitudes taken there, a floor 20-7000 times higher."""
+    from linattn.functional.feature_maps import FEATURE_MAPS
+
+    q, k, v = _nearly_disjoint(feature_map)
+    qf, kf = (FEATURE_MAPS[feature_map](x) for x in (q, k))
+    z_seen = kf.cumsum(2)
+    den = (qf * z_seen).sum(-1, keepdim=True)
+    assert (den < normaliser_floor(qf, z_seen)).all()
+    z0 = torch.zeros(1, 2, 8)
+    z0[..., 2] = -1e3
+    for state in (None, linattn.LinearAttentionState(torch.zeros(1, 2, 8, 5), z0)):
+        ins = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = linattn.linear_attention(*ins, feature_map=feature_map, causal=True, initial_state=state,
+                                       strategy=strategy, chunk_size=32)
+        want = linear_attention_reference(*ins, feature_map=feature_map, causal=True, initial_state=state)
+        assert_close(out, want, atol=1e-6, rtol=1e-5)
+        for a, b in zip(grads(out, ins), grads(want, ins)):
+            assert torch.isfinite(a).all()
+            assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-4)

@@ -149,7 +149,10 @@ def test_the_engines_read_nothing_from_the_host_inside(strategy):
     """Inside the engines (the probe entering their operators), every chunked form of bench gpu, in
     float32, prefill and forward+backward, at an awkward length (a chunk count that is no power of
     two, a last chunk cut short): no host read and no float64 op. A host read would stall a GPU's
-    queue and make the call impossible to capture in a CUDA graph (bench gpu --cuda-graphs)."""
+    queue and make the call impossible to capture in a CUDA graph (bench gpu --cuda-graphs). On the
+    accelerator strategy, no running sum over a strided tensor either: CUDA would sum a contiguous
+    copy and copy the result back (causal linear attention's chunk sums did, 6 a training call,
+    where the CPU strategy's cache-friendly layout leaked into the accelerator's)."""
     from linattn.bench.gpu import KERNEL_FORMS, form_function, form_projection, make_inputs, widths
 
     for name, form in KERNEL_FORMS.items():
@@ -169,6 +172,8 @@ def test_the_engines_read_nothing_from_the_host_inside(strategy):
         with OpProbe(engines=True) as p:
             fn(*tensors).sum().backward()
         assert p.n_host_reads == 0 and not p.float64_ops, (name, p.host_reads, p.float64_ops)
+        if strategy == "accelerator":
+            assert not p.cuda_scan_copies, (name, dict(p.cuda_scan_copies))
 
 
 @pytest.mark.parametrize("strategy", ["cpu", "accelerator"])

@@ -97,36 +97,65 @@ def _rows_view(x: Tensor | None) -> Tensor | None:
     return None if x is None else x.reshape(-1, *x.shape[2:])
 
 
-def _exclusive_chunk_sums(contrib: Tensor, start: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``contrib (R, Nc, ...)`` -> ``start + sum_{c' < c} contrib[:, c']`` ``(R, Nc, ...)`` and the
-    total ``start + sum_c contrib[:, c]`` ``(R, ...)``; ``start (R, ...)`` or None for zeros.
+def _exclusive_chunk_sums(contributions, shape: tuple[int, ...], start: Tensor | None, strategy: str,
+                          like: Tensor) -> tuple[Tensor, Tensor]:
+    """The sums before each chunk, ``start + sum_{c' < c} contrib[:, c']`` ``(R, Nc, ...)``, and the
+    total ``start + sum_c contrib[:, c]`` ``(R, ...)``, of the contributions ``contrib (R, Nc, ...)``
+    (``shape``) that ``contributions(out)`` writes as ``(R*Nc, ...)`` into ``out``, or with ``out``
+    None returns; ``start (R, ...)`` or None for zeros; dtype and device of ``like``.
 
-    The result's rows lie 16 elements further apart than their length: at F = E = 64 a row is 4096
-    floats, and with rows exactly 16 KiB apart the scan down dim 1 hits the same cache sets at every
-    step and runs many times slower. (Views with that batch stride are fine for bmm.)
+    One buffer of ``R*Nc + 1`` slots holds them, a spare slot first: the contributions go into
+    slots 1.. and are summed along each row's chunks in place, so that slot ``r*Nc + c`` holds the
+    sum before chunk c of row r, but for c = 0, where the previous row's total sits: the totals are
+    taken out, then ``start`` written there. No shifted copy of the contributions. ``start`` is
+    added to each row's first contribution before the sums.
+
+    The CPU strategy's slots are 16 elements longer than their contents: at F = E = 64 a slot is
+    4096 floats, and with slots exactly 16 KiB apart the sums down a row hit the same cache sets at
+    every step and run many times slower. The contributions are then made contiguous and copied in
+    (a product into slots that far apart takes a CPU's slower per-matrix path). The accelerator's
+    slots are end to end, the product is written straight into them, and the sums run over a
+    contiguous tensor: CUDA's and XPU's cumsum take contiguous tensors only, and would copy a
+    strided one in and its result back out.
     """
-    R, nc, rest = contrib.shape[0], contrib.shape[1], contrib.shape[2:]
+    R, nc, *rest = shape
     m = math.prod(rest)
-    out = contrib.new_empty(R, nc, m + 16)[..., :m].view(R, nc, *rest)
-    if start is None:
-        out[:, 0].zero_()
+    pad = 16 if strategy == "cpu" else 0
+    buf = like.new_empty(R * nc + 1, m + pad)[:, :m]
+    slots = buf[1:]
+    if pad:
+        slots.copy_(contributions(None).reshape(R * nc, m))
     else:
-        out[:, 0].copy_(start)
-    out[:, 1:].copy_(contrib[:, :-1])
-    prefix_sums_(out, 1)  # in place: [s0, c0, c1, ...] -> [s0, s0 + c0, s0 + c0 + c1, ...]
-    return out, out[:, -1] + contrib[:, -1]
+        contributions(slots.view(R * nc, *rest))
+    rows = slots.view(R, nc, m)
+    if start is not None:
+        rows[:, 0] += start.reshape(R, m)
+    prefix_sums_(rows, 1)
+    total = rows[:, -1].clone()  # before the slots of each next row's c = 0 are written
+    before = buf[:R * nc].view(R, nc, m)
+    if start is None:
+        before[:, 0].zero_()
+    else:
+        before[:, 0].copy_(start.reshape(R, m))
+    return before.view(R, nc, *rest), total.view(R, *rest)
 
 
-def _reverse_chunk_sums(contrib: Tensor, end: Tensor | None) -> tuple[Tensor, Tensor]:
+def _reverse_chunk_sums(contrib: Tensor, end: Tensor | None, strategy: str) -> tuple[Tensor, Tensor]:
     """``contrib (R, Nc, ...)`` -> ``end + sum_{c' > c} contrib[:, c']`` ``(R, Nc, ...)`` and the
-    total ``end + sum_c contrib[:, c]`` ``(R, ...)``: :func:`_exclusive_chunk_sums` run backwards."""
-    rev, total = _exclusive_chunk_sums(contrib.flip(1), end)
+    total ``end + sum_c contrib[:, c]`` ``(R, ...)``: :func:`_exclusive_chunk_sums` of the chunks in
+    reverse order (gathered straight into its slots on the accelerator), reversed back."""
+    nc = contrib.shape[1]
+    backwards = torch.arange(nc - 1, -1, -1, device=contrib.device)
+    rev, total = _exclusive_chunk_sums(
+        lambda out: torch.index_select(contrib, 1, backwards, out=None if out is None else out.view(contrib.shape)),
+        contrib.shape, end, strategy, contrib)
     return rev.flip(1), total
 
 
 class _ChunkInputs(NamedTuple):
     """One tile of ``R`` rows, chunked: ``a, k (R*Nc, C, F)``, ``w (R*Nc, C, E)``, the states
-    before it ``s0 (R, F, E)`` and, for the normaliser, ``z0 (R, F)`` (None for zeros)."""
+    before it ``s0 (R, F, E)`` and, for the normaliser, ``z0 (R, F)`` (None for zeros); the
+    engine's ``strategy`` (the layout of the sums across chunks: :func:`_exclusive_chunk_sums`)."""
 
     a: Tensor
     k: Tensor
@@ -134,34 +163,40 @@ class _ChunkInputs(NamedTuple):
     s0: Tensor | None
     z0: Tensor | None
     R: int
+    strategy: str
 
     def states(self, operand: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """States before each chunk, ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, and the
         final state ``(R, F, E)`` (``operand``: the products' operand dtype, None: as they are)."""
         Fd, E = self.a.shape[-1], self.w.shape[-1]
         s_excl, s_final = _exclusive_chunk_sums(
-            mixed_bmm(self.k.transpose(1, 2), self.w, operand).view(self.R, -1, Fd, E), self.s0
-        )
+            lambda out: mixed_bmm(self.k.transpose(1, 2), self.w, operand, out=out),
+            (self.R, self.a.shape[0] // self.R, Fd, E), self.s0, self.strategy, self.a)
         return s_excl.view(-1, Fd, E), s_final
 
     def z_states(self) -> tuple[Tensor, Tensor]:
         """The same for the normaliser, ``w = 1``: ``(R*Nc, F)`` and ``(R, F)``."""
-        z_excl, z_final = _exclusive_chunk_sums(self.k.sum(1).view(self.R, -1, self.a.shape[-1]), self.z0)
-        return z_excl.view(-1, self.a.shape[-1]), z_final
+        Fd = self.a.shape[-1]
+        z_excl, z_final = _exclusive_chunk_sums(lambda out: torch.sum(self.k, 1, out=out),
+                                                (self.R, self.a.shape[0] // self.R, Fd), self.z0, self.strategy,
+                                                self.a)
+        return z_excl.view(-1, Fd), z_final
 
     def scores(self, operand: torch.dtype | None = None) -> Tensor:
         """``(R*Nc, C, C)`` intra-chunk scores a_i . k_j for j <= i, zero above the diagonal."""
         return mixed_bmm(self.a, self.k.transpose(1, 2), operand).tril_()
 
 
-def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None, operand: torch.dtype | None = None):
+def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None, operand: torch.dtype | None = None,
+                  nonnegative: bool = False):
     """Forward of one tile: ``o (R*Nc, C, E)``, final state ``(R, F, E)``, and with ``with_den``
     the normaliser ``d = a_i . (z0 + sum_{j <= i} k_j)`` ``(R*Nc, C)``, its final state ``(R, F)``
     and its floor ``(R*Nc, C)`` (:func:`normaliser_floor`, from the normaliser state each position
-    sees). The normaliser is the product with an implicit ones column, kept out of the bmm: a
-    width of 65 instead of 64 makes them markedly slower. ``out``: where to write o, or None;
-    ``operand``: the four products' operand dtype (None: as they are; the normaliser's stay in the
-    compute dtype)."""
+    sees; ``nonnegative``: the features and states are, as an elementwise map's from no given state
+    are). The normaliser is the product with an implicit ones column, kept out of the bmm: a width
+    of 65 instead of 64 makes them markedly slower. ``out``: where to write o, or None; ``operand``:
+    the four products' operand dtype (None: as they are; the normaliser's stay in the compute
+    dtype)."""
     s_excl, s_final = x.states(operand)
     scores = x.scores(operand)
     if operand is None:
@@ -173,7 +208,7 @@ def _rows_forward(x: _ChunkInputs, with_den: bool, out: Tensor | None = None, op
     z_excl, z_final = x.z_states()
     d = torch.bmm(x.a, z_excl.unsqueeze(-1)).squeeze(-1).add_(scores.sum(-1))
     z_seen = prefix_sums(x.k, 1).add_(z_excl.unsqueeze(1))  # (R*Nc, C, F): z_i at every position
-    return o, s_final, d, z_final, normaliser_floor(x.a, z_seen).squeeze(-1)
+    return o, s_final, d, z_final, normaliser_floor(x.a, z_seen, nonnegative=nonnegative).squeeze(-1)
 
 
 def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Tensor | None,
@@ -193,11 +228,11 @@ def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Ten
     if need_k or need_w or need_s0:
         # g[c] = d loss / d (k[c]^T w[c]): that contribution sits in the state of every later
         # chunk and in the final state. Start from d loss / d s_excl[c] = a^T do.
-        g, ds0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), do).view(R, -1, Fd, E), ds_final)
+        g, ds0 = _reverse_chunk_sums(torch.bmm(x.a.transpose(1, 2), do).view(R, -1, Fd, E), ds_final, x.strategy)
         g = g.view(-1, Fd, E)
         if dd is not None:  # the same for the ones column: a^T dd
             gz = torch.bmm(x.a.transpose(1, 2), dd.unsqueeze(-1)).view(R, -1, Fd)
-            gz, dz0 = _reverse_chunk_sums(gz, dz_final)
+            gz, dz0 = _reverse_chunk_sums(gz, dz_final, x.strategy)
             gz = gz.view(-1, 1, Fd)
     if need_a or need_k:
         dscores = torch.bmm(do, x.w.transpose(1, 2))  # (R*Nc, C, C)
@@ -219,7 +254,7 @@ def _rows_backward(x: _ChunkInputs, do: Tensor, dd: Tensor | None, ds_final: Ten
     return da, dk, dw, ds0, dz0
 
 def _block_inputs(lay: ChunkLayout, chunks: slice, q: Tensor, k: Tensor, v: Tensor, s: Tensor | None,
-                  z: Tensor | None, phi, feats: list[Tensor] | None = None) -> _ChunkInputs:
+                  z: Tensor | None, phi, strategy: str, feats: list[Tensor] | None = None) -> _ChunkInputs:
     """One row tile's chunked features and values from a row group's ``q, k (r, N, D)``,
     ``v (r, N, Dv)`` (phi applied before the fill: phi(0) need not be 0), with the states before it.
     ``feats``: the group's ``(r, N, F)`` tensors to write phi(q), phi(k) into, or None."""
@@ -230,7 +265,7 @@ def _block_inputs(lay: ChunkLayout, chunks: slice, q: Tensor, k: Tensor, v: Tens
         qc, kc = lay.as_block(q, chunks), lay.as_block(k, chunks)
     else:
         qc, kc = lay.block(q, chunks), lay.block(k, chunks)
-    return _ChunkInputs(qc, kc, lay.block(v, chunks), s, z, q.shape[0])
+    return _ChunkInputs(qc, kc, lay.block(v, chunks), s, z, q.shape[0], strategy)
 
 
 def _split_state(s: Tensor | None, normalise: bool, dv: int) -> tuple[Tensor | None, Tensor | None]:
@@ -267,6 +302,8 @@ def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, normali
     feats = (_new_like(q), _new_like(k)) if keep else None
     feats3 = None if feats is None else [_rows_view(f) for f in feats]
     s_finals, starts_s, starts_z = [], [], []
+    # an elementwise map's features are non-negative, and so are their sums unless a given state is not
+    nonnegative = phi is not None and s0 is None
     for rows in lay.row_groups():
         s, z = _split_state(None if s03 is None else s03[rows], normalise, dv)
         for i, chunks in enumerate(lay.blocks()):
@@ -274,11 +311,11 @@ def _ungated_forward(q: Tensor, k: Tensor, v: Tensor, s0: Tensor | None, normali
                 starts_s.append(s)
                 if normalise:
                     starts_z.append(z)
-            x = _block_inputs(lay, chunks, q3[rows], k3[rows], v3[rows], s, z, phi,
+            x = _block_inputs(lay, chunks, q3[rows], k3[rows], v3[rows], s, z, phi, opts.strategy,
                               None if feats3 is None else [f[rows] for f in feats3])
             into = lay.target(out3[rows], chunks)
             og, s, d, z, floor = _rows_forward(x, with_den=normalise, out=None if normalise else into,
-                                               operand=opts.operand)
+                                               operand=opts.operand, nonnegative=nonnegative)
             if normalise:
                 d, act = guarded_normaliser(d, floor)
                 inv_g = d.reciprocal_().unsqueeze(-1)
@@ -318,7 +355,8 @@ def _ungated_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_fi
     which then come back as ``(0,)``."""
     phi = ELEMENTWISE_MAPS[phi_name] if phi_name else None
     feats = (fq, fk) if fq.numel() else None
-    lay = _ungated_layout(q, EngineOptions.decode(options))
+    opts = EngineOptions.decode(options)
+    lay = _ungated_layout(q, opts)
     dv = v.shape[-1]
     q3, k3, v3, s03, out3, inv3, active3, dout3, dsf3 = (
         _rows_view(t) for t in (q, k, v, s0, out, inv, active, dout, ds_final)
@@ -341,10 +379,10 @@ def _ungated_backward(q, k, v, s0, out, inv, active, fq, fk, ss, sz, dout, ds_fi
             else:
                 s, z = _split_state(None if s03 is None else s03[rows], normalise, dv)
             if feats is None:
-                x = _block_inputs(lay, chunks, q3[rows], k3[rows], v3[rows], s, z, phi)
+                x = _block_inputs(lay, chunks, q3[rows], k3[rows], v3[rows], s, z, phi, opts.strategy)
             else:
                 x = _ChunkInputs(*(lay.block(t[rows], chunks) for t in (*feats3, v3)), s, z,
-                                 rows.stop - rows.start)
+                                 rows.stop - rows.start, opts.strategy)
             g = lay.block(dout3[rows], chunks)
             dd = None
             if normalise:

@@ -19,11 +19,14 @@ from torch import Tensor
 __all__ = ["divide_by_normaliser", "divide_by_normaliser_", "guarded_normaliser", "normalise", "normaliser_floor"]
 
 
-def normaliser_floor(qf: Tensor, z_seen: Tensor) -> Tensor:
+def normaliser_floor(qf: Tensor, z_seen: Tensor, *, nonnegative: bool = False) -> Tensor:
     """The smallest normaliser used as it is: ``max_r |qf_r| * max_r |z_r| / sqrt(finfo.max)``.
 
     ``qf (..., F)``: a query's features; ``z_seen (..., F)``: the normaliser state it sees (the sum
-    of the features of every key it may attend, prefix state included), broadcast against ``qf``.
+    of the features of every key it may attend, prefix state included), broadcast against ``qf``;
+    ``nonnegative``: the caller knows both are (an elementwise map's features and their sums), so
+    that their largest magnitude is their largest value: no pass for the magnitudes, which at
+    ``(N, F)`` per row cost a fused engine as much traffic as a product.
     Returns ``(..., 1)``, detached: a guard, held constant under differentiation. A normaliser
     below it is raised to it (:func:`normalise`).
 
@@ -40,9 +43,10 @@ def normaliser_floor(qf: Tensor, z_seen: Tensor) -> Tensor:
     ``1e-20`` times their own scale: their features are nearly one-hot in different directions.
     """
     rel = torch.finfo(qf.dtype).max ** -0.5
-    q_max = (qf.detach() if qf.requires_grad else qf).abs().amax(-1, keepdim=True)
-    z_max = (z_seen.detach() if z_seen.requires_grad else z_seen).abs().amax(-1, keepdim=True)
-    return q_max.mul_(z_max).mul_(rel)
+    qf, z_seen = (t.detach() if t.requires_grad else t for t in (qf, z_seen))
+    if not nonnegative:
+        qf, z_seen = qf.abs(), z_seen.abs()
+    return qf.amax(-1, keepdim=True).mul_(z_seen.amax(-1, keepdim=True)).mul_(rel)
 
 
 def guarded_normaliser(den: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
