@@ -26,6 +26,16 @@ def test_the_probe_sees_host_reads_and_float64():
     assert sum(p.float64_ops.values()) >= 2 and p.ops["aten.mm.default"] == 1
 
 
+def test_the_probe_sees_scans_that_cuda_runs_on_copies():
+    x = torch.randn(4, 6)
+    with OpProbe() as p:
+        x.cumsum(0)  # contiguous: summed as it is
+        x.t().contiguous().cumsum_(1)
+        x[:, :5].cumsum(1)  # a strided input: copied first on CUDA
+        torch.cumsum(x, 1, out=torch.empty(6, 4).t())  # a strided result: summed elsewhere, copied back
+    assert sum(p.cuda_scan_copies.values()) == 2, p.cuda_scan_copies
+
+
 def _probe(fn, *inputs):
     with OpProbe() as p:
         fn(*inputs).sum().backward()
