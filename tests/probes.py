@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -21,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from linattn.functional.checks import ENGINE_OPS
 
 __all__ = ["HOST_METHODS", "HOST_READS", "OpProbe", "VALUE_SHAPED", "deterministic_algorithms", "reads_host",
-           "refused_by_cuda", "scans_a_copy_on_cuda"]
+           "cuda_cumsum", "cuda_scan_order", "refused_by_cuda", "scans_a_copy_on_cuda"]
 
 # The ATen ops that copy a tensor's value to the host: `.item()`, `bool(t)`, `int(t)`, `.tolist()`
 # and Python control flow on a tensor all end in one of them. `item` itself is seen where a mode is
@@ -161,3 +162,76 @@ class OpProbe(TorchDispatchMode):
     @property
     def n_host_reads(self) -> int:
         return sum(self.host_reads.values())
+
+
+def _cuda_inner_block(num_rows: int, row_size: int) -> int:
+    """The elements CUDA's inner scan sums as one tree, ``2 * num_threads_x`` (aten's
+    ScanUtils.cuh, ``get_log_num_threads_x_inner_scan``: the ratio of threads kept near that of the
+    row length to the rows, 512 threads a block, 16 to 512 of them along the row)."""
+    log_x = max(row_size - 1, 0).bit_length()
+    log_y = max(num_rows - 1, 0).bit_length()
+    return 2 << min(max(4, (9 + log_x - log_y) // 2), 9)
+
+
+def _sklansky_rows(x: Tensor) -> Tensor:
+    """Inclusive sums of ``x (rows, L)`` in the order of CUDA's inner scan: blocks of
+    :func:`_cuda_inner_block` elements, each summed by a Sklansky tree (level m: the upper half of
+    every 2^(m+1) elements adds the last of the lower half), the total of the earlier blocks added
+    to each block's first element first; a new tensor."""
+    rows, L = x.shape
+    B = _cuda_inner_block(rows, L)
+    out = torch.empty_like(x)
+    total = torch.zeros_like(x[:, :1])
+    for start in range(0, L, B):
+        block = torch.zeros(rows, B, dtype=x.dtype)
+        width = min(B, L - start)
+        block[:, :width] = x[:, start:start + width]
+        block[:, :1] += total
+        s = 1
+        while s < B:
+            pairs = block.view(rows, B // (2 * s), 2 * s)
+            pairs[:, :, s:] += pairs[:, :, s - 1:s]
+            s *= 2
+        out[:, start:start + width] = block[:, :width]
+        total = block[:, B - 1:]
+    return out
+
+
+def cuda_cumsum(x: Tensor, dim: int) -> Tensor:
+    """``torch.cumsum(x, dim)`` in the order of additions and the precision CUDA sums it with (aten's
+    ``scan_dim``): along the last dimension a Sklansky tree in blocks (:func:`_sklansky_rows`),
+    along any other one each column in turn in x's own dtype (a CPU's cumsum carries a float's
+    running sum in double); a sum over every element (CUB's scan) taken as the last dimension."""
+    dim = dim % x.dim()
+    if dim == x.dim() - 1 or x.numel() == x.shape[dim]:
+        flat = x.movedim(dim, -1)
+        return _sklansky_rows(flat.reshape(-1, flat.shape[-1])).view(flat.shape).movedim(-1, dim)
+    out = x.clone()
+    acc = out.select(dim, 0).clone()
+    for i in range(1, x.shape[dim]):
+        acc += x.select(dim, i)
+        out.select(dim, i).copy_(acc)
+    return out
+
+
+class _CudaScanOrder(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
+        name = str(func)
+        engine = ENGINE_OPS.get(func.name())
+        if engine is not None:  # into the engine: its scans too
+            with self:
+                return engine._run(*args, **(kwargs or {}))
+        if name in ("aten.cumsum.default", "aten.cumsum_.default") and args[0].is_floating_point() \
+                and args[0].numel() and (kwargs or {}).get("dtype") is None and len(args) == 2:
+            summed = cuda_cumsum(args[0], args[1])
+            return args[0].copy_(summed) if name == "aten.cumsum_.default" else summed
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def cuda_scan_order():
+    """Within the block, every floating cumsum (the engines' own included) is summed as CUDA sums
+    it (:func:`cuda_cumsum`): a CPU test then sees the rounding a GPU run gets from its scans, which
+    a CPU's sequential double-carried cumsum hides."""
+    with _CudaScanOrder():
+        yield

@@ -5,6 +5,8 @@ strategies equal its written-out reference."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ from linattn.functional.linear import LinearAttentionState, linear_attention_ref
 from linattn.functional.favor import favor_attention_reference
 from linattn.functional.recurrence import chunk_recurrence, chunk_recurrence_reference, prefix_sums, prefix_sums_
 from linattn.functional.strategy import EngineOptions, check_strategy, mixed_bmm, operand_dtype, resolve_strategy
-from probes import OpProbe, deterministic_algorithms
+from probes import OpProbe, cuda_scan_order, deterministic_algorithms
 
 f64 = torch.float64
 
@@ -315,6 +317,35 @@ def test_prefix_sums_under_deterministic_algorithms_are_rounded_once():
     assert float((got - exact).abs().max()) <= ulp
     assert float((got.diff(dim=1) - exact.diff(dim=1)).abs().max()) <= ulp
     assert float((plain - exact).abs().max()) < 8 * ulp  # the plain scan: a few roundings a sum
+
+
+@pytest.mark.parametrize("L", [1, 32, 64, 256])
+def test_rounded_once_prefix_sums_do_not_depend_on_the_order_a_device_adds_in(L):
+    """Float32 log decays (5% of -39, the rest about -0.0025, -inf resets) summed with rounded_once
+    outside deterministic algorithms, along the last dimension and along the first: every difference
+    of two sums of a row within one float32 eps of the larger sum's magnitude of the exact
+    difference, in a CPU's order (a running sum in double) and in CUDA's (probes.cuda_scan_order: a
+    Sklansky tree in blocks along the last dimension, a float running sum along others), where a
+    plain cumsum's were 1.8-7.6 eps off; infinite sums where the exact ones are."""
+    g = torch.Generator().manual_seed(L)
+    x = F.logsigmoid(torch.randn(512, L, generator=g) + 6)
+    x = x.masked_fill(torch.rand(512, L, generator=g) < 0.05, -39.0)
+    x[::9, L // 2] = float("-inf")
+    exact = x.double().cumsum(-1)
+
+    def worst(G):
+        d = (G.double().unsqueeze(-1) - G.double().unsqueeze(-2)) - (exact.unsqueeze(-1) - exact.unsqueeze(-2))
+        scale = torch.maximum(exact.abs().unsqueeze(-1), exact.abs().unsqueeze(-2))
+        finite = torch.isfinite(scale)
+        return float((d[finite].abs() / scale[finite].clamp_min(1e-30)).max()) / torch.finfo(torch.float32).eps
+
+    for order in (contextlib.nullcontext, cuda_scan_order):
+        with order():
+            last = prefix_sums(x, -1, rounded_once=True)
+            first = prefix_sums_(x.t().contiguous(), 0, rounded_once=True).t()
+        for got in (last, first):
+            assert torch.equal(torch.isinf(got), torch.isinf(exact))
+            assert worst(got) <= 1.0, (order.__name__, worst(got))
 
 
 PACKED = ["delta_none", "delta_head", "delta_channel", "gla_head", "gla_channel", "linear_elu", "favor_softmax"]

@@ -90,19 +90,44 @@ def _add_into(hi: Tensor, lo: Tensor | None, into: slice, add: slice) -> None:
     lo[into] += e.add_(lo[add])
 
 
+def _split_sums_(x: Tensor, dim: int) -> Tensor:
+    """``x`` (float32) replaced by its inclusive sums along ``dim``, each rounded once in whatever
+    order and precision the device's cumsum adds: ``x`` split into ``hi``, x rounded to a grid of
+    a power of two ``s`` per row (fine enough for the row's largest finite magnitude, coarse enough
+    that every partial sum of up to ``L`` multiples of it is exact in float32: exact in any order),
+    and ``lo = x - hi`` (exact, at most s/2; 0 where x is infinite), whose sums are so small that
+    their rounding stays about 2^-30 of the row's largest term; then ``hi``'s sums plus ``lo``'s,
+    one rounding. Returns ``x``. About fourteen launches, on small tensors only (log decays)."""
+    L = x.shape[dim]
+    top = x.abs().nan_to_num_(0.0, 0.0).amax(dim, keepdim=True)  # the largest finite magnitude of each row
+    # s = 2^(e + 1 + ceil(log2 L) - 24) for top in [2^e, 2^(e + 1)): from the exponent bits, no frexp
+    # (not every backend has one), and exact (an exp2 need not be)
+    biased = top.view(torch.int32).bitwise_right_shift_(23).add_((L - 1).bit_length() - 23).clamp_(1, 254)
+    s = biased.bitwise_left_shift_(23).view(torch.float32)
+    hi = torch.div(x, s).round_().mul_(s)
+    x.sub_(hi).nan_to_num_(0.0, 0.0, 0.0).cumsum_(dim)  # lo's sums, in x
+    return x.add_(hi.cumsum_(dim))
+
+
 def prefix_sums_(x: Tensor, dim: int, *, rounded_once: bool = False) -> Tensor:
     """``x`` replaced by its inclusive cumulative sums along ``dim``, in place; returns ``x``.
 
     ``Tensor.cumsum_``, or while CUDA would refuse that (:func:`_refused_cumsum`) a log-depth scan
     of adds on every device (:func:`_pair_sums_`), so that the code tested on a CPU is the code a
-    deterministic GPU run takes. ``rounded_once``: for log decays, whose sums are exponentiated and
-    differenced (a chunk's decays ``G_i - G_j``): the scan then carries its rounding errors and
-    rounds each sum once, about ten launches for each one of the plain scan (small tensors only). A sequential
-    sum rounds neighbours' difference once a step; a scan forms them by different trees: float32
-    GLA at N = 65536 after decays of -39 measured 1.47e-5 against float64 without the carried
-    errors, 9.2e-6 with them, as with the sequential cumsum."""
+    deterministic GPU run takes.
+
+    ``rounded_once``: for log decays, whose sums are exponentiated and differenced (a chunk's decays
+    ``G_i - G_j``): each sum rounded once, on every device and in either mode. A plain cumsum rounds
+    as its device adds: a CPU carries a float's running sum in double (each sum rounded once), CUDA
+    adds in float, along the last dimension by a tree in blocks and along others in turn (aten's
+    ScanUtils.cuh), so that a difference carries one rounding a step between its ends, or a tree's.
+    Float32 GLA per head after decays of -39 at N = 65536 measured 2.6e-5 against float64 with
+    CUDA's order emulated (tests/probes.py, ``cuda_scan_order``), 9.2e-6 with each sum rounded once.
+    Float32 sums split in two exact parts (:func:`_split_sums_`) outside deterministic algorithms;
+    the scan there carries its rounding errors (TwoSum), about ten launches for each one of the
+    plain scan (small tensors only). Other dtypes: a plain cumsum."""
     if not _refused_cumsum(x):
-        return x.cumsum_(dim)
+        return _split_sums_(x, dim) if rounded_once and x.dtype == torch.float32 else x.cumsum_(dim)
     hi = x.movedim(dim, 0)
     lo = torch.zeros_like(hi) if rounded_once else None
     _pair_sums_(hi, lo)
@@ -113,8 +138,9 @@ def prefix_sums_(x: Tensor, dim: int, *, rounded_once: bool = False) -> Tensor:
 
 def prefix_sums(x: Tensor, dim: int, *, rounded_once: bool = False) -> Tensor:
     """The inclusive cumulative sums of ``x`` along ``dim``, a new tensor: ``Tensor.cumsum``, or
-    :func:`prefix_sums_` on a copy where CUDA would refuse that (deterministic algorithms on)."""
-    if _refused_cumsum(x):
+    :func:`prefix_sums_` on a copy where that would not do (deterministic algorithms on, or
+    ``rounded_once`` float32 sums)."""
+    if _refused_cumsum(x) or (rounded_once and x.dtype == torch.float32):
         return prefix_sums_(x.clone(), dim, rounded_once=rounded_once)
     return x.cumsum(dim)
 
