@@ -1,5 +1,7 @@
 """What the A/B comparison scripts share: the timing loop of those that interleave two versions of
-the package in one process (custom_ops/compare.py, custom_ops/channel_ab.py, one_engine/compare.py),
+the package in one process (custom_ops/compare.py, custom_ops/channel_ab.py, one_engine/compare.py,
+linear_sums/core_ab.py, scan_rounding/cpu_ab.py) and the earlier version those import
+(:func:`old_package`),
 and the earlier revision's checkout of those that run each version in processes of its own
 (first_call/first_call_ab.py, levels/levels_ab.py), with :func:`both_sides` for those whose child
 prints one JSON result (the accuracy A/Bs: kda_energies/*.py, tensor_cores/float16_range.py and
@@ -32,6 +34,35 @@ def old_checkout(rev: str):
             yield sha, old / "src"
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+
+
+def old_package(rev: str):
+    """``rev``'s linattn, imported beside this checkout's as ``linattn_old`` (for the A/Bs that
+    interleave the two in one process): its ``src/linattn`` extracted (``git archive``) into a
+    folder of the system's temporary directory named after the revision, as ``linattn_old``, its
+    custom ops renamed (``"linattn::"`` -> ``"linattn_old::"``) so that both register, and that
+    folder put first on ``sys.path``. Returns the module."""
+    import importlib
+    import io
+    import tarfile
+
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    where = Path(tempfile.gettempdir()) / f"linattn_old_{sha}"
+    if not (where / "linattn_old").is_dir():
+        archive = subprocess.run(["git", "archive", sha, "src/linattn"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
+        with tempfile.TemporaryDirectory() as tmp:
+            with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+                tar.extractall(tmp, filter="data")
+            for path in Path(tmp, "src", "linattn").rglob("*.py"):
+                text = path.read_text()
+                if '"linattn::' in text:
+                    path.write_text(text.replace('"linattn::', '"linattn_old::'))
+            where.mkdir(parents=True, exist_ok=True)
+            Path(tmp, "src", "linattn").rename(where / "linattn_old")
+    sys.path.insert(0, str(where))
+    return importlib.import_module("linattn_old")
 
 
 def run_child(child: str, src: Path, args: tuple[str, ...] = ()) -> object:

@@ -7,28 +7,26 @@ reference matmul speed:
 - N = 16384, 16 heads of 128 (bench gpu's checkpoint width);
 - N = 4000, 8 heads of 64 (a filled last chunk).
 
-A one-off comparison, not a `linattn bench` command. The old package is f183d80's with its custom
-ops renamed so both can load in one process:
+A one-off comparison, not a `linattn bench` command; the old package is f183d80's, imported beside
+this one (``ab.old_package``):
 
-    mkdir -p /tmp/oldpkg_f183d80 && git archive f183d80 src/linattn | tar -x -C /tmp/oldpkg_f183d80 \\
-        && mv /tmp/oldpkg_f183d80/src/linattn /tmp/oldpkg_f183d80/linattn_old \\
-        && grep -rl '"linattn::' /tmp/oldpkg_f183d80/linattn_old | xargs sed -i 's/"linattn::/"linattn_old::/g'
     .venv/bin/python docs/benchmarks/linear_sums/core_ab.py > docs/benchmarks/linear_sums/run_i.json
-    .venv/bin/python docs/benchmarks/ab_summary.py docs/benchmarks/linear_sums "Causal linear attention, CPU strategy" \\
+    .venv/bin/python docs/benchmarks/ab_summary.py docs/benchmarks/linear_sums \\
+        "Causal linear attention, CPU strategy, against f183d80" \\
         > docs/benchmarks/linear_sums/summary.md
 """
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, "/tmp/oldpkg_f183d80")
 sys.path.insert(0, str(Path(__file__).parent.parent))  # docs/benchmarks: ab.py
 import torch  # noqa: E402
 
 import linattn  # noqa: E402
-import linattn_old  # noqa: E402
-from ab import interleaved  # noqa: E402
+from ab import interleaved, old_package  # noqa: E402
 from linattn.bench.harness import OtherLoad  # noqa: E402
+
+linattn_old = old_package("f183d80")
 
 torch.set_num_threads(2)
 load = OtherLoad(reference=True)

@@ -6,12 +6,9 @@ load and reference matmul speed, at `bench gated`'s width (8 heads of 64):
 - Gated DeltaNet and GLA per head at N = 16384 (its claims' length) and 4096;
 - Mamba-2's SSD route (GLA with value_scale, skip and one group of keys for the 8 heads) at 16384.
 
-A one-off comparison, not a `linattn bench` command. The old package is 59c1918's with its custom
-ops renamed so both can load in one process:
+A one-off comparison, not a `linattn bench` command; the old package is 59c1918's, imported beside
+this one (``ab.old_package``):
 
-    mkdir -p /tmp/oldpkg_59c1918 && git archive 59c1918 src/linattn | tar -x -C /tmp/oldpkg_59c1918 \\
-        && mv /tmp/oldpkg_59c1918/src/linattn /tmp/oldpkg_59c1918/linattn_old \\
-        && grep -rl '"linattn::' /tmp/oldpkg_59c1918/linattn_old | xargs sed -i 's/"linattn::/"linattn_old::/g'
     .venv/bin/python docs/benchmarks/scan_rounding/cpu_ab.py > docs/benchmarks/scan_rounding/run_i.json
     .venv/bin/python docs/benchmarks/ab_summary.py docs/benchmarks/scan_rounding "Log-decay forms, CPU strategy, against 59c1918" \\
         > docs/benchmarks/scan_rounding/summary.md
@@ -20,15 +17,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, "/tmp/oldpkg_59c1918")
 sys.path.insert(0, str(Path(__file__).parent.parent))  # docs/benchmarks: ab.py
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import linattn  # noqa: E402
-import linattn_old  # noqa: E402
-from ab import interleaved  # noqa: E402
+from ab import interleaved, old_package  # noqa: E402
 from linattn.bench.harness import OtherLoad  # noqa: E402
+
+linattn_old = old_package("59c1918")
 
 torch.set_num_threads(2)
 load = OtherLoad(reference=True)
