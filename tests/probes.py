@@ -183,7 +183,7 @@ def _sklansky_rows(x: Tensor) -> Tensor:
     out = torch.empty_like(x)
     total = torch.zeros_like(x[:, :1])
     for start in range(0, L, B):
-        block = torch.zeros(rows, B, dtype=x.dtype)
+        block = x.new_zeros(rows, B)
         width = min(B, L - start)
         block[:, :width] = x[:, start:start + width]
         block[:, :1] += total

@@ -165,21 +165,25 @@ class _ChunkInputs(NamedTuple):
     R: int
     strategy: str
 
+    @property
+    def nc(self) -> int:
+        """Nc, the chunks of each row."""
+        return self.a.shape[0] // self.R
+
     def states(self, operand: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """States before each chunk, ``s0 + sum_{c' < c} k[c']^T w[c']`` ``(R*Nc, F, E)``, and the
         final state ``(R, F, E)`` (``operand``: the products' operand dtype, None: as they are)."""
         Fd, E = self.a.shape[-1], self.w.shape[-1]
         s_excl, s_final = _exclusive_chunk_sums(
             lambda out: mixed_bmm(self.k.transpose(1, 2), self.w, operand, out=out),
-            (self.R, self.a.shape[0] // self.R, Fd, E), self.s0, self.strategy, self.a)
+            (self.R, self.nc, Fd, E), self.s0, self.strategy, self.a)
         return s_excl.view(-1, Fd, E), s_final
 
     def z_states(self) -> tuple[Tensor, Tensor]:
         """The same for the normaliser, ``w = 1``: ``(R*Nc, F)`` and ``(R, F)``."""
         Fd = self.a.shape[-1]
         z_excl, z_final = _exclusive_chunk_sums(lambda out: torch.sum(self.k, 1, out=out),
-                                                (self.R, self.a.shape[0] // self.R, Fd), self.z0, self.strategy,
-                                                self.a)
+                                                (self.R, self.nc, Fd), self.z0, self.strategy, self.a)
         return z_excl.view(-1, Fd), z_final
 
     def scores(self, operand: torch.dtype | None = None) -> Tensor:

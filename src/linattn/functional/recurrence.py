@@ -90,6 +90,12 @@ def _add_into(hi: Tensor, lo: Tensor | None, into: slice, add: slice) -> None:
     lo[into] += e.add_(lo[add])
 
 
+def _splits(x: Tensor, rounded_once: bool) -> bool:
+    """Whether :func:`prefix_sums_` sums ``x`` by :func:`_split_sums_` (outside deterministic
+    algorithms): float32 sums to be rounded once."""
+    return rounded_once and x.dtype == torch.float32
+
+
 def _split_sums_(x: Tensor, dim: int) -> Tensor:
     """``x`` (float32) replaced by its inclusive sums along ``dim``, each rounded once in whatever
     order and precision the device's cumsum adds: ``x`` split into ``hi``, x rounded to a grid of
@@ -127,7 +133,7 @@ def prefix_sums_(x: Tensor, dim: int, *, rounded_once: bool = False) -> Tensor:
     the scan there carries its rounding errors (TwoSum), about ten launches for each one of the
     plain scan (small tensors only). Other dtypes: a plain cumsum."""
     if not _refused_cumsum(x):
-        return _split_sums_(x, dim) if rounded_once and x.dtype == torch.float32 else x.cumsum_(dim)
+        return _split_sums_(x, dim) if _splits(x, rounded_once) else x.cumsum_(dim)
     hi = x.movedim(dim, 0)
     lo = torch.zeros_like(hi) if rounded_once else None
     _pair_sums_(hi, lo)
@@ -140,7 +146,7 @@ def prefix_sums(x: Tensor, dim: int, *, rounded_once: bool = False) -> Tensor:
     """The inclusive cumulative sums of ``x`` along ``dim``, a new tensor: ``Tensor.cumsum``, or
     :func:`prefix_sums_` on a copy where that would not do (deterministic algorithms on, or
     ``rounded_once`` float32 sums)."""
-    if _refused_cumsum(x) or (rounded_once and x.dtype == torch.float32):
+    if _refused_cumsum(x) or _splits(x, rounded_once):
         return prefix_sums_(x.clone(), dim, rounded_once=rounded_once)
     return x.cumsum(dim)
 
