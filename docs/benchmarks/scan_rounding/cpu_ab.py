@@ -4,7 +4,9 @@ versions interleaved in one process (7 calls each after a warm-up; medians), wit
 load and reference matmul speed, at `bench gated`'s width (8 heads of 64):
 
 - Gated DeltaNet and GLA per head at N = 16384 (its claims' length) and 4096;
-- Mamba-2's SSD route (GLA with value_scale, skip and one group of keys for the 8 heads) at 16384.
+- Mamba-2's SSD route (GLA with value_scale, skip and one group of keys for the 8 heads) at 16384;
+- Gated DeltaNet at `bench transformers`' gdn_core width (16 heads of 128, q and k L2-normalised in
+  the engine) at N = 1024, where its training target is tightest.
 
 A one-off comparison, not a `linattn bench` command; the old package is 59c1918's, imported beside
 this one (``ab.old_package``):
@@ -51,4 +53,17 @@ for N in (16384, 4096):
             f(m).sum().backward()
 
         res[f"{name} N={N} 8x64"] = interleaved(call, linattn, linattn_old, 7)
+g = torch.Generator().manual_seed(1024)
+q, k, v = (torch.randn(1, 16, 1024, 128, generator=g).requires_grad_() for _ in range(3))
+beta = torch.sigmoid(torch.randn(1, 16, 1024, generator=g)).requires_grad_()
+head = F.logsigmoid(torch.randn(1, 16, 1024, generator=g) + 4).requires_grad_()
+
+
+def core(m):
+    for t in (q, k, v, beta, head):
+        t.grad = None
+    m.delta_rule_attention(q, k, v, beta, log_decay=head, qk_l2norm_eps=1e-6).sum().backward()
+
+
+res["gated delta N=1024 16x128 l2norm"] = interleaved(core, linattn, linattn_old, 7)
 print(json.dumps({"command": "python docs/benchmarks/scan_rounding/cpu_ab.py", "results": res, "load": load.finish()}))
